@@ -1,0 +1,188 @@
+"""Sharding of the user's data by data-parallel rank.
+
+Two rules make a parallel run see the same global batches as one process:
+
+* tensors, arrays and Datasets are split *strided* (rank r keeps samples
+  r, r+P, r+2P, ...), so batch i of size b on every rank together is exactly
+  the single-process batch i of size P*b, in order;
+* a DataLoader keeps its own sampler: every rank draws the same global batch
+  and keeps its contiguous slice of it, so the epoch's batches, their order and
+  the per-epoch reshuffling are the single-process loader's.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, Subset
+
+DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
+
+
+def slice_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
+    """[lo, hi) of rank's contiguous part of n items; the first n % size ranks get one more.
+
+    Example:
+        >>> [slice_bounds(5, r, 3) for r in range(3)]
+        [(0, 2), (2, 4), (4, 5)]
+    """
+    base, extra = divmod(n, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def _length(x: Any, where: str) -> int:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        if x.ndim == 0:
+            raise ValueError(f"{where} is a 0-dimensional {type(x).__name__}; data needs a first (sample) dimension")
+        return x.shape[0]
+    raise TypeError(f"{where} is a {type(x).__name__}; autodist shards torch.Tensor and numpy.ndarray "
+                    f"(or a Dataset / DataLoader)")
+
+
+def _check_enough(n: int, size: int, what: str) -> None:
+    if n < size:
+        raise ValueError(f"{what} holds {n} sample(s) but there are {size} data-parallel ranks: every rank "
+                         f"needs at least one sample; use fewer ranks or more data")
+
+
+def _strided(x: torch.Tensor | np.ndarray, rank: int, size: int) -> torch.Tensor | np.ndarray:
+    part = x[rank::size]
+    return np.ascontiguousarray(part) if isinstance(x, np.ndarray) else part.contiguous()
+
+
+def shard_arrays(data: Any, rank: int, size: int) -> Any:
+    """Rank's strided shard of a tensor / array, or of a tuple or list of them sharing dim 0."""
+    if isinstance(data, (tuple, list)):
+        if not data:
+            raise ValueError("data is an empty tuple/list; pass the tensors or arrays to shard")
+        lengths = [_length(x, f"data[{i}]") for i, x in enumerate(data)]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"the tensors/arrays in data have different lengths {lengths}; "
+                             f"they must share their first (sample) dimension")
+        _check_enough(lengths[0], size, "data")
+        return type(data)(_strided(x, rank, size) for x in data)
+    _check_enough(_length(data, "data"), size, "data")
+    return _strided(data, rank, size)
+
+
+def shard_dataset(dataset: Dataset, rank: int, size: int) -> Subset:
+    """Rank's strided view of a map-style Dataset (samples rank, rank+size, ...)."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("an IterableDataset cannot be split by index; shard its stream yourself "
+                        "(e.g. by autodist.init().rank) and pass the model alone to parallelize")
+    n = len(dataset)  # type: ignore[arg-type]
+    _check_enough(n, size, "the Dataset")
+    return Subset(dataset, range(rank, n, size))
+
+
+class RankSliceBatchSampler(Sampler[list]):
+    """Yields this rank's contiguous slice of each global batch of ``batch_sampler``.
+
+    All ranks iterate the same global batch sampler, so they agree on every
+    batch; a slice may be empty when a global batch is smaller than the ranks.
+    """
+
+    def __init__(self, batch_sampler: Sampler[list] | Sequence[list], rank: int, size: int) -> None:
+        self.batch_sampler, self.rank, self.size = batch_sampler, rank, size
+
+    def __iter__(self) -> Iterator[list]:
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            lo, hi = slice_bounds(len(batch), self.rank, self.size)
+            yield batch[lo:hi]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+def _empty_like(batch: Any) -> Any:
+    """The same structure with zero samples: tensors and arrays cut to [:0]."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)({k: _empty_like(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch
+
+
+class EmptySafeCollate:
+    """The user's collate_fn, plus a well-formed zero-sample batch for an empty slice.
+
+    An empty batch keeps every rank stepping in lock-step (no hang) when the
+    last global batch is smaller than the number of ranks; autodist weights
+    that rank's gradient by its zero samples.
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset) -> None:
+        self.collate_fn, self.dataset = collate_fn, dataset
+
+    def __call__(self, samples: list) -> Any:
+        if len(samples) == 0:
+            return _empty_like(self.collate_fn([self.dataset[0]]))
+        return self.collate_fn(samples)
+
+
+_KEPT_LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                        "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
+
+def _with_shared_generator(batch_sampler: Any, shared_seed: Callable[[], int]) -> Any:
+    """A RandomSampler on the global RNG would draw a different order on each rank: give it a seeded generator."""
+    if isinstance(batch_sampler, BatchSampler) and isinstance(batch_sampler.sampler, RandomSampler) \
+            and batch_sampler.sampler.generator is None:
+        batch_sampler = copy.copy(batch_sampler)
+        batch_sampler.sampler = copy.copy(batch_sampler.sampler)
+        batch_sampler.sampler.generator = torch.Generator().manual_seed(shared_seed())
+    return batch_sampler
+
+
+def shard_loader(loader: DataLoader, rank: int, size: int, shared_seed: Callable[[], int]) -> DataLoader:
+    """A DataLoader yielding rank's slice of each of ``loader``'s global batches.
+
+    ``shared_seed`` is called (on every rank together) only when the loader
+    shuffles with the global RNG and so needs one seed that all ranks agree on.
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError("a DataLoader over an IterableDataset cannot be split by index; shard its stream "
+                        "yourself (e.g. by autodist.init().rank) and pass the model alone to parallelize")
+    if loader.batch_sampler is None:
+        raise ValueError("the DataLoader was built with batch_size=None (no batching), so there is no global "
+                         "batch to split; give it a batch_size or a batch_sampler")
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(sampler, torch.utils.data.DistributedSampler):
+        raise ValueError("the DataLoader already uses a DistributedSampler; pass the plain single-process "
+                         "DataLoader and autodist shards it")
+    _check_enough(len(loader.dataset), size, "the DataLoader's dataset")  # type: ignore[arg-type]
+    options = {name: getattr(loader, name) for name in _KEPT_LOADER_OPTIONS if hasattr(loader, name)}
+    batches = RankSliceBatchSampler(_with_shared_generator(loader.batch_sampler, shared_seed), rank, size)
+    return DataLoader(loader.dataset, batch_sampler=batches,
+                      collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
+
+
+def shard(data: DataLike, rank: int, size: int, shared_seed: Callable[[], int]) -> DataLike:
+    """Rank's shard of ``data``, of the same kind as ``data``.
+
+    Example:
+        >>> shard(torch.arange(5), rank=1, size=2, shared_seed=lambda: 0)
+        tensor([1, 3])
+    """
+    if isinstance(data, DataLoader):
+        return shard_loader(data, rank, size, shared_seed)
+    if isinstance(data, Dataset):
+        return shard_dataset(data, rank, size)
+    if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
+        return shard_arrays(data, rank, size)
+    raise TypeError(f"autodist cannot shard data of type {type(data).__name__}; pass a tensor, a numpy array, "
+                    f"a tuple/list of them, a torch Dataset or a DataLoader")
+
+
+def check(data: DataLike, size: int) -> None:
+    """Validate ``data`` without sharding it (a world of one returns data as it is)."""
+    if data is not None:
+        shard(data, 0, size, shared_seed=lambda: 0)

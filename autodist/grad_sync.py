@@ -1,0 +1,309 @@
+"""Gradient synchronisation: bucketed all-reduce started from backward hooks.
+
+Each trainable parameter gets a post-accumulate-grad hook. Parameters are
+packed, in reverse registration order (the order backward produces them), into
+buckets: a small first one so communication starts early, then large ones. A
+bucket's all-reduce starts asynchronously as soon as its last gradient lands
+and buckets always start in the same order on every rank. A callback queued
+on the autograd engine waits for all of them before ``backward()`` returns, so
+the optimizer never sees an unsynchronised gradient.
+
+Exactness. Rank r holds n_r samples of a global batch of N and its loss is a
+mean over its own samples, so the global gradient is sum_r (n_r / N) g_r, not
+the plain mean of the g_r (they differ whenever shards are uneven). Every
+bucket carries two extra slots: n_r, whose all-reduced sum is N, and a
+used-flag per parameter, so a parameter that got no gradient on any rank keeps
+``grad = None`` as in a single process. Gradients are scaled while being
+copied into the bucket by n_r / G, where G is the previous step's N (known
+alike on all ranks), and after the all-reduce corrected by G / N only in the
+rare step where N changed. After the all-reduce, ``p.grad`` is a view of the
+bucket: no copy back.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_MB = 1024 * 1024
+
+
+def assign_buckets(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets, last parameter first, one dtype/device per bucket.
+
+    Example:
+        >>> ps = [torch.zeros(1000), torch.zeros(10), torch.zeros(10)]
+        >>> assign_buckets(ps, first_cap_bytes=100, cap_bytes=10_000)
+        [[2, 1], [0]]
+    """
+    buckets: list[list[int]] = []
+    current: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (bucket being filled, its bytes)
+    first_of: dict[tuple, int] = {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        entry = current.get(key)
+        if entry is not None:
+            cap = first_cap_bytes if entry[0] == first_of[key] else cap_bytes
+            if entry[1] + nbytes > cap:
+                entry = None
+        if entry is None:
+            buckets.append([])
+            entry = (len(buckets) - 1, 0)
+            first_of.setdefault(key, entry[0])
+        buckets[entry[0]].append(i)
+        current[key] = (entry[0], entry[1] + nbytes)
+    return buckets
+
+
+class _Bucket:
+    """One flat buffer: the gradients, then the sample count, then a used-flag per parameter."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(numel + 1 + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.count_slot = numel
+        self.ready: set[int] = set()
+        self.work: dist.Work | None = None
+
+    def pack(self, count: float, scale: float) -> None:
+        flags = []
+        for p, view in zip(self.params, self.views):
+            grad = p.grad
+            flags.append(0.0 if grad is None else 1.0)
+            if grad is not None and grad.is_sparse:
+                raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
+                                          "use dense gradients")
+            if grad is None or scale == 0.0:  # an empty batch may leave NaN grads: weight 0 means zero
+                view.zero_()
+            else:
+                torch.mul(grad, scale, out=view)
+        self.flat[self.count_slot] = count
+        self.flat[self.count_slot + 1:] = torch.tensor(flags, dtype=self.flat.dtype)
+
+    def start(self, count: float, scale: float, group: dist.ProcessGroup | None) -> None:
+        self.pack(count, scale)
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def total(self) -> float:
+        return float(self.flat[self.count_slot])
+
+    def unpack(self, correction: float) -> None:
+        self.work = None
+        self.ready.clear()
+        used = self.flat[self.count_slot + 1:].tolist()
+        for p, view, flag in zip(self.params, self.views, used):
+            if flag <= 0.0:
+                p.grad = None
+                continue
+            if correction != 1.0:
+                view.mul_(correction)
+            if p.grad is not view:
+                p.grad = view
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def average_(tensors: list[torch.Tensor], weight: float, group: dist.ProcessGroup | None) -> None:
+    """In place: each tensor becomes sum_r w_r t_r / sum_r w_r over the ranks of ``group``."""
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, device), ts in by_dtype.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts] + [torch.ones(1, dtype=dtype, device=device)])
+        flat.mul_(weight)
+        dist.all_reduce(flat, group=group)
+        total = float(flat[-1])
+        if total <= 0.0:
+            continue  # no rank had any weight: keep what each rank has
+        flat.div_(total)
+        offset = 0
+        with torch.no_grad():
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class GradSync:
+    """The gradient synchronisation state of one parallelized model."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
+                 first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.group = group
+        self.names = {p: n for n, p in named}
+        params = [p for _, p in named]
+        self.buckets = [_Bucket([params[i] for i in idx])
+                        for idx in assign_buckets(params, int(first_bucket_mb * _MB), int(bucket_mb * _MB))]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()] if sync_buffers else []
+        self.enabled = True  # False inside no_sync()
+        self.samples = 0  # samples seen by forward passes since the last sync
+        self.forwards = 0
+        self.previous_total = 1.0  # G: last step's global sample count, the same on every rank
+        self.next_bucket = 0
+        self.callback_queued = False
+        self.handles = [model.register_forward_pre_hook(self._count_batch, with_kwargs=True)]
+        if hooks:
+            self.handles += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _count_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():
+            first = _first_tensor((args, kwargs))
+            self.samples += first.shape[0] if first is not None and first.ndim > 0 else 1
+            self.forwards += 1
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        if not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.callback_queued = True
+        bucket = self.bucket_of[p]
+        if bucket.work is not None:
+            raise RuntimeError(
+                f"parameter {self.names[p]!r} received a second gradient after its bucket was already sent "
+                f"in this backward pass (reentrant checkpointing does this); use "
+                f"torch.utils.checkpoint with use_reentrant=False, or parallelize(..., sync='manual')")
+        bucket.ready.add(id(p))
+        while self.next_bucket < len(self.buckets) and \
+                len(self.buckets[self.next_bucket].ready) == len(self.buckets[self.next_bucket].params):
+            self._start(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        self.callback_queued = False
+        self.flush()
+
+    # -- the sync ------------------------------------------------------------------------------
+    def _weight(self) -> float:
+        # No forward seen (the model was called through a submodule, say): weigh ranks equally.
+        return float(self.samples) if self.forwards else 1.0
+
+    def _start(self, bucket: _Bucket) -> None:
+        count = self._weight()
+        bucket.start(count, count / self.previous_total, self.group)
+
+    def flush(self) -> None:
+        """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
+        for bucket in self.buckets[self.next_bucket:]:
+            self._start(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()  # type: ignore[union-attr]
+        total = self.buckets[0].total() if self.buckets else 0.0
+        correction = self.previous_total / total if total > 0 else 0.0
+        for bucket in self.buckets:
+            bucket.unpack(correction)
+        if self.buffers:
+            average_(self.buffers, self._weight(), self.group)
+        if total > 0:
+            self.previous_total = total
+        self.next_bucket, self.samples, self.forwards = 0, 0, 0
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+_registry: "weakref.WeakKeyDictionary[nn.Module, GradSync]" = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, sync: GradSync) -> None:
+    if model in _registry:
+        raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
+    _registry[model] = sync
+
+
+def state_of(model: nn.Module) -> GradSync | None:
+    return _registry.get(model)
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally: backward passes inside the block do not communicate.
+
+    The next backward outside the block (or ``synchronize_model``) averages
+    everything accumulated, weighted by the samples each rank saw.
+
+    Example:
+        >>> with autodist.no_sync(model):
+        ...     loss_fn(model(x1), y1).backward()   # local only
+        >>> loss_fn(model(x2), y2).backward()       # syncs the sum of both
+
+    Note:
+        Exact (equal to one process accumulating the same global micro-batches)
+        when each rank holds the same share of every accumulated micro-batch,
+        which is always so except for a short last batch. A world of one, or a
+        model that was not parallelized, makes this a no-op.
+    """
+    sync = state_of(model)
+    if sync is None:
+        yield
+        return
+    previous, sync.enabled = sync.enabled, False
+    try:
+        yield
+    finally:
+        sync.enabled = previous
+
+
+def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"] = "gradients") -> None:
+    """Average gradients, or the weights themselves, across the data-parallel ranks now.
+
+    Args:
+        model: a model passed to ``autodist.parallelize`` (or any model that is the
+            same on every rank).
+        what: "gradients" leaves in ``.grad`` the gradient of the global batch
+            (each rank weighted by the samples it saw since the last sync);
+            "parameters" replaces parameters and floating-point buffers by their
+            plain average over ranks (the "update locally, then average" mode).
+
+    Example:
+        >>> model, data = autodist.parallelize(model, data, sync="manual")
+        >>> loss_fn(model(x), y).backward()
+        >>> autodist.synchronize_model(model)      # gradients now as in one process
+        >>> optimizer.step()
+
+    Note:
+        Every rank must call it, the same number of times. In a world of one it
+        does nothing.
+    """
+    from autodist.runtime import init
+
+    if what not in ("gradients", "parameters"):
+        raise ValueError(f"what must be 'gradients' or 'parameters', got {what!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    world = init()
+    if world.size == 1:
+        return
+    sync = state_of(model)
+    if what == "parameters":
+        group = sync.group if sync is not None else None
+        params = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+        with torch.no_grad():
+            average_([p.data for p in params], 1.0, group)
+        return
+    if sync is None:
+        sync = GradSync(model, None, hooks=False)
+        attach(model, sync)
+    sync.flush()

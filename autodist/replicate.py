@@ -1,0 +1,71 @@
+"""Make every rank start from rank 0's weights, after checking they hold the same model."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_BROADCAST_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def signature(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(kind, name, shape, dtype) of every parameter and buffer, in registration order."""
+    return ([("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+            + [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()])
+
+
+def first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str | None:
+    """Words for the first entry where rank's signature differs from rank 0's, or None.
+
+    Example:
+        >>> first_difference([("parameter", "w", (2,), "torch.float32")],
+        ...                  [("parameter", "w", (3,), "torch.float32")], rank=1)
+        "parameter 'w': shape (2,) on rank 0, (3,) on rank 1"
+    """
+    for ref, mine in zip(reference, other):
+        if ref[:2] != mine[:2]:
+            return f"rank 0 has {ref[0]} {ref[1]!r} where rank {rank} has {mine[0]} {mine[1]!r}"
+        if ref != mine:
+            what, i = ("shape", 2) if ref[2] != mine[2] else ("dtype", 3)
+            return f"{ref[0]} {ref[1]!r}: {what} {ref[i]} on rank 0, {mine[i]} on rank {rank}"
+    if len(reference) != len(other):
+        longer, who = (reference, 0) if len(reference) > len(other) else (other, rank)
+        extra = longer[min(len(reference), len(other))]
+        return f"{extra[0]} {extra[1]!r} exists only on rank {who}"
+    return None
+
+
+def check_same_model(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank, naming the first difference, unless all ranks hold the same model."""
+    mine = signature(model)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    problems = [first_difference(gathered[0], sig, r) for r, sig in enumerate(gathered)]
+    why = next((p for p in problems if p is not None), None)
+    if why is not None:
+        raise ValueError(f"the ranks hold different models: {why}. Every rank must build the same model "
+                         f"(same layers, shapes and dtypes) before autodist.parallelize")
+
+
+def broadcast_state(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank, a few large messages at a time."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    chunks: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}
+    for t in tensors:
+        key, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        chunk_list = chunks.setdefault(key, [[]])
+        if filled.get(key, 0) + nbytes > _BROADCAST_CHUNK_BYTES and chunk_list[-1]:
+            chunk_list.append([])
+            filled[key] = 0
+        chunk_list[-1].append(t)
+        filled[key] = filled.get(key, 0) + nbytes
+    with torch.no_grad():
+        for chunk_list in chunks.values():
+            for chunk in chunk_list:
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=src, group=group)
+                offset = 0
+                for t in chunk:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()

@@ -1,0 +1,110 @@
+"""Tiny models and training loops shared by the multi-rank tests (run inside the ranks)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def digits_like(n: int = 22, features: int = 6, classes: int = 3, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def mlp(features: int = 6, classes: int = 3) -> nn.Module:
+    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, classes))
+
+
+class TinyCNN(nn.Module):
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class TiedLM(nn.Module):
+    """Embedding and output layer share one weight."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(tokens))))
+
+
+class SometimesUsed(nn.Module):
+    """`extra` only runs for batches holding a sample with x[0] > 1, `never` never runs."""
+
+    def __init__(self, features: int = 6, classes: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, classes)
+        self.extra = nn.Linear(features, classes)
+        self.never = nn.Linear(features, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        mask = x[:, 0] > 1.0
+        if mask.any():
+            out = out + self.extra(x) * mask[:, None]
+        return out
+
+
+def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return build()
+
+
+def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def train(model: nn.Module, loader, opt_name: str, epochs: int, loss_fn=F.cross_entropy) -> nn.Module:
+    opt = optimizer(opt_name, model)
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return model
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def loader(x: torch.Tensor, y: torch.Tensor, batch: int, shuffle: bool = True, seed: int = 3, **kw) -> DataLoader:
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=shuffle,
+                      generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def reference_and_parallel(build: Callable[[], nn.Module], make_data: Callable[[], tuple], opt_name: str,
+                           epochs: int, **options) -> tuple[dict, dict]:
+    """Train once in this process alone and once through parallelize; both final states.
+
+    Rank 0 builds its model from the reference's seed, the others from other
+    seeds: parallelize must hand rank 0's weights to everyone.
+    """
+    ref = train(seeded(build, 0), make_data(), opt_name, epochs)
+    model = seeded(build, 0 if rank() == 0 else 100 + rank())
+    model, data = autodist.parallelize(model, make_data(), **options)
+    return state(ref), state(train(model, data, opt_name, epochs))
