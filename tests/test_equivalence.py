@@ -31,3 +31,81 @@ def test_last_global_batch_smaller_than_ranks_gives_no_nan(ranks):
     results = ranks(3, _mlp_run, "adam", 17, 8, 3)
     assert_same_training(results)
     assert all(torch.isfinite(t).all() for t in results[0][1].values())
+
+
+def _cnn_data(n: int = 20):
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return w.loader(x, y, batch=10, shuffle=False)
+
+
+def _cnn_one_step():
+    return w.reference_and_parallel(w.TinyCNN, lambda: _cnn_data(10), "sgd", epochs=1)
+
+
+def _cnn_train_and_eval(frozen_bn: bool):
+    def build():
+        model = w.TinyCNN()
+        if frozen_bn:  # fine-tuning: BatchNorm uses its running statistics, no batch statistics
+            model.bn.eval()
+        return model
+    return w.reference_and_parallel(build, _cnn_data, "adam", epochs=3)
+
+
+def test_batchnorm_running_mean_is_global_and_ranks_agree(ranks):
+    # One step of 10 samples, 5 per rank: the running mean is a linear update, so averaging
+    # the ranks' updates weighted by samples gives exactly the single-process running mean.
+    results = ranks(2, _cnn_one_step)
+    for ref, par in results:
+        assert_close(par["bn.running_mean"], ref["bn.running_mean"], rtol=1e-5, atol=1e-7)
+        assert par["bn.num_batches_tracked"] == ref["bn.num_batches_tracked"]
+    assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+
+
+def test_batchnorm_in_training_uses_local_statistics(ranks):
+    # Documented difference: in train mode each rank normalizes by its own batch's
+    # statistics (as DDP does), so parameters drift from the single-process run, yet
+    # all ranks keep identical parameters and buffers.
+    results = ranks(2, _cnn_train_and_eval, False)
+    ref, par = results[0]
+    assert not torch.allclose(par["conv.weight"], ref["conv.weight"], rtol=1e-5, atol=1e-6)
+    assert_close(results[1][1], par, rtol=0, atol=0)
+
+
+def test_frozen_batchnorm_matches_one_process(ranks):
+    assert_same_training(ranks(2, _cnn_train_and_eval, True))
+
+
+def _tied_data():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 11, (26,), generator=g)
+    return w.loader(tokens, (tokens + 1) % 11, batch=6)
+
+
+def _tied_run():
+    return w.reference_and_parallel(w.TiedLM, _tied_data, "adam", epochs=3)
+
+
+def test_tied_weights(ranks):
+    results = ranks(2, _tied_run)
+    assert_same_training(results)
+    assert "out.weight" in results[0][1]
+
+
+def _unused_data():
+    x, y = w.digits_like(24)
+    return w.loader(x, y, batch=4)
+
+
+def _unused_run(opt_name: str):
+    return w.reference_and_parallel(w.SometimesUsed, _unused_data, opt_name, epochs=3)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_parameters_unused_on_some_ranks_or_all(ranks, size):
+    # `extra` runs on some ranks in some steps; `never` never runs: AdamW decays any
+    # parameter holding a gradient, so a zero gradient instead of None would move it.
+    results = ranks(size, _unused_run, "adamw")
+    assert_same_training(results)
+    for ref, par in results:
+        assert_close(par["never.weight"], ref["never.weight"], rtol=0, atol=0)

@@ -75,6 +75,8 @@ def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
 def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name == "adamw":  # decays every parameter that has a grad, even a zero one
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.5)
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 

@@ -1,0 +1,48 @@
+"""parallelize in a world of one, and errors for bad input (no process group needed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autodist
+import workloads as w
+
+
+def test_world_of_one_returns_model_and_data_unchanged():
+    model, data = w.mlp(), (torch.zeros(4, 6), torch.zeros(4))
+    before = w.state(model)
+    out_model, out_data = autodist.parallelize(model, data)
+    assert out_model is model and out_data is data
+    torch.testing.assert_close(w.state(model), before, rtol=0, atol=0)
+    assert not model._forward_pre_hooks  # nothing installed: no overhead
+    with autodist.no_sync(model):
+        pass
+    autodist.synchronize_model(model)  # a no-op, no process group needed
+    assert autodist.init().size == 1 and autodist.init() is autodist.init()
+
+
+@pytest.mark.parametrize("model, kwargs, error, words", [
+    ("not a model", {}, TypeError, "Expect nn.Module for model, str found"),
+    (nn.ReLU(), {}, ValueError, "no trainable parameters"),
+    (nn.Linear(2, 2).requires_grad_(False), {}, ValueError, "no trainable parameters"),
+    (nn.Linear(2, 2), {"sync": "later"}, ValueError, "sync must be 'backward'"),
+    (nn.Linear(2, 2), {"mp": 0}, ValueError, "mp must be a positive int"),
+    (nn.Linear(2, 2), {"mp": 2}, NotImplementedError, "mp > 1"),
+    (nn.Linear(2, 2), {"bucket_mb": 0}, ValueError, "bucket sizes must be positive"),
+])
+def test_bad_arguments_get_clear_errors(model, kwargs, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        autodist.parallelize(model, **kwargs)
+
+
+def test_bad_data_fails_in_a_world_of_one_too():
+    with pytest.raises(ValueError, match="different lengths"):
+        autodist.parallelize(nn.Linear(2, 2), (torch.zeros(3, 2), torch.zeros(4)))
+
+
+def test_synchronize_model_checks_its_arguments():
+    with pytest.raises(ValueError, match="'gradients' or 'parameters'"):
+        autodist.synchronize_model(nn.Linear(2, 2), what="buffers")
+    with pytest.raises(TypeError, match="Expect nn.Module"):
+        autodist.synchronize_model("model")

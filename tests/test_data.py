@@ -1,0 +1,160 @@
+"""Sharding: every sample once per epoch, the single-process global batches, clear errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+import autodist
+import workloads as w
+from autodist.data import shard, slice_bounds
+from test_equivalence import assert_same_training
+
+NO_SEED = lambda: pytest.fail("this loader must not need a shared seed")  # noqa: E731
+
+
+def test_slice_bounds_cover_everything_once():
+    for n in range(0, 12):
+        for size in range(1, 5):
+            parts = [slice_bounds(n, r, size) for r in range(size)]
+            assert parts[0][0] == 0 and parts[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+            assert max(hi - lo for lo, hi in parts) - min(hi - lo for lo, hi in parts) <= 1
+
+
+def test_tensor_and_numpy_shards_are_strided_and_keep_their_kind():
+    x, y = torch.arange(10).reshape(5, 2), np.arange(5)
+    xs, ys = shard((x, y), 1, 2, NO_SEED)
+    assert isinstance(xs, torch.Tensor) and isinstance(ys, np.ndarray)
+    assert xs.tolist() == [[2, 3], [6, 7]] and ys.tolist() == [1, 3]
+    assert isinstance(shard([x, y], 0, 2, NO_SEED), list)
+    assert shard(np.arange(5), 0, 2, NO_SEED).tolist() == [0, 2, 4]
+
+
+def test_dataset_shard_is_a_strided_subset():
+    ds = TensorDataset(torch.arange(7))
+    parts = [shard(ds, r, 3, NO_SEED) for r in range(3)]
+    assert [[int(s[0]) for s in p] for p in parts] == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(3)
+
+
+@pytest.mark.parametrize("data, error, words", [
+    ((torch.zeros(4), torch.zeros(5)), ValueError, "different lengths [4, 5]"),
+    (torch.zeros(2), ValueError, "2 sample(s) but there are 3"),
+    (torch.tensor(1.0), ValueError, "0-dimensional"),
+    ({"x": torch.zeros(4)}, TypeError, "cannot shard data of type dict"),
+    ([torch.zeros(4), "abc"], TypeError, "data[1] is a str"),
+    ((), ValueError, "empty tuple"),
+    (_Stream(), TypeError, "IterableDataset"),
+    (DataLoader(TensorDataset(torch.zeros(4)), batch_size=None), ValueError, "batch_size=None"),
+])
+def test_bad_data_gets_a_clear_error(data, error, words):
+    with pytest.raises(error) as info:
+        shard(data, 0, 3, NO_SEED)
+    assert words in str(info.value)
+
+
+def _pair_collate(samples):
+    xs, ys = zip(*samples)
+    return {"x": torch.stack(xs), "y": torch.stack(ys)}
+
+
+@pytest.mark.parametrize("size, n, batch, drop_last", [(2, 21, 4, False), (3, 17, 8, False), (3, 17, 8, True)])
+def test_loader_slices_are_the_single_process_batches(size, n, batch, drop_last):
+    def make():
+        return DataLoader(TensorDataset(torch.arange(n), torch.arange(n) * 10), batch_size=batch, shuffle=True,
+                          drop_last=drop_last, collate_fn=_pair_collate, generator=torch.Generator().manual_seed(5))
+    single, shards = make(), [shard(make(), r, size, NO_SEED) for r in range(size)]
+    seen_epochs = []
+    for _ in range(2):
+        expected = [b["x"].tolist() for b in single]
+        epoch = list(zip(*[list(s) for s in shards]))  # each rank runs its epoch to the end
+        got = [sum((b["x"].tolist() for b in parts), []) for parts in epoch]
+        assert got == expected  # same global batches, same order, each rank's slice in place
+        for parts in epoch:
+            assert all(set(b) == {"x", "y"} and torch.equal(b["y"], b["x"] * 10) for b in parts)
+        seen_epochs.append(sum(got, []))
+    assert seen_epochs[0] != seen_epochs[1]  # reshuffled each epoch
+    if not drop_last:
+        assert sorted(seen_epochs[0]) == list(range(n))  # every sample exactly once
+    assert all(len(s) == len(single) for s in shards)
+
+
+def test_empty_slice_keeps_the_batch_structure():
+    loader = DataLoader(TensorDataset(torch.randn(5, 3), torch.arange(5)), batch_size=4)
+    last = list(shard(loader, 2, 3, NO_SEED))[-1]  # the last global batch has 1 sample: rank 2 gets none
+    assert last[0].shape == (0, 3) and last[1].shape == (0,)
+
+
+def test_loader_options_are_kept():
+    def init_fn(worker_id):
+        torch.manual_seed(worker_id)
+    loader = DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4, num_workers=2, pin_memory=False,
+                        worker_init_fn=init_fn, persistent_workers=True, timeout=30)
+    out = shard(loader, 0, 2, NO_SEED)
+    assert (out.num_workers, out.persistent_workers, out.timeout, out.worker_init_fn) == (2, True, 30, init_fn)
+    assert [b[0].tolist() for b in out] == [[0.0, 1.0], [4.0, 5.0], [8.0, 9.0]]
+
+
+def test_a_global_rng_loader_asks_for_one_shared_seed():
+    seeds = []
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True)
+    out = shard(loader, 0, 2, lambda: seeds.append(1) or 1234)
+    assert seeds == [1] and loader.batch_sampler.sampler.generator is None  # the user's loader is untouched
+    assert len(list(out)) == 2
+
+
+def _global_rng_order():
+    torch.manual_seed(w.rank())  # the ranks' global RNGs differ
+    loader = DataLoader(TensorDataset(torch.arange(20)), batch_size=6, shuffle=True)
+    _, data = autodist.parallelize(w.mlp(), loader)
+    return [[b[0].tolist() for b in data] for _ in range(2)]
+
+
+def test_global_rng_shuffle_agrees_across_ranks(ranks):
+    a, b = ranks(2, _global_rng_order)
+    for epoch_a, epoch_b in zip(a, b):
+        merged = sum((x + y for x, y in zip(epoch_a, epoch_b)), [])
+        assert sorted(merged) == list(range(20))
+    assert a[0] != a[1]
+
+
+def _numpy_run():
+    x, y = w.digits_like(21)
+    xn, yn = x.numpy(), y.numpy()
+
+    def batches(xs, ys, b):
+        return [(torch.from_numpy(xs[i:i + b]), torch.from_numpy(ys[i:i + b])) for i in range(0, len(xs), b)]
+    ref = w.train(w.seeded(w.mlp, 0), batches(xn, yn, 6), "sgd", 3)
+    model, (xs, ys) = autodist.parallelize(w.seeded(w.mlp, w.rank()), (xn, yn))
+    assert isinstance(xs, np.ndarray)
+    # local batch 3 on each of 2 ranks = the single-process batch of 6, thanks to strided shards
+    return w.state(ref), w.state(w.train(model, batches(xs, ys, 3), "sgd", 3))
+
+
+def test_numpy_input_matches_one_process(ranks):
+    assert_same_training(ranks(2, _numpy_run))
+
+
+class _Squares(Dataset):
+    def __len__(self):
+        return 18
+
+    def __getitem__(self, i):
+        x = torch.linspace(-1, 1, 6) * (i % 5)
+        return x, torch.tensor(i % 3)
+
+
+def _dataset_run():
+    ref = w.train(w.seeded(w.mlp, 0), DataLoader(_Squares(), batch_size=6), "adam", 3)
+    model, ds = autodist.parallelize(w.seeded(w.mlp, w.rank()), _Squares())
+    return w.state(ref), w.state(w.train(model, DataLoader(ds, batch_size=2), "adam", 3))
+
+
+def test_dataset_input_matches_one_process(ranks):
+    assert_same_training(ranks(3, _dataset_run))

@@ -1,0 +1,121 @@
+"""Manual sync, parameter averaging, no_sync accumulation, buckets, and the model check."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+from test_equivalence import assert_same_training
+
+
+def _manual_run():
+    x, y = w.digits_like(20)
+    ref = w.train(w.seeded(w.mlp, 0), w.loader(x, y, 8), "sgd", 2)
+    model, data = autodist.parallelize(w.seeded(w.mlp, w.rank()), w.loader(x, y, 8), sync="manual")
+    opt = w.optimizer("sgd", model)
+    for _ in range(2):
+        for xb, yb in data:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            autodist.synchronize_model(model)
+            opt.step()
+    return w.state(ref), w.state(model)
+
+
+def test_manual_sync_matches_one_process(ranks):
+    assert_same_training(ranks(2, _manual_run))
+
+
+def _manual_without_sync_diverges():
+    x, y = w.digits_like(20)
+    model, data = autodist.parallelize(w.seeded(w.mlp, w.rank()), w.loader(x, y, 8), sync="manual")
+    w.train(model, data, "sgd", 1)  # no synchronize_model: no hooks, so ranks drift apart
+    return w.state(model)
+
+
+def test_manual_mode_installs_no_hooks(ranks):
+    a, b = ranks(2, _manual_without_sync_diverges)
+    assert not torch.equal(a["0.weight"], b["0.weight"])
+
+
+def _average_parameters():
+    model, _ = autodist.parallelize(w.seeded(w.mlp, 0), sync="manual")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(w.rank() + 1))  # rank r drifts by r + 1
+    autodist.synchronize_model(model, what="parameters")
+    return w.state(model)
+
+
+def test_parameter_averaging(ranks):
+    results = ranks(3, _average_parameters)
+    expected = {k: v + 2.0 for k, v in w.state(w.seeded(w.mlp, 0)).items()}  # mean of 1, 2, 3
+    for par in results:
+        assert_close(par, expected, rtol=1e-6, atol=1e-6)
+
+
+def _accumulate(micro: int):
+    """Each optimizer step accumulates `micro` global micro-batches of 5 samples (uneven shares)."""
+    x, y = w.digits_like(20)
+    ref_model, model = w.seeded(w.mlp, 0), w.seeded(w.mlp, w.rank())
+    ref_opt = w.optimizer("adam", ref_model)
+    model, data = autodist.parallelize(model, w.loader(x, y, 5, shuffle=False))
+    opt = w.optimizer("adam", model)
+    ref_batches, batches = list(w.loader(x, y, 5, shuffle=False)), list(data)
+    for start in range(0, len(batches), micro):
+        for i in range(start, start + micro):
+            xb, yb = ref_batches[i]
+            (F.cross_entropy(ref_model(xb), yb) / micro).backward()
+            xb, yb = batches[i]
+            if i < start + micro - 1:
+                with autodist.no_sync(model):
+                    (F.cross_entropy(model(xb), yb) / micro).backward()
+            else:
+                (F.cross_entropy(model(xb), yb) / micro).backward()
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    return w.state(ref_model), w.state(model)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_no_sync_gradient_accumulation(ranks, size):
+    assert_same_training(ranks(size, _accumulate, 2))
+
+
+def _many_buckets():
+    x, y = w.digits_like(20)
+    return w.reference_and_parallel(w.mlp, lambda: w.loader(x, y, 8), "sgd", 2,
+                                    first_bucket_mb=0.0002, bucket_mb=0.001)
+
+
+def test_many_small_buckets(ranks):
+    assert_same_training(ranks(2, _many_buckets))
+
+
+def _mismatched_model():
+    width = 16 if w.rank() == 0 else 17
+    model = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Linear(width, 3))
+    try:
+        autodist.parallelize(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_model_mismatch_raises_on_every_rank(ranks):
+    messages = ranks(2, _mismatched_model, timeout=30)
+    for msg in messages:
+        assert "'0.weight'" in msg and "(16, 6) on rank 0" in msg and "(17, 6) on rank 1" in msg, msg
+
+
+def _parallelize_twice():
+    model, _ = autodist.parallelize(w.mlp())
+    with pytest.raises(RuntimeError, match="already parallelized"):
+        autodist.parallelize(model)
+
+
+def test_parallelize_twice_is_an_error(ranks):
+    ranks(2, _parallelize_twice)
