@@ -1,0 +1,225 @@
+"""Step time of autodist against DistributedDataParallel, and autodist's cost in a world of one.
+
+What it measures
+    1. Two ranks (torchrun, gloo, CPU): the same MLP 3072-2048-2048-10 trained on
+       the same global batch (default 128, i.e. 64 per rank) through
+       ``torch.nn.parallel.DistributedDataParallel`` and through
+       ``autodist.parallelize``. Each rank holds both copies on the one default
+       process group and alternates blocks of ``--steps`` steps of each, for
+       ``--rounds`` rounds, after a warm-up. A timed step is the whole training
+       step: zero_grad, forward, cross-entropy, backward (with its gradient
+       all-reduce) and an SGD step.
+    2. One process with no launcher: the plain model against the model returned
+       by ``autodist.parallelize`` (which should leave it untouched), interleaved
+       the same way.
+
+How to run
+    python benchmarks/bench_dp.py            # both parts, a couple of minutes on 2 cores
+    python benchmarks/bench_dp.py --quick    # smoke run, well under a minute
+
+How to read it
+    Each line gives min / first quartile / median / third quartile of the step
+    time in milliseconds (rank 0's clock; the all-reduce keeps the ranks in
+    step). The headline is the ratio of medians, autodist / reference: lower is
+    better; the goals are <= 1.00 against DDP and <= 1.02 against the plain
+    model in a world of one. "paired" is the median over rounds of the ratio of
+    the two blocks' medians in that round; it cancels slow drift of the machine
+    (thermal, other load), so when it disagrees with the headline the run was
+    noisy. The spread between min and median shows how noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import autodist
+from autodist.grad_sync import state_of
+
+RANKS = 2
+IN_FEATURES, HIDDEN, CLASSES = 3072, 2048, 10
+
+Step = Callable[[], float]
+
+
+def build_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, CLASSES))
+
+
+def random_batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size, IN_FEATURES, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
+
+
+def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    """A closure that runs one full training step and returns its wall time in seconds."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def interleave(steps: dict[str, Step], block: int, rounds: int, warmup: int,
+               before_block: Callable[[], None] = lambda: None) -> tuple[dict[str, list[float]], list[float]]:
+    """Alternate blocks of each step function; return all step times per name and the per-round ratios.
+
+    The order inside a round flips every round, so neither contender always
+    runs right after the other (caches, allocator state). Every rank must call
+    this with the same arguments: the blocks contain collectives.
+    """
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    paired: list[float] = []
+    for r in range(rounds):
+        block_medians: dict[str, float] = {}
+        for name in (names if r % 2 == 0 else names[::-1]):
+            before_block()
+            block_times = [steps[name]() for _ in range(block)]
+            times[name] += block_times
+            block_medians[name] = statistics.median(block_times)
+        paired.append(block_medians[names[1]] / block_medians[names[0]])
+    return times, paired
+
+
+def describe(name: str, times: list[float]) -> str:
+    q1, med, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (f"  {name:<10} min {1e3 * min(times):7.2f}  q1 {1e3 * q1:7.2f}  median {1e3 * med:7.2f}  "
+            f"q3 {1e3 * q3:7.2f} ms   ({len(times)} steps)")
+
+
+def report(title: str, times: dict[str, list[float]], paired: list[float], goal: float) -> None:
+    """Print the summary; the second name is the contender, the first the reference."""
+    reference, contender = list(times)
+    ratio = statistics.median(times[contender]) / statistics.median(times[reference])
+    pq1, pmed, pq3 = statistics.quantiles(paired, n=4, method="inclusive")
+    print(title)
+    for name, ts in times.items():
+        print(describe(name, ts))
+    print(f"  ratio of medians {contender}/{reference}: {ratio:.3f}  (goal <= {goal:.2f}: "
+          f"{'met' if ratio <= goal else 'NOT met'})")
+    print(f"  paired per-round ratio: median {pmed:.3f}  quartiles {pq1:.3f} .. {pq3:.3f}  ({len(paired)} rounds)",
+          flush=True)
+
+
+def layout(buckets: list[list[tuple[str, int]]]) -> str:
+    """Buckets, each a list of (parameter name, bytes), as "N buckets [names: MiB] ..."."""
+    return f"{len(buckets)} buckets " + " ".join(
+        f"[{', '.join(name for name, _ in b)}: {sum(size for _, size in b) / 2**20:.2f} MiB]" for b in buckets)
+
+
+def bucket_layouts(ddp: DistributedDataParallel, model: nn.Module) -> tuple[str, str]:
+    """autodist's and DDP's buckets in send order (DDP's as rebuilt after its first step)."""
+    named = list(model.named_parameters())
+    name_of = {p: n for n, p in named}
+    ours = [[(name_of[p], p.numel() * p.element_size()) for p in b.params] for b in state_of(model).buckets]
+    data = ddp._get_ddp_logging_data()  # private, but the only place DDP tells its layout
+    per_bucket = str(data.get("rebuilt_per_bucket_param_indices", "")).split(",")  # e.g. "5 4 3 2, 1 0"
+    theirs = [[(named[int(i)][0], named[int(i)][1].numel() * named[int(i)][1].element_size()) for i in idx.split()]
+              for idx in per_bucket if idx.strip()]
+    return layout(ours), layout(theirs)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One of the two torchrun ranks: DDP and autodist side by side on the same process group."""
+    torch.set_num_threads(args.threads)
+    world = autodist.init()  # starts the gloo group that DDP then shares
+    assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
+    reference = build_model(seed=0)
+    contender = copy.deepcopy(reference)
+    ddp = DistributedDataParallel(reference)
+    contender, _ = autodist.parallelize(contender)
+    # One fixed batch per rank, reused: data loading stays out of the timed step.
+    x, y = random_batch(args.batch // world.size, seed=1 + world.rank)
+    # The barrier lines the ranks up, so one rank's lag does not land in the next block's first step.
+    times, paired = interleave({"ddp": make_step(ddp, x, y), "autodist": make_step(contender, x, y)},
+                               args.steps, args.rounds, args.warmup, before_block=dist.barrier)
+    if world.rank == 0:
+        ours, theirs = bucket_layouts(ddp, contender)
+        report(f"2 ranks (gloo, {args.threads} thread(s) each), global batch {args.batch}:", times, paired, 1.00)
+        print(f"  autodist: {ours}\n  ddp:      {theirs}", flush=True)
+    dist.destroy_process_group()
+
+
+def run_solo(args: argparse.Namespace) -> None:
+    """World of one: the plain model against what ``parallelize`` returns for a copy of it."""
+    torch.set_num_threads(args.threads)
+    plain = build_model(seed=0)
+    returned, _ = autodist.parallelize(copy.deepcopy(plain))
+    assert autodist.init().size == 1, "the world-of-one part must run without a launcher"
+    x, y = random_batch(args.batch, seed=1)
+    times, paired = interleave({"plain": make_step(plain, x, y), "autodist": make_step(returned, x, y)},
+                               args.steps, args.rounds, args.warmup)
+    report(f"world of one ({args.threads} thread(s)), batch {args.batch}:", times, paired, 1.02)
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch", str(args.batch),
+            "--threads", str(args.threads), "--warmup", str(args.warmup)]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run both parts one after the other, each in processes of its own, so they never share the cores."""
+    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+                   __file__, "--worker", *forwarded(args)]
+    solo = [sys.executable, __file__, "--solo", *forwarded(args)]
+    for command in (distributed, solo):
+        code = subprocess.run(command).returncode
+        if code != 0:
+            return code
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=20, help="blocks of each contender")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each contender first")
+    parser.add_argument("--batch", type=int, default=128, help="global batch, split over the 2 ranks")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 3, 4, 2
+    if args.batch % RANKS:
+        parser.error(f"--batch must be divisible by {RANKS}")
+    if args.steps < 1 or args.rounds < 2:
+        parser.error("need --steps >= 1 and --rounds >= 2 (the quartiles need at least two values)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker:
+        run_worker(args)
+    elif args.solo:
+        run_solo(args)
+    else:
+        return launch(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
