@@ -119,3 +119,35 @@ def _parallelize_twice():
 
 def test_parallelize_twice_is_an_error(ranks):
     ranks(2, _parallelize_twice)
+
+
+def _launch_order():
+    model, _ = autodist.parallelize(w.seeded(w.mlp, 0), first_bucket_mb=0.0002, bucket_mb=0.001)
+    sync = autodist.grad_sync.state_of(model)
+    started_when_first_layer_ready = []
+    first = next(model.parameters())  # the last gradient backward produces
+    first.register_post_accumulate_grad_hook(lambda p: started_when_first_layer_ready.append(sync.next_bucket))
+    x, y = w.digits_like(8)
+    F.cross_entropy(model(x), y).backward()
+    return len(sync.buckets), started_when_first_layer_ready, sync.next_bucket
+
+
+def test_buckets_start_during_backward(ranks):
+    for n_buckets, started, after in ranks(2, _launch_order):
+        assert n_buckets >= 3
+        # when the last gradient lands, still inside backward, every bucket has been sent
+        # (the first layer's by autodist's own hook on that same parameter, registered first);
+        # the end-of-backward callback then only waits, and resets for the next step
+        assert started == [n_buckets] and after == 0
+
+
+def _frozen_run():
+    def build():
+        model = w.mlp()
+        model[0].requires_grad_(False)
+        return model
+    return w.reference_and_parallel(build, lambda: w.loader(*w.digits_like(22), 8), "adam", 3)
+
+
+def test_frozen_parameters(ranks):
+    assert_same_training(ranks(2, _frozen_run))
