@@ -8,10 +8,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist import data as data_mod
-from autodist.grad_sync import GradSync, attach, state_of
-from autodist.mesh import ParallelDims
-from autodist.replicate import broadcast_state, check_same_model
-from autodist.runtime import init, log
+from autodist import rewrite
+from autodist.grad_sync import GradSync, Registration, attach, is_parallelized
+from autodist.guards import retire
+from autodist.mesh import Groups, ParallelDims, build_groups
+from autodist.replicate import broadcast_state, check_same_model, model_tensors
+from autodist.runtime import World, init, log
 
 
 def _check_model(model: nn.Module) -> None:
@@ -20,7 +22,7 @@ def _check_model(model: nn.Module) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"the model ({type(model).__name__}) has no trainable parameters (none with "
                          f"requires_grad=True), so there is nothing to train in parallel")
-    if state_of(model) is not None:
+    if is_parallelized(model):
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
 
 
@@ -30,9 +32,6 @@ def _check_options(sync: str, mp: int, bucket_mb: float, first_bucket_mb: float)
                          f"(call autodist.synchronize_model yourself), got {sync!r}")
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"mp must be a positive int, got {mp!r}")
-    if mp > 1:
-        raise NotImplementedError("model parallelism (mp > 1) is not available in this version of autodist; "
-                                  "use mp=1 (data parallel)")
     if not (bucket_mb > 0 and first_bucket_mb > 0):
         raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, "
                          f"first_bucket_mb={first_bucket_mb}")
@@ -45,22 +44,55 @@ def _shared_seed(group: dist.ProcessGroup | None) -> int:
     return int(seed.item())
 
 
+def _hand_placed_mp(model: nn.Module, mp: int, world: World) -> int:
+    """mp as the model's own MP layers imply it (they default to the whole world as their group)."""
+    sizes = {len(m.sizes) for _, m in rewrite.mp_modules(model)}
+    if not sizes:
+        return mp
+    if len(sizes) > 1 or (mp > 1 and sizes != {mp}):
+        raise ValueError(f"the model's MP layers are split over groups of {sorted(sizes)} ranks but mp={mp}; "
+                         f"build every MP layer over the same group and pass that size as mp")
+    return sizes.pop()
+
+
+def _replicate(model: nn.Module, dims: ParallelDims, groups: Groups, world: World) -> None:
+    """Rank 0's weights everywhere; shards of hand-placed MP layers within their data-parallel group."""
+    sharded = {id(t) for _, m in rewrite.mp_modules(model) for t in [*m.parameters(), *m.buffers()]}
+    common = model_tensors(model, exclude=sharded)
+    check_same_model(common)
+    broadcast_state(common, src=0)
+    if sharded and dims.dp > 1:
+        shards = [e for e in model_tensors(model) if id(e[2]) in sharded]
+        check_same_model(shards, groups.dp)
+        broadcast_state(shards, src=dims.mp_rank(world.rank), group=groups.dp)
+
+
+def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layers: rewrite.MPLayers) -> None:
+    """Plan and swap in the MP layers; remember the parameters they replaced."""
+    planned = rewrite.plan(model, dims.mp, mp_layers)
+    retire(rewrite.apply(model, planned, groups.mp))
+    log.debug("model-parallel plan:\n%s", planned.plan)
+
+
 def parallelize(
     model: nn.Module,
     data: data_mod.DataLike = None,
     *,
     mp: int = 1,
+    mp_layers: rewrite.MPLayers = "all",
     sync: Literal["backward", "manual"] = "backward",
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     sync_buffers: bool = True,
     backend: str | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
-    """Make a single-process model and its data data-parallel over all ranks.
+    """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
     Every rank checks it holds the same model as rank 0 and takes rank 0's
-    parameters and buffers; backward hooks then all-reduce gradients in
-    buckets, overlapped with the rest of backward, so that after
+    parameters and buffers. With ``mp=K`` the Linear layers are split over
+    groups of K consecutive ranks (see ``autodist.explain``), the world being
+    ``dp x K``. Backward hooks then all-reduce gradients over the data-parallel
+    ranks in buckets, overlapped with the rest of backward, so that after
     ``loss.backward()`` every rank holds the gradient of the *global* batch,
     as one process would.
 
@@ -68,18 +100,22 @@ def parallelize(
         model: the model, changed in place and returned.
         data: a tensor or numpy array, a tuple/list of them (same first
             dimension), a map-style Dataset or a DataLoader; None for no data.
-        mp: model-parallel degree; only 1 (pure data parallel) so far.
+        mp: model-parallel degree (must divide the number of ranks). A model
+            holding hand-placed ``autodist.layers`` implies it.
+        mp_layers: which Linear layers to split: "all", a list of qualified
+            names, or a callable ``(name, module) -> bool``.
         sync: "backward" installs the hooks; "manual" installs none and you
             call ``autodist.synchronize_model(model)`` yourself.
         bucket_mb / first_bucket_mb: bucket sizes for the gradient all-reduce.
         sync_buffers: average floating-point buffers (BatchNorm running stats)
-            over ranks, weighted by samples, at every gradient sync.
+            over data-parallel ranks, weighted by samples, at every gradient sync.
         backend: force "gloo" or "nccl" (default: chosen by ``autodist.init``).
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
         same kind (a DataLoader comes back as a DataLoader yielding this rank's
-        slice of each global batch).
+        slice of each global batch). Ranks of one model-parallel group get the
+        same shard.
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader)
@@ -93,24 +129,32 @@ def parallelize(
         the samples its forward passes saw (the first dimension of the first
         tensor argument), so uneven shards stay exact for a loss that is a mean
         over the batch. BatchNorm normalises with each rank's local batch
-        statistics, as in DDP. Build the optimizer after parallelize.
+        statistics, as in DDP. Build the optimizer after parallelize: with mp
+        the Linear parameters are replaced (an optimizer holding the old ones
+        refuses to step).
     """
     _check_model(model)
     _check_options(sync, mp, bucket_mb, first_bucket_mb)
     world = init(backend)
-    dims = ParallelDims.for_world(world.size, mp)
-    if world.size == 1:
+    if world.size == 1:  # no launcher: the script runs unchanged, mp or not
         data_mod.check(data, 1)
         return model, data
-    group = None  # mp == 1: the data-parallel group is the whole world
+    mp = _hand_placed_mp(model, mp, world)
+    dims = ParallelDims.for_world(world.size, mp)
+    groups = build_groups(dims, world.rank)
     shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
-                                                     shared_seed=lambda: _shared_seed(group))
+                                                     shared_seed=lambda: _shared_seed(None))
     if world.backend == "nccl":
         model.to(world.device)
-    check_same_model(model, group)
-    broadcast_state(model, src=0, group=group)
-    attach(model, GradSync(model, group, hooks=(sync == "backward"), first_bucket_mb=first_bucket_mb,
-                           bucket_mb=bucket_mb, sync_buffers=sync_buffers))
+    _replicate(model, dims, groups, world)
+    if dims.mp > 1 and not rewrite.mp_modules(model):
+        _split_layers(model, dims, groups, mp_layers)
+    sync_state = None
+    if dims.dp > 1:
+        sync_state = GradSync(model, groups.dp, hooks=(sync == "backward"), first_bucket_mb=first_bucket_mb,
+                              bucket_mb=bucket_mb, sync_buffers=sync_buffers)
+    attach(model, Registration(dims.dp, groups.dp, sync_state))
     if world.rank == 0:
-        log.info("parallelized %s over %d data-parallel ranks (sync=%s)", type(model).__name__, dims.dp, sync)
+        log.info("parallelized %s: %d data-parallel x %d model-parallel ranks (sync=%s)",
+                 type(model).__name__, dims.dp, dims.mp, sync)
     return model, shard

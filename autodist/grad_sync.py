@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 import torch
@@ -224,17 +225,31 @@ class GradSync:
             handle.remove()
 
 
-_registry: "weakref.WeakKeyDictionary[nn.Module, GradSync]" = weakref.WeakKeyDictionary()
+@dataclass
+class Registration:
+    """What parallelize set up for a model: its data-parallel group and, if any, its sync state."""
+
+    dp: int
+    dp_group: dist.ProcessGroup | None
+    sync: GradSync | None
 
 
-def attach(model: nn.Module, sync: GradSync) -> None:
+_registry: "weakref.WeakKeyDictionary[nn.Module, Registration]" = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, registration: Registration) -> None:
     if model in _registry:
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
-    _registry[model] = sync
+    _registry[model] = registration
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    return model in _registry
 
 
 def state_of(model: nn.Module) -> GradSync | None:
-    return _registry.get(model)
+    registration = _registry.get(model)
+    return registration.sync if registration is not None else None
 
 
 @contextmanager
@@ -284,7 +299,8 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
         >>> optimizer.step()
 
     Note:
-        Every rank must call it, the same number of times. In a world of one it
+        Every rank must call it, the same number of times. In a world of one, or
+        with no data parallelism (every rank in one model-parallel group), it
         does nothing.
     """
     from autodist.runtime import init
@@ -296,14 +312,15 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
     world = init()
     if world.size == 1:
         return
-    sync = state_of(model)
+    registration = _registry.get(model)
+    if registration is None:  # not parallelized: the user keeps it identical on all ranks
+        registration = Registration(world.size, None, GradSync(model, None, hooks=False))
+        attach(model, registration)
+    if registration.dp == 1:
+        return
     if what == "parameters":
-        group = sync.group if sync is not None else None
         params = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad():
-            average_([p.data for p in params], 1.0, group)
+            average_([p.data for p in params], 1.0, registration.dp_group)
         return
-    if sync is None:
-        sync = GradSync(model, None, hooks=False)
-        attach(model, sync)
-    sync.flush()
+    registration.sync.flush()  # type: ignore[union-attr]

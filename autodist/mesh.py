@@ -41,3 +41,46 @@ class ParallelDims:
 
     def mp_rank(self, rank: int) -> int:
         return rank % self.mp
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's process groups; None stands for the whole world (torch's default group).
+
+    With dp == 1 there is nothing to average (the caller installs no gradient
+    sync); with mp == 1 there is no model-parallel group.
+    """
+
+    dp: object | None
+    mp: object | None
+
+
+_groups_cache: dict[ParallelDims, Groups] = {}
+
+
+def build_groups(dims: ParallelDims, rank: int) -> Groups:
+    """The data-parallel and model-parallel groups holding ``rank``; every rank must call this together.
+
+    torch.distributed.new_group is collective over the whole world, so every
+    rank creates every group, in the same order; the groups are made once per
+    layout and reused.
+    """
+    import torch.distributed as dist
+
+    if dims in _groups_cache:
+        return _groups_cache[dims]
+    if dims.mp == 1 or dims.dp == 1:  # one of the two is the whole world
+        groups = Groups(dp=None, mp=None)
+    else:
+        dp_group = mp_group = None
+        for m in range(dims.mp):  # data-parallel groups: ranks with the same position in their MP group
+            g = dist.new_group([d * dims.mp + m for d in range(dims.dp)])
+            if dims.mp_rank(rank) == m:
+                dp_group = g
+        for d in range(dims.dp):  # model-parallel groups: consecutive ranks
+            g = dist.new_group([d * dims.mp + m for m in range(dims.mp)])
+            if dims.dp_rank(rank) == d:
+                mp_group = g
+        groups = Groups(dp=dp_group, mp=mp_group)
+    _groups_cache[dims] = groups
+    return groups

@@ -8,14 +8,22 @@ from torch import nn
 _BROADCAST_CHUNK_BYTES = 64 * 1024 * 1024
 
 
-def signature(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(kind, name, shape, dtype) of every parameter and buffer, in registration order."""
-    return ([("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-            + [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()])
+Entry = tuple[str, str, torch.Tensor]  # (kind, name, tensor)
 
 
-def first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str | None:
-    """Words for the first entry where rank's signature differs from rank 0's, or None.
+def model_tensors(model: nn.Module, exclude: set[int] = frozenset()) -> list[Entry]:  # type: ignore[assignment]
+    """Every parameter and buffer as (kind, name, tensor), in registration order, except ids in ``exclude``."""
+    return ([("parameter", n, p) for n, p in model.named_parameters() if id(p) not in exclude]
+            + [("buffer", n, b) for n, b in model.named_buffers() if id(b) not in exclude])
+
+
+def signature(entries: list[Entry]) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(kind, name, shape, dtype) of each entry: what must agree across ranks."""
+    return [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in entries]
+
+
+def first_difference(reference: list[tuple], other: list[tuple], rank: int, reference_rank: int = 0) -> str | None:
+    """Words for the first entry where rank's signature differs from the reference rank's, or None.
 
     Example:
         >>> first_difference([("parameter", "w", (2,), "torch.float32")],
@@ -24,32 +32,33 @@ def first_difference(reference: list[tuple], other: list[tuple], rank: int) -> s
     """
     for ref, mine in zip(reference, other):
         if ref[:2] != mine[:2]:
-            return f"rank 0 has {ref[0]} {ref[1]!r} where rank {rank} has {mine[0]} {mine[1]!r}"
+            return f"rank {reference_rank} has {ref[0]} {ref[1]!r} where rank {rank} has {mine[0]} {mine[1]!r}"
         if ref != mine:
             what, i = ("shape", 2) if ref[2] != mine[2] else ("dtype", 3)
-            return f"{ref[0]} {ref[1]!r}: {what} {ref[i]} on rank 0, {mine[i]} on rank {rank}"
+            return f"{ref[0]} {ref[1]!r}: {what} {ref[i]} on rank {reference_rank}, {mine[i]} on rank {rank}"
     if len(reference) != len(other):
-        longer, who = (reference, 0) if len(reference) > len(other) else (other, rank)
+        longer, who = (reference, reference_rank) if len(reference) > len(other) else (other, rank)
         extra = longer[min(len(reference), len(other))]
         return f"{extra[0]} {extra[1]!r} exists only on rank {who}"
     return None
 
 
-def check_same_model(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Raise on every rank, naming the first difference, unless all ranks hold the same model."""
-    mine = signature(model)
+def check_same_model(entries: list[Entry], group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank, naming the first difference, unless all ranks of ``group`` hold the same tensors."""
+    mine = signature(entries)
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    problems = [first_difference(gathered[0], sig, r) for r, sig in enumerate(gathered)]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
+    problems = [first_difference(gathered[0], sig, ranks[i], ranks[0]) for i, sig in enumerate(gathered)]
     why = next((p for p in problems if p is not None), None)
     if why is not None:
         raise ValueError(f"the ranks hold different models: {why}. Every rank must build the same model "
                          f"(same layers, shapes and dtypes) before autodist.parallelize")
 
 
-def broadcast_state(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Copy rank ``src``'s parameters and buffers to every rank, a few large messages at a time."""
-    tensors = list(model.parameters()) + list(model.buffers())
+def broadcast_state(entries: list[Entry], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Copy (global) rank ``src``'s tensors to every rank of ``group``, a few large messages at a time."""
+    tensors = [t for _, _, t in entries]
     chunks: dict[tuple, list[list[torch.Tensor]]] = {}
     filled: dict[tuple, int] = {}
     for t in tensors:

@@ -20,6 +20,8 @@ def test_world_of_one_returns_model_and_data_unchanged():
         pass
     autodist.synchronize_model(model)  # a no-op, no process group needed
     assert autodist.init().size == 1 and autodist.init() is autodist.init()
+    other = w.mlp()
+    assert autodist.parallelize(other, mp=2)[0] is other and not other._forward_pre_hooks
 
 
 @pytest.mark.parametrize("model, kwargs, error, words", [
@@ -28,7 +30,6 @@ def test_world_of_one_returns_model_and_data_unchanged():
     (nn.Linear(2, 2).requires_grad_(False), {}, ValueError, "no trainable parameters"),
     (nn.Linear(2, 2), {"sync": "later"}, ValueError, "sync must be 'backward'"),
     (nn.Linear(2, 2), {"mp": 0}, ValueError, "mp must be a positive int"),
-    (nn.Linear(2, 2), {"mp": 2}, NotImplementedError, "mp > 1"),
     (nn.Linear(2, 2), {"bucket_mb": 0}, ValueError, "bucket sizes must be positive"),
 ])
 def test_bad_arguments_get_clear_errors(model, kwargs, error, words):

@@ -1,0 +1,288 @@
+"""Linear layers split over the ranks of a model-parallel group, each exact against ``nn.Linear``.
+
+=========================  ==============  ===============  ================  ===========================
+layer                      weight split    input            output            collectives (fwd / bwd)
+=========================  ==============  ===============  ================  ===========================
+``ColumnParallelLinear``   output rows     full             last-dim shard    - / all-reduce (none if first)
+``RowParallelLinear``      input columns   last-dim shard   full              all-reduce / -
+``MPBaseLinear``           input columns   full             full              all-reduce / all-gather
+``MPInitialLinear``        input columns   full, no grad    full              all-reduce / -
+=========================  ==============  ===============  ================  ===========================
+
+A column layer, elementwise ops on its slice, then a row layer is Megatron's
+pair: one all-reduce forward, one backward. ``MPBaseLinear`` and
+``MPInitialLinear`` are TorchAD-NN's layers done right: full tensor in and
+out, so they compose in any ``nn.Sequential``; the bias is added once, after
+the all-reduce, and the input gradient is the concatenation of the shards'
+gradients (TorchAD-NN summed them and added the bias on every rank).
+
+Widths that do not divide by the group size are split unevenly
+(``shard_sizes``). Every layer has the parameters ``weight`` and ``bias`` (this
+rank's shards, so state-dict names match ``nn.Linear``'s), ``from_dense`` to
+split an existing ``nn.Linear`` and ``dense_state`` to gather it back.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autodist.layers.comm import (all_gather_cat, copy_to_group, group_rank_size, reduce_from_group,
+                                  shard_range, shard_sizes, split_last_dim)
+
+_Layer = TypeVar("_Layer", bound="_SplitLinear")
+
+
+def _checked_sizes(layer: str, dim_name: str, n: int, parts: int) -> list[int]:
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"{layer} expected an int for {dim_name}, got {type(n).__name__} {n!r}")
+    if n < parts:
+        raise ValueError(f"{layer} cannot split {dim_name}={n} over a group of {parts} ranks: every rank needs "
+                         f"at least one; use {dim_name}={parts} (or another multiple of {parts}), "
+                         f"a smaller group, or keep this layer an nn.Linear")
+    return shard_sizes(n, parts)
+
+
+class _GroupHandle:
+    """A layer's process group. A copy of the layer shares it: a group is live connections, not data to copy."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> "_GroupHandle":
+        return self
+
+
+class _SplitLinear(nn.Module):
+    """What the split Linear layers share: the shard of the dense weight, from_dense, dense_state.
+
+    Attributes: ``in_features``, ``out_features`` (dense sizes), ``group``,
+    ``split`` ("column": rows of the dense weight, i.e. output features; "row":
+    its columns), ``sizes`` (every rank's width of the split dimension),
+    ``rank`` (this rank's index in the group) and ``bounds`` (its ``[lo, hi)``).
+    """
+
+    split: ClassVar[str]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self._group = in_features, out_features, _GroupHandle(group)
+        self.rank, parts = group_rank_size(group)
+        dim_name = "out_features" if self.split == "column" else "in_features"
+        self.sizes = _checked_sizes(type(self).__name__, dim_name, getattr(self, dim_name), parts)
+        self.bounds = shard_range(self.sizes, self.rank)
+        # The whole dense layer is drawn, as nn.Linear would, so that seeding gives the same weights
+        # as the single-process model; only this rank's shard is kept.
+        self._take_shard(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
+
+    @classmethod
+    def from_dense(cls: type[_Layer], linear: nn.Linear, *, group: Any = None, **kw: Any) -> _Layer:
+        """This rank's shard of ``linear``: the layer computes exactly what ``linear`` does.
+
+        Args:
+            linear: the dense layer; it is not changed (its shards are copied).
+            group: the process group to split over (None: every rank).
+            **kw: the layer's own options (``input_grad`` for ColumnParallelLinear).
+
+        Returns:
+            The new layer, on ``linear``'s device and dtype.
+
+        Example:
+            >>> layer = MPBaseLinear.from_dense(nn.Linear(1024, 10), group=mp_group)
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Expect nn.Linear for linear, {type(linear).__name__} found")
+        with torch.device("meta"):  # no random draws, no dense allocation: the values come from `linear`
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group, **kw)
+        layer._take_shard(linear)
+        return layer
+
+    @property
+    def group(self) -> Any:
+        """The process group the layer is split over (None: the default group, every rank)."""
+        return self._group.group
+
+    def _take_shard(self, dense: nn.Linear) -> None:
+        lo, hi = self.bounds
+        weight = dense.weight.detach()
+        weight = weight[lo:hi] if self.split == "column" else weight[:, lo:hi]
+        self.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format),
+                                   requires_grad=dense.weight.requires_grad)
+        if dense.bias is None:
+            self.register_parameter("bias", None)
+            return
+        bias = dense.bias.detach()
+        bias = bias[lo:hi] if self.split == "column" else bias  # a row split keeps the whole bias
+        self.bias = nn.Parameter(bias.clone(), requires_grad=dense.bias.requires_grad)
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """The dense ``weight`` and ``bias`` (if any), gathered from every rank of the group.
+
+        Returns:
+            ``{"weight": (out_features, in_features), "bias": (out_features,)}``,
+            identical on every rank; loads into the dense ``nn.Linear``.
+
+        Example:
+            >>> dense.load_state_dict(layer.dense_state())
+
+        Note:
+            Communicates: every rank of the group must call it.
+        """
+        dim = 0 if self.split == "column" else 1
+        state = {"weight": all_gather_cat(self.weight, self.group, self.sizes, dim=dim)}
+        if self.bias is not None:
+            column = self.split == "column"
+            state["bias"] = all_gather_cat(self.bias, self.group, self.sizes, 0) if column else \
+                self.bias.detach().clone()
+        return state
+
+    def _check_group(self) -> None:
+        now = group_rank_size(self.group)
+        if now != (self.rank, len(self.sizes)):
+            raise RuntimeError(f"{type(self).__name__} was built as rank {self.rank} of a group of {len(self.sizes)} "
+                               f"but is now run as rank {now[0]} of {now[1]}; build MP layers after "
+                               f"autodist.init(), in the process that runs them")
+
+    def _check_width(self, x: torch.Tensor, width: int, what: str) -> None:
+        if x.ndim == 0 or x.shape[-1] != width:
+            raise ValueError(f"{type(self).__name__} expected {what} (last dimension {width}), "
+                             f"got shape {tuple(x.shape)}")
+
+    def _row_output(self, x_local: torch.Tensor) -> torch.Tensor:
+        # The bias joins after the sum over ranks: added once, not once per rank.
+        out = reduce_from_group(F.linear(x_local, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, split={self.split}, local_weight={tuple(self.weight.shape)}, "
+                f"rank={self.rank} of {len(self.sizes)}")
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """A Linear split by output features: full input in, this rank's last-dim shard of the output out.
+
+    Rank r holds rows ``lo:hi`` of the dense weight (and of the bias). Follow
+    it with elementwise ops and a :class:`RowParallelLinear` (Megatron's pair).
+
+    Args:
+        in_features / out_features / bias: as ``nn.Linear``.
+        group: the process group to split over (None: every rank).
+        input_grad: all-reduce the input's gradient in backward (each rank
+            holds only its part of it). False for the network's first layer,
+            whose input needs no gradient: no communication at all.
+
+    Example:
+        >>> up = ColumnParallelLinear(1024, 2048, input_grad=False)
+        >>> down = RowParallelLinear(2048, 10)
+        >>> out = down(torch.tanh(up(x)))      # one all-reduce forward
+
+    Note:
+        Built directly, the dense weight is drawn as ``nn.Linear`` draws it, then
+        sliced: ``torch.manual_seed(s)`` gives the single-process model's weights.
+    """
+
+    split = "column"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
+                 input_grad: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, group=group, device=device, dtype=dtype)
+        self.input_grad = input_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_group()
+        self._check_width(x, self.in_features, "the full input")
+        if self.input_grad:
+            x = copy_to_group(x, self.group)
+        elif x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{type(self).__name__} was planned as the network's first layer (input_grad=False: "
+                               f"its input gradient is not summed over ranks, each would hold only its part), "
+                               f"but its input requires a gradient; build it with input_grad=True or detach "
+                               f"the input")
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, input_grad={self.input_grad}"
+
+
+class RowParallelLinear(_SplitLinear):
+    """A Linear split by input features: this rank's last-dim shard in, the full output out.
+
+    Rank r holds columns ``lo:hi`` of the dense weight; the bias is whole on
+    every rank and added once, after the all-reduce of the partial products.
+
+    Args:
+        in_features / out_features / bias: as ``nn.Linear``.
+        group: the process group to split over (None: every rank).
+
+    Example:
+        >>> down = RowParallelLinear(2048, 10)
+        >>> out = down(torch.tanh(up(x)))      # up: ColumnParallelLinear(1024, 2048)
+    """
+
+    split = "row"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_group()
+        width = self.sizes[self.rank]
+        self._check_width(x, width, f"this rank's shard of the input ({width} of {self.in_features} features; "
+                                    f"MPBaseLinear takes the full input)")
+        return self._row_output(x)
+
+
+class MPBaseLinear(_SplitLinear):
+    """A Linear split by input features with a full tensor in and out: use it anywhere in a network.
+
+    Forward takes this rank's slice of the input, multiplies by its columns of
+    the weight and all-reduces; the bias is added once. Backward all-gathers
+    the input gradient: the concatenation of every rank's slice gradient, as
+    in one process.
+
+    Args:
+        in_features / out_features / bias: as ``nn.Linear``.
+        group: the process group to split over (None: every rank).
+
+    Example:
+        >>> net = nn.Sequential(MPInitialLinear(1024, 2048), MPTanh(), MPBaseLinear(2048, 10))
+    """
+
+    split = "row"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_group()
+        self._check_width(x, self.in_features, "the full input")
+        return self._row_output(split_last_dim(x, self.group, self.sizes))
+
+
+class MPInitialLinear(_SplitLinear):
+    """:class:`MPBaseLinear` for the network's first layer: no gradient flows to its input, so no backward
+    communication.
+
+    Args:
+        in_features / out_features / bias: as ``nn.Linear``.
+        group: the process group to split over (None: every rank).
+
+    Example:
+        >>> net = nn.Sequential(MPInitialReshape(1024), MPInitialLinear(1024, 2048), MPTanh(),
+        ...                     MPBaseLinear(2048, 10))
+
+    Note:
+        Raises if its input requires a gradient (the gradient would be this
+        rank's slice only): below the top of the network use MPBaseLinear.
+    """
+
+    split = "row"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_group()
+        self._check_width(x, self.in_features, "the full input")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{type(self).__name__} is for the first layer of a network, whose input needs no "
+                               f"gradient, but its input requires one (it would get only this rank's slice of it); "
+                               f"use MPBaseLinear below the top of the network")
+        lo, hi = self.bounds
+        return self._row_output(x[..., lo:hi])

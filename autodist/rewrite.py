@@ -1,0 +1,487 @@
+"""torch.fx: find the Linear layers, choose how to split them, swap in the MP layers.
+
+Planning (Megatron-LM's pattern). A selected Linear whose only use is a chain
+of elementwise ops (tanh, relu, ...) ending in another selected Linear forms a
+*pair*: the first is split by output features (column), the elementwise ops
+run on the local slice, the second is split by input features (row). The
+activation between them never leaves its rank, and the pair costs one
+all-reduce forward (after the row layer) and one backward (before the column
+layer) - none at all when the column layer is the network's first, whose
+input needs no gradient. A selected Linear outside any pair becomes a
+full-in/full-out ``MPBaseLinear`` (``MPInitialLinear`` at the top). Anything
+else between two Linears - a reshape, dropout (its random mask would differ
+from one process's), a second use of the activation - keeps the tensor whole:
+the pair is not formed, never a silent shape error. A Linear the plan cannot
+split stays replicated and the plan says why.
+
+The swap is in place: planned ``nn.Linear`` modules are replaced at their own
+qualified names, so parameter names (and ``gather_state_dict``) stay those of
+the original model.
+"""
+from __future__ import annotations
+
+import collections
+import traceback
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+MPLayers = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
+
+_ELEMENTWISE_MODULES = (nn.Tanh, nn.ReLU, nn.GELU, nn.Sigmoid, nn.SiLU, nn.Identity)
+_ELEMENTWISE_FUNCTIONS = {torch.tanh, F.tanh, torch.relu, F.relu, F.gelu, torch.sigmoid, F.sigmoid, F.silu}
+_ELEMENTWISE_METHODS = {"tanh", "relu", "sigmoid"}
+_RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
+_LINEAR_FUNCTIONS = {F.linear, torch._C._nn.linear}
+_RESHAPE_METHODS = {"view", "reshape", "flatten"}
+
+
+@dataclass
+class LayerPlan:
+    """One row of the plan: a layer, how it is split, what it holds and sends."""
+
+    name: str
+    op: str
+    split: str  # "column", "row", "full", "replicated" or "local" (elementwise on a slice)
+    dense_params: int = 0
+    params_per_rank: int = 0
+    # (phase, collective, elements per row of the batch) for each collective in one training step
+    collectives: list[tuple[str, str, int]] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """What ``parallelize(model, mp=K)`` will do to each layer; ``str()`` is a table.
+
+    Example:
+        >>> print(autodist.explain(model, mp=2, batch_size=128))
+    """
+
+    mp: int
+    layers: list[LayerPlan]
+    traced: bool = True
+    batch_size: int | None = None
+    bytes_per_element: int = 4
+
+    @property
+    def collectives_per_step(self) -> int:
+        return sum(len(layer.collectives) for layer in self.layers)
+
+    def __str__(self) -> str:
+        rows = [("layer", "op", "split", "params/rank", "collectives per step", "bytes", "note")]
+        unit = self.batch_size or 1
+        for layer in self.layers:
+            comm = ", ".join(f"{kind} ({phase})" for phase, kind, _ in layer.collectives) or "-"
+            nbytes = sum(n for _, _, n in layer.collectives) * unit * self.bytes_per_element
+            params = f"{layer.params_per_rank:,} of {layer.dense_params:,}" if layer.dense_params else "-"
+            rows.append((layer.name, layer.op, layer.split, params, comm, f"{nbytes:,}" if nbytes else "-",
+                         layer.note))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        per = f"a batch of {self.batch_size} rows" if self.batch_size else "one row of the batch (pass batch_size)"
+        total = sum(layer.params_per_rank for layer in self.layers)
+        lines.append(f"mp={self.mp}: {self.collectives_per_step} model-parallel collectives per training step; "
+                     f"bytes for {per}; {total:,} parameters per rank in these layers"
+                     + ("" if self.traced else "; model not traceable by torch.fx: module-by-module swap"))
+        return "\n".join(lines)
+
+
+def _selector(mp_layers: MPLayers) -> Callable[[str, nn.Module], bool]:
+    if mp_layers == "all":
+        return lambda name, module: True
+    if callable(mp_layers):
+        return mp_layers
+    if isinstance(mp_layers, str):
+        raise ValueError(f"mp_layers must be 'all', a list of layer names or a callable, got {mp_layers!r}")
+    wanted = set(mp_layers)
+    return lambda name, module: name in wanted
+
+
+def _check_selection(model: nn.Module, mp_layers: MPLayers) -> None:
+    if isinstance(mp_layers, (list, tuple, set)):
+        linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        unknown = sorted(set(mp_layers) - linears)
+        if unknown:
+            raise ValueError(f"mp_layers names {unknown} that are not nn.Linear layers of the model; "
+                             f"its Linear layers are {sorted(linears)}")
+
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _where_tracing_stopped(err: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
+    if not frames:
+        return str(err)
+    f = frames[-1]
+    return f"{type(err).__name__}: {err} (at {f.filename}:{f.lineno}: {f.line})"
+
+
+class _Planner:
+    """Walks the traced graph and decides a role for each Linear module."""
+
+    def __init__(self, model: nn.Module, graph: fx.Graph, mp: int, selected: Callable[[str, nn.Module], bool]):
+        self.model, self.graph, self.mp, self.selected = model, graph, mp, selected
+        self.modules = dict(model.named_modules())
+        calls = [n.target for n in graph.nodes if n.op == "call_module"]
+        self.calls = collections.Counter(calls)
+        self.direct_uses = {str(n.target).rsplit(".", 1)[0] for n in graph.nodes if n.op == "get_attr"}
+        self.role: dict[str, str] = {}  # module name -> "column" | "row" | "full"
+        self.first: set[str] = set()  # column/full layers whose input needs no gradient
+        self.local: list[fx.Node] = []  # elementwise nodes that run on a slice
+        self.kept_whole: dict[str, str] = {}  # module name -> why it stayed replicated
+        self.nodes: dict[str, fx.Node] = {}  # planned name -> its node
+
+    def _module(self, node: fx.Node) -> nn.Module | None:
+        return self.modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+
+    def site(self, node: fx.Node) -> tuple[str, nn.Linear] | None:
+        """(name, Linear) for an nn.Linear call or an F.linear call on parameters; None otherwise.
+
+        An F.linear site is named after its weight and described by a Linear on
+        the meta device (shapes only).
+        """
+        module = self._module(node)
+        if isinstance(module, nn.Linear):
+            return str(node.target), module
+        if node.op != "call_function" or node.target not in _LINEAR_FUNCTIONS:
+            return None
+        weight, bias = _linear_args(node)
+        if not (_is_param_attr(self.model, weight) and (bias is None or _is_param_attr(self.model, bias))):
+            return None
+        out_features, in_features = self.model.get_parameter(weight.target).shape  # type: ignore[union-attr]
+        return str(weight.target), nn.Linear(in_features, out_features, bias is not None, device="meta")  # type: ignore
+
+    def candidate(self, node: fx.Node) -> bool:
+        """A selected Linear, called once, whose weight nothing else touches."""
+        found = self.site(node)
+        if found is None:
+            return False
+        name, module = found
+        if node.op == "call_function":
+            weight, bias = _linear_args(node)
+            shared = len(weight.users) > 1 or (bias is not None and len(bias.users) > 1)  # type: ignore
+        else:
+            shared = name in self.direct_uses
+        if not self.selected(name, module):
+            self.kept_whole[name] = "not selected by mp_layers"
+        elif node.op == "call_module" and self.calls[name] > 1:
+            self.kept_whole[name] = "called more than once in forward"
+        elif shared:
+            self.kept_whole[name] = "its weight is used outside the layer"
+        elif min(module.in_features, module.out_features) < self.mp:
+            self.kept_whole[name] = f"a dimension smaller than mp={self.mp}"
+        else:
+            return True
+        return False
+
+    def needs_grad(self, node: fx.Node, seen: dict | None = None) -> bool:
+        """Whether a value depends on parameters (so its gradient is wanted); inputs count as not."""
+        seen = {} if seen is None else seen
+        if node in seen:
+            return seen[node]
+        if node.op == "placeholder":
+            result = False
+        elif node.op == "get_attr":
+            result = _is_param_attr(self.model, node)
+        elif node.op == "call_module" and any(True for _ in self._module(node).parameters()):  # type: ignore
+            result = True
+        else:
+            result = any(self.needs_grad(a, seen) for a in node.all_input_nodes)
+        seen[node] = result
+        return result
+
+    def _elementwise(self, node: fx.Node, source: fx.Node) -> bool:
+        if node.all_input_nodes != [source]:
+            return False
+        if node.op == "call_module":
+            return isinstance(self._module(node), _ELEMENTWISE_MODULES)
+        if node.op == "call_function":
+            return node.target in _ELEMENTWISE_FUNCTIONS
+        return node.op == "call_method" and node.target in _ELEMENTWISE_METHODS
+
+    def _pair_end(self, start: fx.Node) -> tuple[fx.Node | None, list[fx.Node], str]:
+        """Follow start's single-use chain of elementwise ops to the next candidate Linear."""
+        chain, current = [], start
+        while True:
+            users = list(current.users)
+            if len(users) != 1:
+                return None, [], "its output is used in more than one place"
+            user = users[0]
+            if self._elementwise(user, current):
+                chain.append(user)
+                current = user
+                continue
+            found = self.site(user)
+            if found is not None and _linear_input(user) is current and self.candidate(user) \
+                    and found[0] not in self.role:
+                return user, chain, ""
+            return None, [], f"followed by {_describe(user, self.modules)}"
+
+    def plan(self) -> None:
+        for node in self.graph.nodes:
+            found = self.site(node)
+            if found is None or found[0] in self.role or not self.candidate(node):
+                continue
+            name = found[0]
+            self.nodes[name] = node
+            end, chain, why = self._pair_end(node)
+            if not self.needs_grad(_linear_input(node)):
+                self.first.add(name)
+            if end is None:
+                self.role[name] = "full"
+                self.kept_whole[name] = f"unpaired: {why}" if why else "unpaired"
+                continue
+            end_name = self.site(end)[0]  # type: ignore[index]
+            self.nodes[end_name] = end
+            self.role[name], self.role[end_name] = "column", "row"
+            self.local += chain
+
+
+def _linear_args(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(weight, bias) argument nodes of an F.linear call."""
+    args = list(node.args) + [None] * 3
+    bias = node.kwargs.get("bias", args[2])
+    return node.kwargs.get("weight", args[1]), bias  # type: ignore[return-value]
+
+
+def _linear_input(node: fx.Node) -> fx.Node:
+    return node.args[0] if node.args else node.kwargs["input"]  # type: ignore[return-value]
+
+
+def _is_param_attr(model: nn.Module, node: object) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return False
+    try:
+        model.get_parameter(str(node.target))
+    except AttributeError:
+        return False
+    return True
+
+
+def _describe(node: fx.Node, modules: dict[str, nn.Module]) -> str:
+    if node.op == "call_module":
+        return f"{type(modules[node.target]).__name__} '{node.target}'"  # type: ignore[index]
+    if node.op == "output":
+        return "the model's output"
+    target = getattr(node.target, "__name__", node.target)
+    return f"{node.op.replace('call_', '')} '{target}'"
+
+
+def _linear_row(name: str, linear: nn.Linear, role: str, first: bool, mp: int, note: str) -> LayerPlan:
+    dense = _count(linear)
+    bias = linear.bias is not None
+    out_local = _split_sizes(linear.out_features, mp)[0]
+    in_local = _split_sizes(linear.in_features, mp)[0]
+    n_in, n_out = linear.in_features, linear.out_features
+    if role == "column":
+        per_rank = out_local * n_in + (out_local if bias else 0)
+        comm = [] if first else [("backward", "all-reduce", n_in)]
+        return LayerPlan(name, "Linear", "column", dense, per_rank, comm,
+                         "first layer: no input-gradient communication" if first else "")
+    per_rank = n_out * in_local + (n_out if bias else 0)
+    if role == "row":
+        return LayerPlan(name, "Linear", "row", dense, per_rank, [("forward", "all-reduce", n_out)], "")
+    comm = [("forward", "all-reduce", n_out)] + ([] if first else [("backward", "all-gather", n_in)])
+    layer = "MPInitialLinear" if first else "MPBaseLinear"
+    return LayerPlan(name, "Linear", "full", dense, per_rank, comm, f"{layer} (row split inside); {note}")
+
+
+def _plan_rows(planner: _Planner, graph: fx.Graph) -> list[LayerPlan]:
+    rows: list[LayerPlan] = []
+    local = set(planner.local)
+    for node in graph.nodes:
+        module = planner._module(node)
+        found = planner.site(node)
+        if found is not None:
+            name, linear = found
+            row = (_linear_row(name, linear, planner.role[name], name in planner.first, planner.mp,
+                               planner.kept_whole.get(name, "")) if name in planner.role else
+                   LayerPlan(name, "Linear", "replicated", _count(linear), _count(linear), [],
+                             planner.kept_whole.get(name, "")))
+            if node.op == "call_function":
+                row.op = "F.linear"
+            rows.append(row)
+        elif node in local:
+            rows.append(LayerPlan(_node_name(node), _op_name(node, module), "local", note="on the local slice"))
+        elif _is_reshape(node, module) or isinstance(module, nn.Tanh) or \
+                (node.op != "call_module" and node.target in (torch.tanh, F.tanh)) or node.target == "tanh":
+            rows.append(LayerPlan(_node_name(node), _op_name(node, module), "replicated",
+                                  note="full tensor, no communication"))
+    return rows
+
+
+def _count(linear: nn.Linear) -> int:
+    return sum(p.numel() for p in linear.parameters())
+
+
+def _node_name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_module" else node.name
+
+
+def _op_name(node: fx.Node, module: nn.Module | None) -> str:
+    if module is not None:
+        return type(module).__name__
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _is_reshape(node: fx.Node, module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Flatten) or (node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS) \
+        or (node.op == "call_method" and node.target in _RESHAPE_METHODS)
+
+
+@dataclass
+class Rewrite:
+    """A plan and what applying it needs: each planned layer's role and, when traced, its graph node."""
+
+    plan: Plan
+    roles: dict[str, str]  # layer name -> "column" | "row" | "full"
+    first: set[str]  # layers whose input needs no gradient
+    graph: fx.Graph | None = None
+    nodes: dict[str, fx.Node] = field(default_factory=dict)
+
+
+def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool],
+              err: BaseException) -> Rewrite:
+    """torch.fx could not trace: every selected Linear becomes a full-in/full-out MPBaseLinear.
+
+    That swap is exact whatever the forward does with the layer's output, unless
+    the forward reads the layer's weight itself (tied weights): those stay.
+    """
+    owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    rows, roles = [], {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not name:
+            continue
+        n = _count(module)
+        if not selected(name, module):
+            rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], "not selected by mp_layers"))
+        elif owners[id(module.weight)] > 1:
+            rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], "weight shared with another layer"))
+        elif min(module.in_features, module.out_features) < mp:
+            rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], f"a dimension smaller than mp={mp}"))
+        else:
+            roles[name] = "full"
+            rows.append(_linear_row(name, module, "full", False, mp, "module-by-module swap"))
+    if not roles:
+        raise NotImplementedError(f"torch.fx cannot trace {type(model).__name__} and no nn.Linear module can be "
+                                  f"swapped in its place; tracing stopped at {_where_tracing_stopped(err)}")
+    return Rewrite(Plan(mp, rows, traced=False), roles, set())
+
+
+def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None) -> Rewrite:
+    """Trace ``model`` and decide each Linear's split; nothing is changed yet."""
+    _check_selection(model, mp_layers)
+    selected = _selector(mp_layers)
+    try:
+        graph = fx.Tracer().trace(model)
+    except Exception as err:  # noqa: BLE001 - any tracing failure means: fall back or explain
+        result = _fallback(model, mp, selected, err)
+        result.plan.batch_size = batch_size
+        return result
+    planner = _Planner(model, graph, mp, selected)
+    planner.plan()
+    return Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
+                   graph, planner.nodes)
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _mp_layer(linear: nn.Linear, role: str, first: bool, group: object | None) -> nn.Module:
+    from autodist.layers import ColumnParallelLinear, MPBaseLinear, MPInitialLinear, RowParallelLinear
+
+    if role == "column":
+        return ColumnParallelLinear.from_dense(linear, group=group, input_grad=not first)
+    if role == "row":
+        return RowParallelLinear.from_dense(linear, group=group)
+    return (MPInitialLinear if first else MPBaseLinear).from_dense(linear, group=group)
+
+
+def _replace_function_site(model: nn.Module, graph: fx.Graph, node: fx.Node, layer: nn.Module) -> None:
+    """F.linear(x, self.w, self.b) -> self.mp_w(x); the dense parameters leave their owner."""
+    weight, bias = _linear_args(node)
+    name = "mp_" + str(weight.target).replace(".", "_")
+    layer.dense_names = {"weight": str(weight.target)} | ({"bias": str(bias.target)} if bias is not None else {})
+    model.add_module(name, layer)
+    with graph.inserting_before(node):
+        call = graph.call_module(name, (_linear_input(node),))
+    node.replace_all_uses_with(call)
+    graph.erase_node(node)
+    for attr in (weight, bias):
+        if attr is not None:
+            graph.erase_node(attr)
+            owner_name, _, param = str(attr.target).rpartition(".")
+            delattr(model.get_submodule(owner_name), param)
+
+
+def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tuple[nn.Parameter, str]]:
+    """Swap the planned layers for MP layers in place; returns the (parameter, name) pairs that were replaced.
+
+    nn.Linear modules are replaced at their own names. F.linear calls need the
+    forward itself changed: the rewritten graph's code becomes ``model.forward``.
+    """
+    replaced: list[tuple[nn.Parameter, str]] = []
+    functions = False
+    for name, role in rewrite.roles.items():
+        node = rewrite.nodes.get(name)
+        if node is None or node.op == "call_module":
+            linear = model.get_submodule(name)
+            replaced += [(p, f"{name}.{n}") for n, p in linear.named_parameters()]
+            _swap(model, name, _mp_layer(linear, role, name in rewrite.first, group))
+            continue
+        weight, bias = _linear_args(node)
+        w = model.get_parameter(str(weight.target))
+        b = model.get_parameter(str(bias.target)) if bias is not None else None
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            if b is not None:
+                dense.bias.copy_(b)
+        replaced += [(w, str(weight.target))] + ([(b, str(bias.target))] if b is not None else [])
+        _replace_function_site(model, rewrite.graph, node, _mp_layer(dense, role, name in rewrite.first, group))
+        functions = True
+    if functions:
+        rewrite.graph.lint()  # type: ignore[union-attr]
+        code = fx.GraphModule(model, rewrite.graph)
+        model.forward = types.MethodType(type(code).forward, model)  # type: ignore[method-assign]
+    return replaced
+
+
+def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None) -> Plan:
+    """What ``parallelize(model, mp=mp)`` would do, without running anything or needing a process group.
+
+    Args:
+        model: the single-process model.
+        mp: the model-parallel degree.
+        mp_layers: "all", a list of Linear layer names, or a callable (name, module) -> bool.
+        batch_size: rows per step, to turn the bytes per row into bytes per step.
+
+    Returns:
+        A :class:`Plan`; ``print`` it for the table.
+
+    Example:
+        >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
+        >>> print(autodist.explain(net, mp=2, batch_size=128))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
+        raise ValueError(f"mp must be a positive int, got {mp!r}")
+    return plan(model, mp, mp_layers, batch_size).plan
+
+
+def mp_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """The model-parallel layers inside ``model`` (hand-placed or swapped in), with their names."""
+    return [(n, m) for n, m in model.named_modules() if callable(getattr(m, "dense_state", None))]

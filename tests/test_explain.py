@@ -1,0 +1,92 @@
+"""The model-parallel plan, computed without any process group."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autodist
+from test_mp import FunctionalMLP, ReshapeInside, TorchADNet, deep_stack
+
+
+def _rows(plan):
+    return {row.name: row for row in plan.layers}
+
+
+def test_torchad_network_is_one_megatron_pair():
+    plan = autodist.explain(TorchADNet(), mp=2, batch_size=128)
+    rows = _rows(plan)
+    assert (rows["fc1"].split, rows["fc2"].split, rows["tanh"].split) == ("column", "row", "local")
+    assert rows["fc1"].collectives == []  # the first layer: no input-gradient communication
+    assert rows["fc2"].collectives == [("forward", "all-reduce", 10)]
+    assert rows["fc1"].params_per_rank == 1024 * 1024 + 1024
+    assert plan.collectives_per_step == 1
+    table = str(plan)
+    assert "column" in table and "5,120" in table  # 128 rows x 10 floats x 4 bytes
+
+
+def test_deep_stack_pairs_then_a_lone_layer():
+    rows = _rows(autodist.explain(deep_stack(), mp=3))
+    assert [rows[n].split for n in ("0", "2", "4", "6")] == ["column", "row", "column", "row"]
+    assert rows["4"].collectives == [("backward", "all-reduce", 16)]  # not first: input gradient is all-reduced
+    assert rows["0"].params_per_rank == 7 * 12 + 7  # 20 outputs over 3 ranks: 7, 7, 6
+
+
+def test_reshape_on_the_sharded_dimension_keeps_the_tensor_whole():
+    rows = _rows(autodist.explain(ReshapeInside(), mp=2))
+    assert rows["a"].split == "full" and "view" in rows["a"].note
+    assert (rows["b"].split, rows["c"].split) == ("column", "row")
+
+
+def test_selection_by_name_and_callable():
+    rows = _rows(autodist.explain(deep_stack(), mp=2, mp_layers=["0", "2"]))
+    assert rows["4"].split == "replicated" and rows["4"].note == "not selected by mp_layers"
+    rows = _rows(autodist.explain(deep_stack(), mp=2, mp_layers=lambda name, m: m.out_features >= 16))
+    assert rows["6"].split == "replicated"
+    with pytest.raises(ValueError, match=r"not nn.Linear layers of the model.*\['0', '2', '4', '6'\]"):
+        autodist.explain(deep_stack(), mp=2, mp_layers=["fc9"])
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow stops torch.fx
+            x = -x
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class UntraceableNoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        return x * self.w
+
+
+def test_untraceable_model_falls_back_to_module_swaps():
+    plan = autodist.explain(Untraceable(), mp=2)
+    assert not plan.traced and [r.split for r in plan.layers] == ["full", "full"]
+    assert "module-by-module" in str(plan)
+
+
+def test_untraceable_model_without_linears_names_the_line():
+    with pytest.raises(NotImplementedError, match=r"test_explain.py:\d+: if x.sum\(\) > 0"):
+        autodist.explain(UntraceableNoLinear(), mp=2)
+
+
+def test_explain_checks_arguments():
+    with pytest.raises(TypeError, match="Expect nn.Module"):
+        autodist.explain("model", mp=2)
+    with pytest.raises(ValueError, match="mp must be a positive int"):
+        autodist.explain(deep_stack(), mp=0)
+
+
+def test_functional_linear_calls_are_planned():
+    rows = _rows(autodist.explain(FunctionalMLP(), mp=2))
+    assert (rows["w1"].op, rows["w1"].split, rows["w2"].split) == ("F.linear", "column", "row")

@@ -1,0 +1,175 @@
+"""Model parallelism through parallelize(mp=K): the same training as one process, hybrid dp x mp."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+
+
+class TorchADNet(nn.Module):
+    """TorchAD-NN's README network: reshape to 1024, Linear 1024->2048, Tanh, Linear 2048->10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(1024, 2048)
+        self.fc2 = nn.Linear(2048, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x.view(-1, 1024))))
+
+
+def deep_stack() -> nn.Module:
+    # widths 20 and 16 do not divide by 3: uneven shards
+    return nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 20), nn.Tanh(),
+                         nn.Linear(20, 3))
+
+
+class ReshapeInside(nn.Module):
+    """Flatten at the top, and a view on an activation between two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(torch.flatten(x, 1)))
+        h = h.view(-1, 2, 6).flatten(1)  # acts on the would-be sharded dimension: must stay whole
+        return self.c(torch.relu(self.b(h)))
+
+
+class FunctionalMLP(nn.Module):
+    """Linear layers written as F.linear calls on the module's own parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(16, 12) * 0.3), nn.Parameter(torch.randn(16) * 0.1)
+        self.w2, self.b2 = nn.Parameter(torch.randn(3, 16) * 0.3), nn.Parameter(torch.randn(3) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(F.linear(x, self.w1, self.b1)), self.w2, bias=self.b2)
+
+
+def _data(shape: tuple[int, ...], n: int = 24, classes: int = 3, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def _compare_training(build, shape, classes: int, opt_name: str, steps: int, mp: int):
+    """Outputs, one-step gradients and multi-step parameters against the model trained alone."""
+    x, y = _data(shape, classes=classes)
+    ref = w.seeded(build, 0)
+    model, _ = autodist.parallelize(w.seeded(build, 0 if w.rank() == 0 else 9), mp=mp)
+    out = {"output": (model(x).detach(), ref(x).detach())}
+    ref_opt, opt = w.optimizer(opt_name, ref), w.optimizer(opt_name, model)
+    for _ in range(steps):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    out["state"] = (autodist.gather_state_dict(model, all_ranks=True), w.state(ref))
+    return out
+
+
+def _assert_compared(results):
+    for out in results:
+        for got, expected in out.values():
+            assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_torchad_network_mp2(ranks):
+    _assert_compared(ranks(2, _compare_training, TorchADNet, (32, 32), 10, "sgd", 3, 2))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_deep_stack_even_and_uneven(ranks, size):
+    _assert_compared(ranks(size, _compare_training, deep_stack, (12,), 3, "adam", 4, size))
+
+
+def test_reshape_inside_forward(ranks):
+    _assert_compared(ranks(2, _compare_training, ReshapeInside, (4, 4), 3, "adam", 4, 2))
+
+
+
+
+def test_hybrid_dp2_mp2(ranks):
+    # Compare gathered dense parameters; data parallel over 2 groups of 2 model-parallel ranks.
+    for ref, par in ranks(4, _hybrid_gathered):
+        assert_close(par, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_functional_linear_calls_are_rewritten(ranks):
+    _assert_compared(ranks(2, _compare_training, FunctionalMLP, (12,), 3, "adam", 4, 2))
+
+
+def _hybrid_gathered():
+    x, y = w.digits_like(30, features=12)
+    ref = w.train(w.seeded(deep_stack, 0), w.loader(x, y, 8), "adam", 3)
+    model, data = autodist.parallelize(w.seeded(deep_stack, 0 if w.rank() == 0 else 5), w.loader(x, y, 8), mp=2)
+    w.train(model, data, "adam", 3)
+    return w.state(ref), autodist.gather_state_dict(model, all_ranks=True)
+
+
+def _count_collectives():
+    model, _ = autodist.parallelize(w.seeded(deep_stack, 0), mp=dist.get_world_size())
+    plan = autodist.explain(w.seeded(deep_stack, 0), mp=dist.get_world_size())
+    counts = {"n": 0}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor")}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            counts["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    x, y = _data((12,))
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counting(fn))
+        F.cross_entropy(model(x), y).backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    dense = sum(p.numel() for p in w.seeded(deep_stack, 0).parameters())
+    mine = sum(p.numel() for p in model.parameters())
+    return counts["n"], plan.collectives_per_step, mine, dense, sum(r.params_per_rank for r in plan.layers)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_collectives_and_parameter_count_match_the_plan(ranks, size):
+    for sent, planned, mine, dense, planned_params in ranks(size, _count_collectives):
+        assert sent == planned > 0
+        assert mine <= planned_params  # rank 0 holds the larger shard of uneven splits
+        assert mine <= dense / size + 20 + 16 + 20 + 3 + 20 * size  # 1/K of the weights, plus biases, plus rounding
+
+
+def _optimizer_too_early():
+    model = w.seeded(deep_stack, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = autodist.parallelize(model, mp=2)
+    F.cross_entropy(model(_data((12,))[0]), _data((12,))[1]).backward()
+    with pytest.raises(RuntimeError, match="Build the optimizer after parallelize"):
+        opt.step()
+
+
+def test_optimizer_built_before_parallelize_refuses_to_step(ranks):
+    ranks(2, _optimizer_too_early)
+
+
+def _gathered_loads_into_plain_model():
+    model, _ = autodist.parallelize(w.seeded(TorchADNet, 0), mp=2)
+    state = autodist.gather_state_dict(model)
+    if w.rank() != 0:
+        return state is None
+    plain = TorchADNet()
+    plain.load_state_dict(state)
+    assert_close(w.state(plain), w.state(w.seeded(TorchADNet, 0)), rtol=0, atol=0)
+    return True
+
+
+def test_gather_state_dict_loads_into_the_plain_model(ranks):
+    assert ranks(2, _gathered_loads_into_plain_model) == [True, True]
