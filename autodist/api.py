@@ -55,6 +55,17 @@ def _hand_placed_mp(model: nn.Module, mp: int, world: World) -> int:
     return sizes.pop()
 
 
+def _check_hand_placed_groups(model: nn.Module, dims: ParallelDims, world: World) -> None:
+    """Hand-placed MP layers must be split over this rank's model-parallel group: consecutive ranks."""
+    expected = [dims.dp_rank(world.rank) * dims.mp + m for m in range(dims.mp)]
+    for name, layer in rewrite.mp_modules(model):
+        ranks = dist.get_process_group_ranks(layer.group) if layer.group is not None else list(range(world.size))
+        if ranks != expected:
+            raise ValueError(f"MP layer {name!r} is split over ranks {ranks}, but with mp={dims.mp} rank "
+                             f"{world.rank}'s model-parallel group is ranks {expected}: build every MP layer with "
+                             f"group=torch.distributed.new_group(ranks) for groups of {dims.mp} consecutive ranks")
+
+
 def _replicate(model: nn.Module, dims: ParallelDims, groups: Groups, world: World) -> None:
     """Rank 0's weights everywhere; shards of hand-placed MP layers within their data-parallel group."""
     sharded = {id(t) for _, m in rewrite.mp_modules(model) for t in [*m.parameters(), *m.buffers()]}
@@ -142,6 +153,7 @@ def parallelize(
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp)
     groups = build_groups(dims, world.rank)
+    _check_hand_placed_groups(model, dims, world)
     shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
                                                      shared_seed=lambda: _shared_seed(None))
     if world.backend == "nccl":

@@ -173,3 +173,51 @@ def _gathered_loads_into_plain_model():
 
 def test_gather_state_dict_loads_into_the_plain_model(ranks):
     assert ranks(2, _gathered_loads_into_plain_model) == [True, True]
+
+
+def _hand_placed(groups_of: int):
+    """TorchAD-NN's network built by hand from autodist.layers, trained through parallelize."""
+    from autodist.layers import MPBaseLinear, MPInitialLinear, MPInitialReshape, MPTanh
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    group = None
+    if groups_of < size:
+        for start in range(0, size, groups_of):  # every rank creates every group
+            g = dist.new_group(list(range(start, start + groups_of)))
+            if start <= rank < start + groups_of:
+                group = g
+
+    def dense():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+
+    ref = w.seeded(dense, 0)
+    d = w.seeded(dense, 0)
+    model = nn.Sequential(MPInitialReshape(64), MPInitialLinear.from_dense(d[1], group=group), MPTanh(),
+                          MPBaseLinear.from_dense(d[3], group=group))
+    x, y = _data((8, 8), n=24, classes=10)
+    ref = w.train(ref, w.loader(x, y, 8), "sgd", 2)
+    model, data = autodist.parallelize(model, w.loader(x, y, 8))
+    w.train(model, data, "sgd", 2)
+    return autodist.gather_state_dict(model, all_ranks=True), w.state(ref)
+
+
+def test_hand_placed_layers_through_parallelize(ranks):
+    for got, expected in ranks(2, _hand_placed, 2):  # the layers' group is every rank: mp=2, dp=1
+        assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_hand_placed_layers_hybrid(ranks):
+    for got, expected in ranks(4, _hand_placed, 2):  # groups {0,1} and {2,3}: mp=2 x dp=2
+        assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _hand_placed_wrong_group():
+    from autodist.layers import MPBaseLinear
+
+    model = nn.Sequential(MPBaseLinear(8, 4))  # split over all 4 ranks
+    with pytest.raises(ValueError, match=r"split over groups of \[4\] ranks but mp=2"):
+        autodist.parallelize(model, mp=2)
+
+
+def test_hand_placed_layers_must_match_mp(ranks):
+    ranks(4, _hand_placed_wrong_group)
