@@ -140,6 +140,7 @@ class _Planner:
         self.local: list[fx.Node] = []  # elementwise nodes that run on a slice
         self.kept_whole: dict[str, str] = {}  # module name -> why it stayed replicated
         self.nodes: dict[str, fx.Node] = {}  # planned name -> its node
+        self.swaps: dict[str, str] = {}  # module name -> MP layer it becomes ("MPTanh", "MPInitialReshape", ...)
 
     def _module(self, node: fx.Node) -> nn.Module | None:
         return self.modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
@@ -245,6 +246,20 @@ class _Planner:
             self.nodes[end_name] = end
             self.role[name], self.role[end_name] = "column", "row"
             self.local += chain
+        self._plan_swaps()
+
+    def _plan_swaps(self) -> None:
+        """nn.Tanh on a slice becomes MPTanh; nn.Flatten() feeding a split Linear becomes an MP reshape."""
+        for node in self.local:
+            if isinstance(self._module(node), nn.Tanh):
+                self.swaps[str(node.target)] = "MPTanh"
+        for name, linear_node in self.nodes.items():
+            source = _linear_input(linear_node)
+            module = self._module(source)
+            if isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1) \
+                    and self.calls[str(source.target)] == 1:
+                first = not self.needs_grad(source.all_input_nodes[0])
+                self.swaps[str(source.target)] = "MPInitialReshape" if first else "MPBaseReshape"
 
 
 def _linear_args(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -312,10 +327,11 @@ def _plan_rows(planner: _Planner, graph: fx.Graph) -> list[LayerPlan]:
                 row.op = "F.linear"
             rows.append(row)
         elif node in local:
-            rows.append(LayerPlan(_node_name(node), _op_name(node, module), "local", note="on the local slice"))
+            rows.append(LayerPlan(_node_name(node), _op_name(node, module, planner.swaps), "local",
+                                  note="on the local slice"))
         elif _is_reshape(node, module) or isinstance(module, nn.Tanh) or \
                 (node.op != "call_module" and node.target in (torch.tanh, F.tanh)) or node.target == "tanh":
-            rows.append(LayerPlan(_node_name(node), _op_name(node, module), "replicated",
+            rows.append(LayerPlan(_node_name(node), _op_name(node, module, planner.swaps), "replicated",
                                   note="full tensor, no communication"))
     return rows
 
@@ -328,9 +344,10 @@ def _node_name(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_module" else node.name
 
 
-def _op_name(node: fx.Node, module: nn.Module | None) -> str:
+def _op_name(node: fx.Node, module: nn.Module | None, swaps: dict[str, str]) -> str:
     if module is not None:
-        return type(module).__name__
+        swap = swaps.get(str(node.target))
+        return type(module).__name__ + (f" -> {swap}" if swap else "")
     return getattr(node.target, "__name__", str(node.target))
 
 
@@ -348,6 +365,7 @@ class Rewrite:
     first: set[str]  # layers whose input needs no gradient
     graph: fx.Graph | None = None
     nodes: dict[str, fx.Node] = field(default_factory=dict)
+    swaps: dict[str, str] = field(default_factory=dict)  # module name -> MP layer class name
 
 
 def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool],
@@ -391,7 +409,7 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
     planner = _Planner(model, graph, mp, selected)
     planner.plan()
     return Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
-                   graph, planner.nodes)
+                   graph, planner.nodes, planner.swaps)
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -407,6 +425,12 @@ def _mp_layer(linear: nn.Linear, role: str, first: bool, group: object | None) -
     if role == "row":
         return RowParallelLinear.from_dense(linear, group=group)
     return (MPInitialLinear if first else MPBaseLinear).from_dense(linear, group=group)
+
+
+def _elementwise_layer(name: str) -> nn.Module:
+    from autodist import layers
+
+    return layers.MPTanh() if name == "MPTanh" else getattr(layers, name)(-1)
 
 
 def _replace_function_site(model: nn.Module, graph: fx.Graph, node: fx.Node, layer: nn.Module) -> None:
@@ -452,6 +476,8 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
         replaced += [(w, str(weight.target))] + ([(b, str(bias.target))] if b is not None else [])
         _replace_function_site(model, rewrite.graph, node, _mp_layer(dense, role, name in rewrite.first, group))
         functions = True
+    for name, layer in rewrite.swaps.items():
+        _swap(model, name, _elementwise_layer(layer))
     if functions:
         rewrite.graph.lint()  # type: ignore[union-attr]
         code = fx.GraphModule(model, rewrite.graph)

@@ -221,3 +221,17 @@ def _hand_placed_wrong_group():
 
 def test_hand_placed_layers_must_match_mp(ranks):
     ranks(4, _hand_placed_wrong_group)
+
+
+def _swapped_modules():
+    def build():
+        return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+    model, _ = autodist.parallelize(w.seeded(build, 0), mp=2)
+    x = _data((4, 4))[0]
+    assert_close(model(x), w.seeded(build, 0)(x), rtol=1e-5, atol=1e-6)
+    return [type(m).__name__ for m in model]
+
+
+def test_module_forms_become_mp_layers(ranks):
+    for names in ranks(2, _swapped_modules):
+        assert names == ["MPInitialReshape", "ColumnParallelLinear", "MPTanh", "RowParallelLinear"]
