@@ -165,7 +165,7 @@ def parallelize(
     if dims.dp > 1:
         sync_state = GradSync(model, groups.dp, hooks=(sync == "backward"), first_bucket_mb=first_bucket_mb,
                               bucket_mb=bucket_mb, sync_buffers=sync_buffers)
-    attach(model, Registration(dims.dp, groups.dp, sync_state))
+    attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s: %d data-parallel x %d model-parallel ranks (sync=%s)",
                  type(model).__name__, dims.dp, dims.mp, sync)

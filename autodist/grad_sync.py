@@ -227,10 +227,11 @@ class GradSync:
 
 @dataclass
 class Registration:
-    """What parallelize set up for a model: its data-parallel group and, if any, its sync state."""
+    """What parallelize set up for a model: its data-parallel layout and, if any, its sync state."""
 
-    dp: int
-    dp_group: dist.ProcessGroup | None
+    dp: int  # data-parallel ranks
+    dp_rank: int  # this rank's index among them
+    dp_group: dist.ProcessGroup | None  # None: the whole world
     sync: GradSync | None
 
 
@@ -245,6 +246,11 @@ def attach(model: nn.Module, registration: Registration) -> None:
 
 def is_parallelized(model: nn.Module) -> bool:
     return model in _registry
+
+
+def registration_of(model: nn.Module) -> Registration | None:
+    """The data-parallel layout parallelize gave ``model``; None if it was not parallelized."""
+    return _registry.get(model)
 
 
 def state_of(model: nn.Module) -> GradSync | None:
@@ -314,7 +320,7 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
         return
     registration = _registry.get(model)
     if registration is None:  # not parallelized: the user keeps it identical on all ranks
-        registration = Registration(world.size, None, GradSync(model, None, hooks=False))
+        registration = Registration(world.size, world.rank, None, GradSync(model, None, hooks=False))
         attach(model, registration)
     if registration.dp == 1:
         return
