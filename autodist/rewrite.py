@@ -326,6 +326,10 @@ def _plan_rows(planner: _Planner, graph: fx.Graph) -> list[LayerPlan]:
             if node.op == "call_function":
                 row.op = "F.linear"
             rows.append(row)
+        elif module is not None and any(True for _ in module.parameters()):
+            n = sum(p.numel() for p in module.parameters())
+            rows.append(LayerPlan(str(node.target), type(module).__name__, "replicated", n, n, [],
+                                  "only Linear layers are split"))
         elif node in local:
             rows.append(LayerPlan(_node_name(node), _op_name(node, module, planner.swaps), "local",
                                   note="on the local slice"))
