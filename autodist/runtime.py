@@ -5,6 +5,7 @@ receives a :class:`World` (or values taken from it) as an argument.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -193,6 +194,11 @@ def _adopt_existing_group(launch: Launch) -> World:
     return World(dist.get_rank(), size, local_rank, local_size, device, backend, launch.launcher)
 
 
+def _shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> World:
     """Join the ranks started by torchrun, mpirun or srun; idempotent.
 
@@ -235,6 +241,9 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
     host = f"[{host}]" if ":" in host else host
     dist.init_process_group(chosen, init_method=f"tcp://{host}:{port}", rank=launch.rank,
                             world_size=launch.size, timeout=timeout)
+    # Exiting with a live process group can abort in its background threads ("terminate called
+    # without an active exception"): the group autodist started, autodist also ends.
+    atexit.register(_shutdown)
     if launch.rank == 0:
         log.info("%d ranks via %s, backend %s: %s", launch.size, launch.launcher, chosen, why)
     _world = World(launch.rank, launch.size, launch.local_rank, launch.local_size, device, chosen,

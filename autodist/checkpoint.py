@@ -1,0 +1,391 @@
+"""Checkpoints that resume at any world size or model-parallel degree, written atomically.
+
+A checkpoint holds the *dense* single-process training state: what one process
+training the original model would have, whatever layout saved it. So a run
+saved on 2 ranks with ``mp=2`` resumes in one process, on 2 ranks with
+``mp=1``, or back at ``mp=2``.
+
+File format: one ``torch.save`` file that loads with
+``torch.load(path, weights_only=True)`` (tensors, numbers, strings, lists and
+dicts only); its top-level keys are
+
+==============  ==========================================================================
+``format``      ``"autodist.checkpoint"``; ``version``: the format version (1)
+``model``       the dense state dict with the original model's names (``gather_state_dict``):
+                ``plain_model.load_state_dict(torch.load(path, weights_only=True)["model"])``
+``optimizer``   None, or ``{"state": {parameter name: {key: value}}, "param_groups":
+                [{hyperparameters..., "params": [parameter names]}]}``: every per-parameter
+                state tensor of the parameter's shape is dense (shards gathered); scalars
+                such as Adam's ``step`` are kept as they are
+``extra``       the keyword arguments given to ``save`` (epoch, step, a loader's generator state)
+``rng``         rank 0's random generators: ``torch`` (CPU), ``cuda`` (the current device's,
+                or None), ``python`` and ``numpy``
+==============  ==========================================================================
+
+Rank 0 writes the file: to a temporary file beside it, flushed and fsynced,
+then ``os.replace``d over the final name and the directory fsynced, so the
+final name only ever holds a complete checkpoint. Loading needs no
+communication: every rank reads the file and keeps its slice of each split
+layer.
+"""
+from __future__ import annotations
+
+import os
+import random
+import secrets
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autodist.gather import gather_state_dict
+from autodist.layers.comm import all_gather_cat
+from autodist.rewrite import mp_modules
+from autodist.runtime import World, init
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+FORMAT = "autodist.checkpoint"
+VERSION = 1
+_LOADABLE_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one local state-dict entry lives in the dense model: its name and, if split, how."""
+
+    name: str  # the dense (original model's) name
+    shape: tuple[int, ...] | None  # the dense shape (None: not a tensor)
+    dim: int | None = None  # the split dimension of the dense tensor; None: held whole
+    bounds: tuple[int, int] = (0, 0)  # this rank's [lo, hi) along dim
+    sizes: tuple[int, ...] = ()  # every rank's width along dim
+    group: Any = None  # the model-parallel group the shards are spread over
+
+    def shard(self, dense: torch.Tensor) -> torch.Tensor:
+        if self.dim is None:
+            return dense
+        lo, hi = self.bounds
+        return dense.narrow(self.dim, lo, hi - lo).clone()
+
+
+def _layout(model: nn.Module) -> dict[str, _Slot]:
+    """Every key of ``model.state_dict()`` -> its slot in the dense model."""
+    slots = {key: _Slot(key, tuple(value.shape) if isinstance(value, torch.Tensor) else None)
+             for key, value in model.state_dict().items()}
+    for name, layer in mp_modules(model):
+        prefix = f"{name}." if name else ""
+        original = getattr(layer, "dense_names", {})  # the layer replaced an F.linear call
+        for key in ("weight", "bias"):
+            if getattr(layer, key, None) is None:
+                continue
+            # column: rows of weight and bias; row: columns of weight, bias replicated
+            dim = 0 if layer.split == "column" else (1 if key == "weight" else None)
+            shape = (layer.out_features, layer.in_features) if key == "weight" else (layer.out_features,)
+            slots[prefix + key] = _Slot(original.get(key, prefix + key), shape, dim, tuple(layer.bounds),
+                                        tuple(layer.sizes), layer.group)
+    return slots
+
+
+def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 layout: dict[str, _Slot]) -> list[tuple[nn.Parameter, _Slot]]:
+    """The optimizer's parameters, in its order, each with its slot; raises on one the model lacks."""
+    by_id = {id(p): layout[key] for key, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    strangers = [tuple(p.shape) for p in params if id(p) not in by_id]
+    if strangers:
+        raise ValueError(f"{type(optimizer).__name__} holds {len(strangers)} parameter(s) of shapes {strangers} "
+                         f"that are not parameters of the model ({type(model).__name__}); build the optimizer "
+                         f"over model.parameters() after autodist.parallelize (model parallelism replaces the "
+                         f"split layers' parameters)")
+    return [(p, by_id[id(p)]) for p in params]
+
+
+# -- what is saved -------------------------------------------------------------------------------
+
+def _check_loadable(value: Any, where: str) -> None:
+    """Raise unless ``value`` loads back with ``torch.load(weights_only=True)``."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; a checkpoint needs str or int "
+                                f"keys so that it loads with torch.load(weights_only=True)")
+            _check_loadable(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]")
+    elif not isinstance(value, _LOADABLE_LEAVES):
+        raise TypeError(f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses to "
+                        f"load; a checkpoint holds numbers, strings, tensors, None, and lists/tuples/dicts of "
+                        f"them: convert it first (e.g. pass obj.state_dict() or generator.get_state())")
+
+
+def _dense_value(value: Any, param: nn.Parameter, slot: _Slot) -> Any:
+    """A per-parameter optimizer state entry, gathered to the dense parameter's shape when it is a shard."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if slot.dim is not None and value.shape == param.shape:
+        return all_gather_cat(value, slot.group, slot.sizes, dim=slot.dim).cpu()
+    return value.detach().to("cpu", copy=True)
+
+
+def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
+                           layout: dict[str, _Slot]) -> dict[str, Any]:
+    """The optimizer's state keyed by dense parameter names, shards gathered (collective over MP groups)."""
+    params = _param_slots(model, optimizer, layout)
+    packed = optimizer.state_dict()  # per-parameter state keyed by position in the param groups
+    state: dict[str, dict[str, Any]] = {}
+    for index, (param, slot) in enumerate(params):
+        entries = packed["state"].get(index)
+        if entries is not None:  # a fixed key order: every rank of a group gathers the same tensor together
+            state[slot.name] = {k: _dense_value(v, param, slot) for k, v in sorted(entries.items(), key=str)}
+    groups = [{**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+               "params": [params[i][1].name for i in group["params"]]} for group in packed["param_groups"]]
+    _check_loadable(groups, "the optimizer's param_groups")
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random generators as tensors and plain values (weights_only-loadable)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss_next": py_gauss},
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+
+
+# -- the atomic write ----------------------------------------------------------------------------
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename itself durable (POSIX; elsewhere a directory cannot be opened)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_save(payload: dict[str, Any], path: str) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    try:
+        with open(temporary, "xb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> None:
+    """Rank 0 writes; then every rank waits for it, and raises too if it failed."""
+    error: BaseException | None = None
+    if world.rank == 0:
+        try:
+            _atomic_save(payload, path)  # type: ignore[arg-type]
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+            error = err
+    failed = error is not None
+    if world.size > 1:  # an all-reduce is the barrier, and tells the others whether rank 0 succeeded
+        device = world.device if world.backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([float(failed)], device=device)
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"rank 0 could not write the checkpoint {path!r} (its traceback says why); the file "
+                           f"there, if any, is the previous checkpoint, unchanged")
+
+
+def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
+    """Save a checkpoint that resumes at any world size or model-parallel degree.
+
+    Every rank must call it (model-parallel shards are gathered with
+    collectives); rank 0 writes the file atomically and every rank returns
+    only once it is complete, so any rank may load it right after.
+
+    Args:
+        path: the file to write; missing parent directories are created, an
+            existing file is replaced only once the new one is complete.
+        model: the model (parallelized or not).
+        optimizer: its optimizer, built over ``model.parameters()`` after
+            ``parallelize``; None to save the model alone.
+        **extra: anything else to resume with (epoch, step, a DataLoader
+            generator's ``get_state()``): numbers, strings, tensors, None, and
+            lists/tuples/dicts of them. ``load`` returns them.
+
+    Returns:
+        None.
+
+    Example:
+        >>> autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch, loader_rng=generator.get_state())
+
+    Note:
+        The random generators saved are rank 0's (torch CPU, the current CUDA
+        device's, python ``random``, numpy); ``load`` restores them on every
+        rank. A run whose ranks draw different random numbers (dropout seeded
+        per rank) should reseed per rank after loading.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    _check_loadable(extra, "extra")
+    path = os.path.abspath(os.fspath(path))
+    world = init()
+    rng = _rng_state()  # before anything below could draw
+    layout = _layout(model)
+    optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
+    state = gather_state_dict(model)
+    payload = None
+    if world.rank == 0:
+        payload = {"format": FORMAT, "version": VERSION, "model": state, "optimizer": optim, "extra": extra,
+                   "rng": rng}
+    _write_on_rank0(payload, path, world)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}; write one with autodist.save(path, model, optimizer)")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        keys = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ValueError(f"{path!r} is not an autodist checkpoint (expected format {FORMAT!r}, found {keys}); "
+                         f"load a plain state dict with model.load_state_dict(torch.load(path))")
+    if checkpoint.get("version", 0) > VERSION:
+        raise ValueError(f"{path!r} has checkpoint format version {checkpoint['version']}, newer than this "
+                         f"autodist reads ({VERSION}); upgrade autodist")
+    return checkpoint
+
+
+def _listed(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{f', ... ({len(names) - limit} more)' if len(names) > limit else ''}]"
+
+
+def _check_model_keys(dense: dict[str, Any], layout: dict[str, _Slot], model: nn.Module, path: str) -> None:
+    expected = {slot.name for slot in layout.values()}
+    missing, unexpected = sorted(expected - dense.keys()), sorted(dense.keys() - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"the checkpoint {path!r} does not fit the model ({type(model).__name__}): missing keys "
+                           f"(in the model, not in the checkpoint) {_listed(missing)}; unexpected keys (in the "
+                           f"checkpoint, not in the model) {_listed(unexpected)}. Load it into the model it was "
+                           f"saved from, built as in the single-process script")
+    wrong = [f"{s.name!r}: checkpoint {tuple(dense[s.name].shape)}, model {s.shape}" for s in layout.values()
+             if s.shape is not None and isinstance(dense[s.name], torch.Tensor)
+             and tuple(dense[s.name].shape) != s.shape]
+    if wrong:
+        raise RuntimeError(f"the checkpoint {path!r} does not fit the model ({type(model).__name__}): size "
+                           f"mismatch (dense shapes) for {_listed(wrong)}; build the model with the sizes it "
+                           f"was saved with")
+
+
+def _load_model(dense: dict[str, Any], model: nn.Module, layout: dict[str, _Slot], path: str) -> None:
+    _check_model_keys(dense, layout, model, path)
+    local = {key: slot.shard(dense[slot.name]) if slot.shape is not None else dense[slot.name]
+             for key, slot in layout.items()}
+    model.load_state_dict(local, strict=True)
+
+
+def _local_entries(entries: dict[str, Any], slot: _Slot) -> dict[str, Any]:
+    """A parameter's saved optimizer state with every dense, parameter-shaped tensor cut to this rank's shard."""
+    def local(value: Any) -> Any:
+        dense = isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape
+        return slot.shard(value) if dense else value
+    return {key: local(value) for key, value in entries.items()}
+
+
+def _check_group_names(i: int, names: list[str], saved: list[str]) -> None:
+    if sorted(names) != sorted(saved):
+        raise ValueError(f"optimizer parameter group {i} holds {_listed(sorted(names))}, but the checkpoint's "
+                         f"group {i} holds {_listed(sorted(saved))}; build the optimizer over the same "
+                         f"parameters, grouped as when it was saved")
+
+
+def _local_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module,
+                           layout: dict[str, _Slot]) -> dict[str, Any]:
+    """The saved optimizer state in torch's index-based format for ``optimizer``, state tensors sliced."""
+    params = _param_slots(model, optimizer, layout)
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter group(s), "
+                         f"{type(optimizer).__name__} has {len(optimizer.param_groups)}; build the optimizer "
+                         f"with the same groups as when it was saved")
+    state, groups, start = {}, [], 0
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        indices = range(start, start + len(group["params"]))  # torch numbers parameters across the groups
+        _check_group_names(i, [params[j][1].name for j in indices], saved_group["params"])
+        for j in indices:
+            entries = saved["state"].get(params[j][1].name)
+            if entries is not None:
+                state[j] = _local_entries(entries, params[j][1])
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(indices)})
+        start += len(indices)
+    return {"state": state, "param_groups": groups}
+
+
+def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a checkpoint written by ``save`` into a model laid out in any way, and its optimizer.
+
+    Each rank reads the file and keeps its slice of every split layer and of
+    the optimizer state belonging to it: a checkpoint saved at one world size
+    or ``mp`` resumes at another, or in a plain single-process script. No
+    communication: it works without a process group.
+
+    Args:
+        path: a file written by ``autodist.save``.
+        model: the model to fill, parallelized (as it will be trained) or plain.
+        optimizer: its optimizer, built over ``model.parameters()`` after
+            ``parallelize``, with the same parameter groups as the saved one
+            (hyperparameters such as ``lr`` come from the checkpoint).
+
+    Returns:
+        The ``extra`` keyword arguments given to ``save`` (e.g. ``{"epoch": 3}``).
+
+    Example:
+        >>> model, loader = autodist.parallelize(build_model(), loader, mp=2)
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> start = autodist.load("ckpt/last.pt", model, optimizer)["epoch"]
+
+    Note:
+        Restores rank 0's random generators (as saved) on every rank. Call it
+        after building an LR scheduler: building one resets the learning rates.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    path = os.path.abspath(os.fspath(path))
+    checkpoint = _read(path)
+    layout = _layout(model)
+    _load_model(checkpoint["model"], model, layout, path)
+    if optimizer is not None:
+        if checkpoint["optimizer"] is None:
+            raise ValueError(f"the checkpoint {path!r} was saved without an optimizer; pass optimizer=None, or "
+                             f"save with autodist.save(path, model, optimizer)")
+        optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
+    _set_rng_state(checkpoint["rng"])
+    return dict(checkpoint["extra"])

@@ -1,0 +1,99 @@
+"""Train on CIFAR-10 (or scikit-learn's digits when CIFAR-10 is absent), data or model parallel.
+
+    python examples/cifar/train.py                                  # one process
+    autodist run -n 2 examples/cifar/train.py --mode dp             # 2 ranks, data parallel
+    autodist run -n 2 examples/cifar/train.py --mode mp             # 2 ranks, Linear layers split
+    autodist run -n 4 examples/cifar/train.py --mode hybrid         # 2 data-parallel x 2 model-parallel
+
+The distributed part is the one `autodist.parallelize` line; everything else is
+an ordinary single-process training script, and all modes train the same model
+on the same global batches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import autodist
+from autodist import engine
+
+import data as datasets
+import models
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["dp", "mp", "hybrid"], default="dp",
+                   help="dp: data parallel; mp: every rank splits the Linear layers; hybrid: groups of 2 split them")
+    p.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
+    p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
+    p.add_argument("--download", action="store_true", help="fetch CIFAR-10 (MD5-checked) if it is absent")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch, split over the data-parallel ranks")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for metrics.json (rank 0)")
+    p.add_argument("--checkpoint", default=None, help="save here after every epoch, resume from it if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    world = autodist.init()
+    torch.manual_seed(args.seed)
+    data = datasets.load(args.data_dir, download=args.download, seed=args.seed)
+    log = engine.rank_logger()
+    if world.is_main:
+        log.info("dataset: %s (%d train / %d test images of %s)%s", data.name, len(data.train), len(data.test),
+                 "x".join(map(str, data.image_shape)),
+                 "" if data.name == "CIFAR-10" else f"; CIFAR-10 not found in {args.data_dir!r}")
+    model = models.build(args.model, data.image_shape, data.classes)
+    shuffle = torch.Generator().manual_seed(args.seed)  # its state is saved with checkpoints
+    loader = DataLoader(data.train, batch_size=args.batch_size, shuffle=True, generator=shuffle)
+    mp = {"dp": 1, "mp": world.size, "hybrid": min(2, world.size)}[args.mode]
+
+    model, loader = autodist.parallelize(model, loader, mp=mp)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    first_epoch, history = 1, []
+    if args.checkpoint and os.path.isfile(args.checkpoint):
+        extra = autodist.load(args.checkpoint, model, optimizer)
+        first_epoch, history = extra["epoch"] + 1, extra["history"]
+        shuffle.set_state(extra["shuffle_state"])
+        log.info("resumed from %s after epoch %d", args.checkpoint, extra["epoch"])
+    for epoch in range(first_epoch, args.epochs + 1):
+        start, metrics = time.perf_counter(), engine.Metrics()
+        model.train()
+        for x, y in engine.progress(engine.prefetch(loader), total=len(loader), desc=f"epoch {epoch}",
+                                    disable=args.no_progress):
+            optimizer.zero_grad()
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            optimizer.step()
+            metrics.update(loss.detach() * len(y), (out.argmax(1) == y).sum(), len(y))
+        train, seconds = metrics.reduce(model), time.perf_counter() - start
+        test = engine.evaluate(model, data.test)
+        engine.log_epoch(epoch, train, test, seconds)
+        history.append({"epoch": epoch, "train_loss": train["loss"], "train_accuracy": train["accuracy"],
+                        "test_loss": test["loss"], "test_accuracy": test["accuracy"], "seconds": seconds})
+        if args.checkpoint:
+            autodist.save(args.checkpoint, model, optimizer, epoch=epoch, history=history,
+                          shuffle_state=shuffle.get_state())
+    if world.is_main and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        summary = {"dataset": data.name, "mode": args.mode, "model": args.model, "ranks": world.size, "mp": mp,
+                   "history": history}
+        with open(os.path.join(args.out, "metrics.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
