@@ -12,7 +12,7 @@ Launches N processes of script.py on this machine through torchrun
 options (--nnodes, --node-rank, --rdzv-endpoint, --master-addr, ...) pass
 through to torchrun unchanged.
 
-example: autodist run -n 2 examples/digits_dp.py --epochs 3
+example: autodist run -n 2 examples/cifar/train.py --epochs 3
 """
 
 # Any of these means the user set up the rendezvous; otherwise run standalone on this machine.
