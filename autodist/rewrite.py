@@ -8,7 +8,10 @@ activation between them never leaves its rank, and the pair costs one
 all-reduce forward (after the row layer) and one backward (before the column
 layer) - none at all when the column layer is the network's first, whose
 input needs no gradient. A selected Linear outside any pair becomes a
-full-in/full-out ``MPBaseLinear`` (``MPInitialLinear`` at the top). Anything
+full-in/full-out ``MPBaseLinear`` (``MPInitialLinear`` at the top), unless
+it is small (fewer than 64 input or output features, like an output layer
+over 10 classes): then two collectives a step would buy almost no memory, so
+it stays replicated unless named in ``mp_layers``. Anything
 else between two Linears - a reshape, dropout (its random mask would differ
 from one process's), a second use of the activation - keeps the tensor whole:
 the pair is not formed, never a silent shape error. A Linear the plan cannot
@@ -38,6 +41,9 @@ _ELEMENTWISE_FUNCTIONS = {torch.tanh, F.tanh, torch.relu, F.relu, F.gelu, torch.
 _ELEMENTWISE_METHODS = {"tanh", "relu", "sigmoid"}
 _RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
 _LINEAR_FUNCTIONS = {F.linear, torch._C._nn.linear}
+# An unpaired Linear costs two collectives per step (all-reduce out, all-gather in); below this many
+# features on either side (an output layer over 10 classes, say) it saves too little memory to pay.
+SMALL_UNPAIRED = 64
 _RESHAPE_METHODS = {"view", "reshape", "flatten"}
 
 
@@ -129,8 +135,10 @@ def _where_tracing_stopped(err: BaseException) -> str:
 class _Planner:
     """Walks the traced graph and decides a role for each Linear module."""
 
-    def __init__(self, model: nn.Module, graph: fx.Graph, mp: int, selected: Callable[[str, nn.Module], bool]):
+    def __init__(self, model: nn.Module, graph: fx.Graph, mp: int, selected: Callable[[str, nn.Module], bool],
+                 explicit: bool = False):
         self.model, self.graph, self.mp, self.selected = model, graph, mp, selected
+        self.explicit = explicit  # the user named the layers: split them even where it does not pay
         self.modules = dict(model.named_modules())
         calls = [n.target for n in graph.nodes if n.op == "call_module"]
         self.calls = collections.Counter(calls)
@@ -233,14 +241,20 @@ class _Planner:
             found = self.site(node)
             if found is None or found[0] in self.role or not self.candidate(node):
                 continue
-            name = found[0]
-            self.nodes[name] = node
+            name, linear = found
             end, chain, why = self._pair_end(node)
+            why = f"unpaired ({why})" if why else "unpaired"
+            if end is None and not self.explicit and min(linear.in_features, linear.out_features) < SMALL_UNPAIRED:
+                saved = _count(linear) - _linear_row(name, linear, "full", False, self.mp, "").params_per_rank
+                self.kept_whole[name] = (f"{why} and small: splitting it would add 2 collectives per step to save "
+                                         f"{saved:,} parameters per rank; name it in mp_layers to split it anyway")
+                continue
+            self.nodes[name] = node
             if not self.needs_grad(_linear_input(node)):
                 self.first.add(name)
             if end is None:
                 self.role[name] = "full"
-                self.kept_whole[name] = f"unpaired: {why}" if why else "unpaired"
+                self.kept_whole[name] = why
                 continue
             end_name = self.site(end)[0]  # type: ignore[index]
             self.nodes[end_name] = end
@@ -410,7 +424,7 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
         result = _fallback(model, mp, selected, err)
         result.plan.batch_size = batch_size
         return result
-    planner = _Planner(model, graph, mp, selected)
+    planner = _Planner(model, graph, mp, selected, explicit=isinstance(mp_layers, (list, tuple, set)))
     planner.plan()
     return Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
                    graph, planner.nodes, planner.swaps)

@@ -90,3 +90,11 @@ def test_explain_checks_arguments():
 def test_functional_linear_calls_are_planned():
     rows = _rows(autodist.explain(FunctionalMLP(), mp=2))
     assert (rows["w1"].op, rows["w1"].split, rows["w2"].split) == ("F.linear", "column", "row")
+
+
+def test_small_unpaired_layer_stays_replicated_unless_named():
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Dropout(0.1), nn.Linear(64, 10))
+    rows = _rows(autodist.explain(net, mp=2))
+    assert rows["4"].split == "replicated" and "small" in rows["4"].note and rows["4"].collectives == []
+    rows = _rows(autodist.explain(net, mp=2, mp_layers=["0", "2", "4"]))
+    assert rows["4"].split == "full" and len(rows["4"].collectives) == 2

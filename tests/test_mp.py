@@ -35,11 +35,11 @@ class ReshapeInside(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(16, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(torch.flatten(x, 1)))
-        h = h.view(-1, 2, 6).flatten(1)  # acts on the would-be sharded dimension: must stay whole
+        h = h.view(-1, 2, 32).flatten(1)  # acts on the would-be sharded dimension: must stay whole
         return self.c(torch.relu(self.b(h)))
 
 
@@ -92,7 +92,7 @@ def test_deep_stack_even_and_uneven(ranks, size):
 
 
 def test_reshape_inside_forward(ranks):
-    _assert_compared(ranks(2, _compare_training, ReshapeInside, (4, 4), 3, "adam", 4, 2))
+    _assert_compared(ranks(2, _compare_training, ReshapeInside, (8, 8), 3, "adam", 4, 2))
 
 
 
