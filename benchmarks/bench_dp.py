@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import subprocess
 import sys
-import time
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from timing import interleave, make_step, report  # benchmarks/timing.py, next to this file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -48,8 +45,6 @@ from autodist.grad_sync import state_of
 
 RANKS = 2
 IN_FEATURES, HIDDEN, CLASSES = 3072, 2048, 10
-
-Step = Callable[[], float]
 
 
 def build_model(seed: int) -> nn.Sequential:
@@ -61,65 +56,6 @@ def build_model(seed: int) -> nn.Sequential:
 def random_batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(size, IN_FEATURES, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
-
-
-def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
-    """A closure that runs one full training step and returns its wall time in seconds."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> float:
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        return time.perf_counter() - start
-
-    return step
-
-
-def interleave(steps: dict[str, Step], block: int, rounds: int, warmup: int,
-               before_block: Callable[[], None] = lambda: None) -> tuple[dict[str, list[float]], list[float]]:
-    """Alternate blocks of each step function; return all step times per name and the per-round ratios.
-
-    The order inside a round flips every round, so neither contender always
-    runs right after the other (caches, allocator state). Every rank must call
-    this with the same arguments: the blocks contain collectives.
-    """
-    names = list(steps)
-    for name in names:
-        for _ in range(warmup):
-            steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    paired: list[float] = []
-    for r in range(rounds):
-        block_medians: dict[str, float] = {}
-        for name in (names if r % 2 == 0 else names[::-1]):
-            before_block()
-            block_times = [steps[name]() for _ in range(block)]
-            times[name] += block_times
-            block_medians[name] = statistics.median(block_times)
-        paired.append(block_medians[names[1]] / block_medians[names[0]])
-    return times, paired
-
-
-def describe(name: str, times: list[float]) -> str:
-    q1, med, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    return (f"  {name:<10} min {1e3 * min(times):7.2f}  q1 {1e3 * q1:7.2f}  median {1e3 * med:7.2f}  "
-            f"q3 {1e3 * q3:7.2f} ms   ({len(times)} steps)")
-
-
-def report(title: str, times: dict[str, list[float]], paired: list[float], goal: float) -> None:
-    """Print the summary; the second name is the contender, the first the reference."""
-    reference, contender = list(times)
-    ratio = statistics.median(times[contender]) / statistics.median(times[reference])
-    pq1, pmed, pq3 = statistics.quantiles(paired, n=4, method="inclusive")
-    print(title)
-    for name, ts in times.items():
-        print(describe(name, ts))
-    print(f"  ratio of medians {contender}/{reference}: {ratio:.3f}  (goal <= {goal:.2f}: "
-          f"{'met' if ratio <= goal else 'NOT met'})")
-    print(f"  paired per-round ratio: median {pmed:.3f}  quartiles {pq1:.3f} .. {pq3:.3f}  ({len(paired)} rounds)",
-          flush=True)
 
 
 def layout(buckets: list[list[tuple[str, int]]]) -> str:

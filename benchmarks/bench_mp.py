@@ -1,0 +1,227 @@
+"""Step time of autodist's model parallelism (mp=2) against PyTorch's own tensor parallelism.
+
+What it measures
+    Two ranks (torchrun, gloo, CPU), pure model parallelism (world = mp = 2):
+    the MLP 3072-2048-2048-10 (``nn.Sequential`` of Linear, ReLU, Linear, ReLU,
+    Linear) split over both ranks
+      - by ``autodist.parallelize(model, mp=2)`` (its plan is printed first), and
+      - by ``torch.distributed.tensor.parallel.parallelize_module`` with
+        ``ColwiseParallel`` / ``RowwiseParallel`` on a 1-D ``DeviceMesh("cpu", [0, 1])``
+        (``init_device_mesh("cpu", (2,))``).
+    Both start from deep copies of one dense model built with a fixed seed, and
+    every rank feeds the same full batch (default 128 rows): each rank computes
+    its half of every split layer for all rows. Before timing, both models'
+    outputs and loss on that batch are checked against the dense model.
+
+    torch's plan for the first two layers is Megatron's pair (column-split,
+    then row-split: one all-reduce forward). For the last layer (2048 -> 10)
+    three plans are tried and the fastest is used (``--tp-plan`` forces one):
+      colwise-last     ColwiseParallel(output_layouts=Replicate()): all-gather of
+                       the 10 logits forward, all-reduce of the 2048-wide input
+                       gradient backward
+      rowwise-last     RowwiseParallel(input_layouts=Replicate()): the same
+                       collectives as autodist's plan (all-reduce of the logits
+                       forward, all-gather of the input gradient backward)
+      replicated-last  left a plain nn.Linear on every rank: no collective
+    The choice is made on rank 0 from a short interleaved run of the three
+    (printed); taking the fastest of noisy trials can only favour torch. With
+    ``--quick`` that trial is too short to choose reliably.
+
+    Then each rank holds both contenders on the one default process group and
+    alternates blocks of ``--steps`` steps of each, for ``--rounds`` rounds,
+    after a warm-up. A timed step is the whole training step: zero_grad,
+    forward, cross-entropy, backward, SGD step. At the end both models have
+    taken the same steps on the same batch, and their losses are checked to
+    still agree.
+
+How to run
+    python benchmarks/bench_mp.py            # 1 to 1.5 minutes on 2 idle cores
+    python benchmarks/bench_mp.py --quick    # smoke run, well under a minute
+    python benchmarks/bench_mp.py --tp-plan rowwise-last   # skip the choice of torch's plan
+    python benchmarks/bench_mp.py --mp-layers 0,2          # autodist splits only these Linears
+
+How to read it
+    Each line gives min / first quartile / median / third quartile of the step
+    time in milliseconds (rank 0's clock; the collectives keep the ranks in
+    step). The headline is the ratio of medians, autodist / torch-tp: lower is
+    better; the goal is <= 0.90. "paired" is the median over rounds of the ratio
+    of the two blocks' medians in that round; it cancels slow drift of the
+    machine (thermal, other load), so when it disagrees with the headline the
+    run was noisy. The spread between min and median shows how noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import subprocess
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from timing import describe, interleave, make_step, report  # benchmarks/timing.py, next to this file
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+import autodist
+
+RANKS = 2  # world = mp: pure model parallelism
+IN_FEATURES, HIDDEN, CLASSES = 3072, 2048, 10
+GOAL = 0.90
+
+# torch's tensor-parallel plans, by the name printed and accepted by --tp-plan. Layers "0" and "2" are
+# Megatron's pair in all of them; they differ in what happens to the last Linear ("4", 2048 -> 10).
+TP_PLANS: dict[str, Callable[[], dict[str, ParallelStyle]]] = {
+    "colwise-last": lambda: {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                             "4": ColwiseParallel(output_layouts=Replicate())},
+    "rowwise-last": lambda: {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                             "4": RowwiseParallel(input_layouts=Replicate())},
+    "replicated-last": lambda: {"0": ColwiseParallel(), "2": RowwiseParallel()},
+}
+
+
+def build_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, CLASSES))
+
+
+def random_batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size, IN_FEATURES, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
+
+
+def torch_tp(dense: nn.Module, mesh: DeviceMesh, plan: str) -> nn.Module:
+    """A copy of ``dense`` split by torch's tensor parallelism with the named plan."""
+    return parallelize_module(copy.deepcopy(dense), mesh, TP_PLANS[plan]())
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (torch TP may hand back an AsyncCollectiveTensor, still in flight)."""
+    return torch.Tensor(t.detach().clone())
+
+
+def check_first_batch(dense: nn.Module, models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor) -> None:
+    """Every model's output and loss on the batch equal the dense model's (they start from its weights)."""
+    with torch.no_grad():
+        want = dense(x)
+        want_loss = F.cross_entropy(want, y)
+        for name, model in models.items():
+            out = plain(model(x))
+            torch.testing.assert_close(out, want, msg=lambda m, n=name: f"{n}: output differs from the dense model: {m}")
+            torch.testing.assert_close(F.cross_entropy(out, y), want_loss,
+                                       msg=lambda m, n=name: f"{n}: loss differs from the dense model: {m}")
+
+
+def choose_tp_plan(dense: nn.Module, mesh: DeviceMesh, x: torch.Tensor, y: torch.Tensor,
+                   args: argparse.Namespace, rank: int) -> str:
+    """The fastest of TP_PLANS on this model (rank 0's clock decides), or the one --tp-plan names."""
+    if args.tp_plan != "auto":
+        return args.tp_plan
+    models = {name: torch_tp(dense, mesh, name) for name in TP_PLANS}
+    check_first_batch(dense, models, x, y)
+    times, _ = interleave({name: make_step(m, x, y) for name, m in models.items()}, args.select_steps,
+                          args.select_rounds, args.warmup, before_block=dist.barrier)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    choice = [min(medians, key=medians.__getitem__)]
+    dist.broadcast_object_list(choice, src=0)  # the ranks' clocks may disagree; rank 0's choice holds
+    if rank == 0:
+        print(f"torch TP plan for the last layer, fastest of {len(TP_PLANS)} "
+              f"({args.select_rounds} rounds of {args.select_steps} steps each):")
+        for name, ts in times.items():
+            print(describe(name, ts, width=max(map(len, TP_PLANS))) + ("   <- chosen" if name == choice[0] else ""))
+        print(flush=True)
+    return choice[0]
+
+
+def final_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return F.cross_entropy(plain(model(x)), y)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One of the two torchrun ranks: torch TP and autodist side by side on the same process group."""
+    torch.set_num_threads(args.threads)
+    world = autodist.init()  # starts the gloo group that the device mesh then shares
+    assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
+    mesh = init_device_mesh("cpu", (RANKS,))
+    dense = build_model(seed=0)
+    # One fixed batch, the same full batch on both ranks (pure model parallelism), reused:
+    # data loading stays out of the timed step.
+    x, y = random_batch(args.batch, seed=1)
+    mp_layers = "all" if args.mp_layers == "all" else args.mp_layers.split(",")
+    if world.rank == 0:
+        option = "" if mp_layers == "all" else f", mp_layers={mp_layers}"
+        print(f"autodist's plan, autodist.explain(model, mp={RANKS}{option}, batch_size={args.batch}):")
+        print(autodist.explain(copy.deepcopy(dense), mp=RANKS, mp_layers=mp_layers, batch_size=args.batch),
+              end="\n\n", flush=True)
+    plan = choose_tp_plan(dense, mesh, x, y, args, world.rank)
+    reference = torch_tp(dense, mesh, plan)
+    contender, _ = autodist.parallelize(copy.deepcopy(dense), mp=RANKS, mp_layers=mp_layers)
+    models = {"torch-tp": reference, "autodist": contender}
+    check_first_batch(dense, models, x, y)
+    # The barrier lines the ranks up, so one rank's lag does not land in the next block's first step.
+    times, paired = interleave({name: make_step(m, x, y) for name, m in models.items()},
+                               args.steps, args.rounds, args.warmup, before_block=dist.barrier)
+    losses = {name: final_loss(m, x, y) for name, m in models.items()}
+    torch.testing.assert_close(losses["autodist"], losses["torch-tp"], rtol=1e-4, atol=1e-5)
+    if world.rank == 0:
+        option = "" if mp_layers == "all" else f", autodist mp_layers={mp_layers}"
+        report(f"2 ranks (gloo, {args.threads} thread(s) each), mp=2, the same batch of {args.batch} on both, "
+               f"torch TP plan {plan}{option}:", times, paired, GOAL)
+        steps = args.warmup + args.rounds * args.steps
+        print(f"  after {steps} steps each, the loss on the batch agrees: torch-tp "
+              f"{losses['torch-tp'].item():.6f}, autodist {losses['autodist'].item():.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch", str(args.batch),
+            "--threads", str(args.threads), "--warmup", str(args.warmup), "--tp-plan", args.tp_plan,
+            "--mp-layers", args.mp_layers, "--select-steps", str(args.select_steps), "--select-rounds", str(args.select_rounds)]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the two ranks through torchrun, in processes of their own."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+               __file__, "--worker", *forwarded(args)]
+    return subprocess.run(command).returncode
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=40, help="blocks of each contender")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each contender first")
+    parser.add_argument("--batch", type=int, default=128, help="rows per step, the same on both ranks")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--tp-plan", choices=["auto", *TP_PLANS], default="auto",
+                        help="torch's plan for the last layer (auto: the fastest of a short trial run)")
+    parser.add_argument("--mp-layers", default="all",
+                        help="autodist's mp_layers: all (the default plan) or comma-separated Linear names, e.g. 0,2")
+    parser.add_argument("--select-steps", type=int, default=5, help="steps per block when choosing torch's plan")
+    parser.add_argument("--select-rounds", type=int, default=6, help="rounds when choosing torch's plan")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.warmup, args.select_steps, args.select_rounds = 3, 4, 2, 2, 2
+    if min(args.steps, args.select_steps) < 1 or min(args.rounds, args.select_rounds) < 2:
+        parser.error("need steps >= 1 and rounds >= 2 (the quartiles need at least two values)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker:
+        run_worker(args)
+        return 0
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
