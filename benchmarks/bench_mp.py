@@ -19,9 +19,10 @@ What it measures
       colwise-last     ColwiseParallel(output_layouts=Replicate()): all-gather of
                        the 10 logits forward, all-reduce of the 2048-wide input
                        gradient backward
-      rowwise-last     RowwiseParallel(input_layouts=Replicate()): the same
-                       collectives as autodist's plan (all-reduce of the logits
-                       forward, all-gather of the input gradient backward)
+      rowwise-last     RowwiseParallel(input_layouts=Replicate()): all-reduce of
+                       the logits forward, all-gather of the input gradient
+                       backward (autodist's MPBaseLinear, were the layer named in
+                       --mp-layers)
       replicated-last  left a plain nn.Linear on every rank: no collective
     The choice is made on rank 0 from a short interleaved run of the three
     (printed); taking the fastest of noisy trials can only favour torch. With
