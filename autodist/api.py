@@ -1,4 +1,4 @@
-"""``parallelize``: validate -> init -> lay out ranks -> replicate -> hooks -> shard."""
+"""``parallelize``: validate -> init -> lay out ranks -> shard data -> replicate -> split layers -> hooks."""
 from __future__ import annotations
 
 from typing import Literal

@@ -87,6 +87,10 @@ def main() -> None:
         if args.checkpoint:
             autodist.save(args.checkpoint, model, optimizer, epoch=epoch, history=history,
                           shuffle_state=shuffle.get_state())
+    if world.is_main and history:
+        last = history[-1]
+        log.info("final test accuracy %.2f%% (train loss %.4f) on %s, %d rank(s), mode %s, model %s",
+                 last["test_accuracy"], last["train_loss"], data.name, world.size, args.mode, args.model)
     if world.is_main and args.out:
         os.makedirs(args.out, exist_ok=True)
         summary = {"dataset": data.name, "mode": args.mode, "model": args.model, "ranks": world.size, "mp": mp,
