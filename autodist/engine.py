@@ -447,11 +447,11 @@ def epoch_summary(epoch: int, train: dict, test: dict | None, seconds: float) ->
 
 def log_epoch(epoch: int, train: dict, test: dict | None, seconds: float, *,
               logger: logging.Logger | logging.LoggerAdapter | None = None) -> str:
-    """Log :func:`epoch_summary`'s line on rank 0 (at INFO, to "autodist.train" by default); return it.
+    """Log :func:`epoch_summary`'s line on rank 0 (at INFO, through :func:`rank_logger` by default); return it.
 
     Every rank may call it (only rank 0 prints), so a loop needs no rank test.
     """
     line = epoch_summary(epoch, train, test, seconds)
     if init().rank == 0:
-        (logger or _train_logger("autodist.train")).info(line)
+        (logger or rank_logger()).info(line)
     return line

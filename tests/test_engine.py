@@ -207,7 +207,7 @@ def test_progress_and_logger_in_a_world_of_one():
     bar = engine.progress(items, desc="epoch 1", disable=False, leave=False)
     assert isinstance(bar, tqdm.tqdm) and list(bar) == items
     assert engine.progress(items, disable=True) is items
-    assert _logged_lines() == (["[rank 0/1] hello 7"], ["epoch 2 | train loss 1.0000 | 0.10 s"])
+    assert _logged_lines() == (["[rank 0/1] hello 7"], ["[rank 0/1] epoch 2 | train loss 1.0000 | 0.10 s"])
 
 
 # -- on real ranks ---------------------------------------------------------------------------------
@@ -310,4 +310,4 @@ def test_progress_bar_and_log_lines_by_rank(ranks):
     assert kinds == [("tqdm", False, True), ("list", True, True), ("list", True, True)]
     lines = ranks(3, _logged_lines)
     assert [ranked for ranked, _ in lines] == [[f"[rank {r}/3] hello 7"] for r in range(3)]
-    assert [epoch for _, epoch in lines] == [["epoch 2 | train loss 1.0000 | 0.10 s"], [], []]
+    assert [epoch for _, epoch in lines] == [["[rank 0/3] epoch 2 | train loss 1.0000 | 0.10 s"], [], []]
