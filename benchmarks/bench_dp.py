@@ -37,6 +37,7 @@ import sys
 import torch
 import torch.distributed as dist
 from timing import interleave, make_step, report  # benchmarks/timing.py, next to this file
+from workload import build_model, random_batch  # benchmarks/workload.py
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,18 +45,6 @@ import autodist
 from autodist.grad_sync import state_of
 
 RANKS = 2
-IN_FEATURES, HIDDEN, CLASSES = 3072, 2048, 10
-
-
-def build_model(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                         nn.Linear(HIDDEN, CLASSES))
-
-
-def random_batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(size, IN_FEATURES, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
 
 
 def layout(buckets: list[list[tuple[str, int]]]) -> str:

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from timing import describe, interleave, make_step, report  # benchmarks/timing.py, next to this file
+from workload import build_model, random_batch  # benchmarks/workload.py
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
@@ -71,7 +72,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 import autodist
 
 RANKS = 2  # world = mp: pure model parallelism
-IN_FEATURES, HIDDEN, CLASSES = 3072, 2048, 10
 GOAL = 0.90
 
 # torch's tensor-parallel plans, by the name printed and accepted by --tp-plan. Layers "0" and "2" are
@@ -83,17 +83,6 @@ TP_PLANS: dict[str, Callable[[], dict[str, ParallelStyle]]] = {
                              "4": RowwiseParallel(input_layouts=Replicate())},
     "replicated-last": lambda: {"0": ColwiseParallel(), "2": RowwiseParallel()},
 }
-
-
-def build_model(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                         nn.Linear(HIDDEN, CLASSES))
-
-
-def random_batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(size, IN_FEATURES, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
 
 
 def torch_tp(dense: nn.Module, mesh: DeviceMesh, plan: str) -> nn.Module:
