@@ -1,18 +1,24 @@
-"""The ``autodist`` command: ``autodist run -n N [torchrun options] script.py [args]``."""
+"""The ``autodist`` command: ``autodist run`` (launch) and ``autodist explain`` (the model-parallel plan)."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import sys
 from typing import Sequence
 
 _USAGE = """usage: autodist run -n N [torchrun options] script.py [script args]
+       autodist explain MODULE:NAME --mp K [--batch-size B] [--layers a,b]
 
-Launches N processes of script.py on this machine through torchrun
-(torch.distributed.run), meeting on 127.0.0.1 with a free port. Multi-node
-options (--nnodes, --node-rank, --rdzv-endpoint, --master-addr, ...) pass
-through to torchrun unchanged.
+run      launches N processes of script.py on this machine through torchrun
+         (torch.distributed.run), meeting on 127.0.0.1 with a free port.
+         Multi-node options (--nnodes, --node-rank, --rdzv-endpoint,
+         --master-addr, ...) pass through to torchrun unchanged.
+explain  prints how parallelize(model, mp=K) would split the model NAME (an
+         nn.Module, or a callable returning one) of the importable MODULE.
 
-example: autodist run -n 2 examples/cifar/train.py --epochs 3
+examples: autodist run -n 2 examples/cifar/train.py --epochs 3
+          autodist explain mypackage.models:build_model --mp 2 --batch-size 128
 """
 
 # Any of these means the user set up the rendezvous; otherwise run standalone on this machine.
@@ -54,6 +60,27 @@ def torchrun_args(argv: Sequence[str]) -> list[str]:
     return out + list(argv[script_at:])
 
 
+def explain(argv: Sequence[str]) -> int:
+    """``autodist explain MODULE:NAME --mp K``: print the plan of the model found there."""
+    parser = argparse.ArgumentParser(prog="autodist explain", description="print the model-parallel plan")
+    parser.add_argument("target", help="MODULE:NAME, NAME an nn.Module or a callable returning one")
+    parser.add_argument("--mp", type=int, required=True, help="model-parallel degree")
+    parser.add_argument("--batch-size", type=int, default=None, help="rows per step, for bytes per step")
+    parser.add_argument("--layers", default="all", help="comma-separated Linear names to split (default: all)")
+    args = parser.parse_args(list(argv))
+    module_name, _, attr = args.target.partition(":")
+    if not module_name or not attr:
+        parser.error(f"target must look like MODULE:NAME, got {args.target!r}")
+    sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current folder are found
+    found = getattr(importlib.import_module(module_name), attr)
+    model = found() if callable(found) and not hasattr(found, "forward") else found
+    from autodist.rewrite import explain as plan_of
+
+    layers = "all" if args.layers == "all" else args.layers.split(",")
+    print(plan_of(model, mp=args.mp, mp_layers=layers, batch_size=args.batch_size))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autodist`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -61,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "explain":
+        return explain(rest)
     if command != "run":
         print(f"autodist: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2

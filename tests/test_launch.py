@@ -121,3 +121,13 @@ def test_open_mpi_style_launch_trains_like_one_process(tmp_path):
     assert (saved["world"], saved["launcher"]) == (2, "openmpi")
     assert_close(saved["state"], _reference(), rtol=1e-5, atol=1e-6)
     assert "backend gloo: no CUDA device is available" in outputs[0]
+
+
+def test_explain_command_prints_the_plan(tmp_path):
+    (tmp_path / "netdef.py").write_text("import torch.nn as nn\n"
+                                        "def build():\n"
+                                        "    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10))\n")
+    proc = subprocess.run([sys.executable, "-m", "autodist.cli", "explain", "netdef:build", "--mp", "2",
+                           "--batch-size", "32"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "column" in proc.stdout and "1,280" in proc.stdout  # 32 rows x 10 logits x 4 bytes
