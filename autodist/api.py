@@ -37,10 +37,13 @@ def _check_options(sync: str, mp: int, bucket_mb: float, first_bucket_mb: float)
                          f"first_bucket_mb={first_bucket_mb}")
 
 
-def _shared_seed(group: dist.ProcessGroup | None) -> int:
-    """One seed drawn from rank 0's global RNG, the same on every rank."""
-    seed = torch.tensor([int(torch.empty((), dtype=torch.int64).random_().item())])
-    dist.broadcast(seed, src=0, group=group)
+def _shared_seed(device: torch.device) -> int:
+    """One seed drawn from rank 0's global RNG, the same on every rank.
+
+    The tensor lives on the world's device: NCCL's default group carries CUDA tensors only.
+    """
+    seed = torch.tensor([int(torch.empty((), dtype=torch.int64).random_().item())], device=device)
+    dist.broadcast(seed, src=0)
     return int(seed.item())
 
 
@@ -155,7 +158,7 @@ def parallelize(
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
-                                                     shared_seed=lambda: _shared_seed(None))
+                                                     shared_seed=lambda: _shared_seed(world.device))
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)

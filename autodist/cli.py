@@ -52,6 +52,8 @@ def torchrun_args(argv: Sequence[str]) -> list[str]:
             continue
         if opt.startswith(("-n=", "--nproc=")):
             out += ["--nproc-per-node", opt.split("=", 1)[1]]
+        elif opt.startswith("-n") and not opt.startswith("--") and opt[2:].isdigit():  # -n2
+            out += ["--nproc-per-node", opt[2:]]
         else:
             out.append(opt)
         i += 1
@@ -73,8 +75,11 @@ def explain(argv: Sequence[str]) -> int:
         parser.error(f"target must look like MODULE:NAME, got {args.target!r}")
     sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current folder are found
     found = getattr(importlib.import_module(module_name), attr)
-    model = found() if callable(found) and not hasattr(found, "forward") else found
+    from torch import nn
+
     from autodist.rewrite import explain as plan_of
+
+    model = found if isinstance(found, nn.Module) else found()
 
     layers = "all" if args.layers == "all" else args.layers.split(",")
     print(plan_of(model, mp=args.mp, mp_layers=layers, batch_size=args.batch_size))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
 
@@ -48,6 +48,18 @@ def _check_enough(n: int, size: int, what: str) -> None:
                          f"needs at least one sample; use fewer ranks or more data")
 
 
+def _warn_uneven(n: int, rank: int, size: int, what: str) -> None:
+    """Uneven strided shards are exact, but a loop over them may take a different number of steps per rank."""
+    if n % size and rank == 0:
+        from autodist.runtime import log
+
+        log.warning("%s holds %d samples, which do not split evenly over %d ranks: shards hold %d or %d. "
+                    "Every rank must take the same number of steps (each step's backward communicates), so "
+                    "batch the shards such that ceil(shard / batch) is the same on every rank, drop the last "
+                    "partial batch, or pass a DataLoader, which autodist splits per global batch",
+                    what, n, size, n // size + 1, n // size)
+
+
 def _strided(x: torch.Tensor | np.ndarray, rank: int, size: int) -> torch.Tensor | np.ndarray:
     part = x[rank::size]
     return np.ascontiguousarray(part) if isinstance(x, np.ndarray) else part.contiguous()
@@ -63,8 +75,10 @@ def shard_arrays(data: Any, rank: int, size: int) -> Any:
             raise ValueError(f"the tensors/arrays in data have different lengths {lengths}; "
                              f"they must share their first (sample) dimension")
         _check_enough(lengths[0], size, "data")
+        _warn_uneven(lengths[0], rank, size, "data")
         return type(data)(_strided(x, rank, size) for x in data)
     _check_enough(_length(data, "data"), size, "data")
+    _warn_uneven(_length(data, "data"), rank, size, "data")
     return _strided(data, rank, size)
 
 
@@ -75,6 +89,7 @@ def shard_dataset(dataset: Dataset, rank: int, size: int) -> Subset:
                         "(e.g. by autodist.init().rank) and pass the model alone to parallelize")
     n = len(dataset)  # type: ignore[arg-type]
     _check_enough(n, size, "the Dataset")
+    _warn_uneven(n, rank, size, "the Dataset")
     return Subset(dataset, range(rank, n, size))
 
 
@@ -133,11 +148,16 @@ _KEPT_LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn"
 
 
 def _with_shared_generator(batch_sampler: Any, shared_seed: Callable[[], int]) -> Any:
-    """A RandomSampler on the global RNG would draw a different order on each rank: give it a seeded generator."""
-    if isinstance(batch_sampler, BatchSampler) and isinstance(batch_sampler.sampler, RandomSampler) \
-            and batch_sampler.sampler.generator is None:
+    """A random sampler on the global RNG would draw a different order on each rank: give it a seeded generator.
+
+    RandomSampler, SubsetRandomSampler and WeightedRandomSampler all take their
+    randomness from ``sampler.generator`` when it is set; the user's objects are
+    left untouched (copies are changed).
+    """
+    sampler = getattr(batch_sampler, "sampler", None)
+    if isinstance(batch_sampler, BatchSampler) and hasattr(sampler, "generator") and sampler.generator is None:
         batch_sampler = copy.copy(batch_sampler)
-        batch_sampler.sampler = copy.copy(batch_sampler.sampler)
+        batch_sampler.sampler = copy.copy(sampler)
         batch_sampler.sampler.generator = torch.Generator().manual_seed(shared_seed())
     return batch_sampler
 

@@ -149,6 +149,12 @@ class GradSync:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
                  first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        low = [n for n, p in named if p.dtype in (torch.float16, torch.bfloat16)]
+        if low:
+            raise NotImplementedError(
+                f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
+                f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
+                f"and compute in low precision with torch.autocast")
         self.group = group
         self.names = {p: n for n, p in named}
         params = [p for _, p in named]
@@ -160,6 +166,7 @@ class GradSync:
         self.samples = 0  # samples seen by forward passes since the last sync
         self.forwards = 0
         self.previous_total = 1.0  # G: last step's global sample count, the same on every rank
+        self.last_weight = 1.0  # this rank's weight at the last sync, for a backward with no new forward
         self.next_bucket = 0
         self.callback_queued = False
         self.handles = [model.register_forward_pre_hook(self._count_batch, with_kwargs=True)]
@@ -197,8 +204,9 @@ class GradSync:
 
     # -- the sync ------------------------------------------------------------------------------
     def _weight(self) -> float:
-        # No forward seen (the model was called through a submodule, say): weigh ranks equally.
-        return float(self.samples) if self.forwards else 1.0
+        # No forward since the last sync: a second backward through the same graph keeps that step's
+        # weights; none ever (the model called through a submodule, say): ranks weigh equally.
+        return float(self.samples) if self.forwards else self.last_weight
 
     def _start(self, bucket: _Bucket) -> None:
         count = self._weight()
@@ -218,6 +226,7 @@ class GradSync:
             average_(self.buffers, self._weight(), self.group)
         if total > 0:
             self.previous_total = total
+        self.last_weight = self._weight()
         self.next_bucket, self.samples, self.forwards = 0, 0, 0
 
     def remove(self) -> None:
@@ -236,6 +245,7 @@ class Registration:
 
 
 _registry: "weakref.WeakKeyDictionary[nn.Module, Registration]" = weakref.WeakKeyDictionary()
+_unparallelized: "weakref.WeakKeyDictionary[nn.Module, Registration]" = weakref.WeakKeyDictionary()
 
 
 def attach(model: nn.Module, registration: Registration) -> None:
@@ -318,10 +328,11 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
     world = init()
     if world.size == 1:
         return
-    registration = _registry.get(model)
+    registration = _registry.get(model) or _unparallelized.get(model)
     if registration is None:  # not parallelized: the user keeps it identical on all ranks
+        # kept apart from _registry, so that parallelize(model) later is still allowed
         registration = Registration(world.size, world.rank, None, GradSync(model, None, hooks=False))
-        attach(model, registration)
+        _unparallelized[model] = registration
     if registration.dp == 1:
         return
     if what == "parameters":

@@ -136,13 +136,16 @@ class _Planner:
     """Walks the traced graph and decides a role for each Linear module."""
 
     def __init__(self, model: nn.Module, graph: fx.Graph, mp: int, selected: Callable[[str, nn.Module], bool],
-                 explicit: bool = False):
+                 explicit: bool = False, functions: str = ""):
         self.model, self.graph, self.mp, self.selected = model, graph, mp, selected
         self.explicit = explicit  # the user named the layers: split them even where it does not pay
+        self.functions_blocked = functions  # why F.linear sites must stay as they are ("" if they need not)
         self.modules = dict(model.named_modules())
         calls = [n.target for n in graph.nodes if n.op == "call_module"]
         self.calls = collections.Counter(calls)
         self.direct_uses = {str(n.target).rsplit(".", 1)[0] for n in graph.nodes if n.op == "get_attr"}
+        # a parameter registered in two modules is tied: splitting one owner would silently untie it
+        self.owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
         self.role: dict[str, str] = {}  # module name -> "column" | "row" | "full"
         self.first: set[str] = set()  # column/full layers whose input needs no gradient
         self.local: list[fx.Node] = []  # elementwise nodes that run on a slice
@@ -177,16 +180,20 @@ class _Planner:
             return False
         name, module = found
         if node.op == "call_function":
-            weight, bias = _linear_args(node)
-            shared = len(weight.users) > 1 or (bias is not None and len(bias.users) > 1)  # type: ignore
+            attrs = [a for a in _linear_args(node) if a is not None]
+            owners = {str(a.target).rpartition(".")[0] for a in attrs}
+            shared = any(len(a.users) > 1 for a in attrs) or bool(owners & set(self.calls)) \
+                or any(self.owners[id(self.model.get_parameter(str(a.target)))] > 1 for a in attrs)
         else:
-            shared = name in self.direct_uses
-        if not self.selected(name, module):
+            shared = name in self.direct_uses or any(self.owners[id(p)] > 1 for p in module.parameters())
+        if node.op == "call_function" and self.functions_blocked:
+            self.kept_whole[name] = self.functions_blocked
+        elif not self.selected(name, module):
             self.kept_whole[name] = "not selected by mp_layers"
         elif node.op == "call_module" and self.calls[name] > 1:
             self.kept_whole[name] = "called more than once in forward"
         elif shared:
-            self.kept_whole[name] = "its weight is used outside the layer"
+            self.kept_whole[name] = "its weight is shared or used outside the layer"
         elif min(module.in_features, module.out_features) < self.mp:
             self.kept_whole[name] = f"a dimension smaller than mp={self.mp}"
         else:
@@ -388,16 +395,19 @@ class Rewrite:
 
 def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool],
               err: BaseException) -> Rewrite:
-    """torch.fx could not trace: every selected Linear becomes a full-in/full-out MPBaseLinear.
+    """torch.fx could not trace: every selected plain nn.Linear becomes a full-in/full-out MPBaseLinear.
 
-    That swap is exact whatever the forward does with the layer's output, unless
-    the forward reads the layer's weight itself (tied weights): those stay.
+    That swap is exact whatever the forward does with the layer's output. What
+    stays: weights shared with another layer, nn.Linear subclasses (their own
+    forward may differ) and Linears inside torch's own layers (which read the
+    weight themselves, e.g. MultiheadAttention.out_proj). A forward that reads a
+    plain Linear's weight directly is not detectable without a trace.
     """
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     rows, roles = [], {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or not name:
-            continue
+        if type(module) is not nn.Linear or not name or _inside_torch_layer(model, name):
+            continue  # a subclass may have its own forward; torch's own layers (MHA) read their weights
         n = _count(module)
         if not selected(name, module):
             rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], "not selected by mp_layers"))
@@ -414,6 +424,12 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
     return Rewrite(Plan(mp, rows, traced=False), roles, set())
 
 
+def _inside_torch_layer(model: nn.Module, name: str) -> bool:
+    parent = model.get_submodule(name.rpartition(".")[0])
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    return type(parent).__module__.startswith("torch.nn") and not isinstance(parent, containers)
+
+
 def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None) -> Rewrite:
     """Trace ``model`` and decide each Linear's split; nothing is changed yet."""
     _check_selection(model, mp_layers)
@@ -424,10 +440,26 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
         result = _fallback(model, mp, selected, err)
         result.plan.batch_size = batch_size
         return result
-    planner = _Planner(model, graph, mp, selected, explicit=isinstance(mp_layers, (list, tuple, set)))
+    explicit = isinstance(mp_layers, (list, tuple, set))
+    planner = _Planner(model, graph, mp, selected, explicit)
     planner.plan()
+    if any(n.op == "call_function" for n in planner.nodes.values()) and _depends_on_training(model, graph):
+        why = "F.linear in a forward that depends on model.training: rewriting it would freeze the mode"
+        planner = _Planner(model, graph, mp, selected, explicit, functions=why)
+        planner.plan()
     return Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
                    graph, planner.nodes, planner.swaps)
+
+
+def _depends_on_training(model: nn.Module, graph: fx.Graph) -> bool:
+    """Whether tracing in the other mode gives other code (``F.dropout(x, p, self.training)``, say)."""
+    was_training = model.training
+    try:
+        model.train(not was_training)
+        other = fx.Tracer().trace(model)
+    finally:
+        model.train(was_training)
+    return str(other) != str(graph)
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -472,7 +504,9 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
     """Swap the planned layers for MP layers in place; returns the (parameter, name) pairs that were replaced.
 
     nn.Linear modules are replaced at their own names. F.linear calls need the
-    forward itself changed: the rewritten graph's code becomes ``model.forward``.
+    forward itself changed: the rewritten graph's code becomes ``model.forward``
+    (only planned when the forward does not depend on ``model.training``; forward
+    hooks of submodules the trace went through no longer run).
     """
     replaced: list[tuple[nn.Parameter, str]] = []
     functions = False

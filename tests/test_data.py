@@ -158,3 +158,27 @@ def _dataset_run():
 
 def test_dataset_input_matches_one_process(ranks):
     assert_same_training(ranks(3, _dataset_run))
+
+
+@pytest.mark.parametrize("make_sampler", [
+    lambda n: torch.utils.data.SubsetRandomSampler(range(n)),
+    lambda n: torch.utils.data.WeightedRandomSampler([1.0] * n, n),
+])
+def test_every_global_rng_sampler_gets_a_shared_seed(make_sampler):
+    seeds = []
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, sampler=make_sampler(8))
+    shards = [shard(loader, r, 2, lambda: seeds.append(1) or 77) for r in range(2)]
+    torch.manual_seed(0)
+    first = [b[0].tolist() for b in shards[0]]
+    torch.manual_seed(1)  # another global RNG state: the order must not depend on it
+    second = [b[0].tolist() for b in shards[1]]
+    assert len(seeds) == 2 and loader.batch_sampler.sampler.generator is None
+    torch.manual_seed(5)
+    assert [b[0].tolist() for b in shard(loader, 0, 2, lambda: 77)] == first
+    assert len(first) == len(second) == 2
+
+
+def test_uneven_tensor_shards_are_announced(caplog):
+    with caplog.at_level("WARNING", logger="autodist"):
+        shard(torch.zeros(5, 2), 0, 2, NO_SEED)
+    assert "5 samples, which do not split evenly over 2 ranks" in caplog.text

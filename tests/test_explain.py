@@ -98,3 +98,72 @@ def test_small_unpaired_layer_stays_replicated_unless_named():
     assert rows["4"].split == "replicated" and "small" in rows["4"].note and rows["4"].collectives == []
     rows = _rows(autodist.explain(net, mp=2, mp_layers=["0", "2", "4"]))
     assert rows["4"].split == "full" and len(rows["4"].collectives) == 2
+
+
+class TiedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class WeightReadTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(x) + torch.nn.functional.linear(x, self.fc.weight, self.fc.bias)
+
+
+class ModeDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(torch.nn.functional.linear(x, self.w1), 0.5, self.training)
+        return torch.nn.functional.linear(h, self.w2)
+
+
+def test_shared_weights_stay_replicated():
+    rows = _rows(autodist.explain(TiedPair(), mp=2))
+    assert rows["a"].split == rows["b"].split == "replicated" and "shared" in rows["a"].note
+    rows = _rows(autodist.explain(WeightReadTwice(), mp=2))
+    assert rows["fc"].split == "replicated" and rows["fc.weight"].split == "replicated"
+
+
+def test_functional_linear_in_a_mode_dependent_forward_is_left_alone():
+    rows = _rows(autodist.explain(ModeDependent(), mp=2))
+    assert rows["w1"].split == "replicated" and "model.training" in rows["w1"].note
+
+
+class LoRALinear(nn.Linear):
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.adapter = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return super().forward(x) + self.adapter
+
+
+class UntraceableMixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lora, self.plain = LoRALinear(8), nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        return self.plain(self.lora(x))
+
+
+def test_fallback_swaps_only_plain_linears():
+    rows = _rows(autodist.explain(UntraceableMixed(), mp=2))
+    assert set(rows) == {"plain"} and rows["plain"].split == "full"
+
+

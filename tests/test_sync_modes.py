@@ -151,3 +151,42 @@ def _frozen_run():
 
 def test_frozen_parameters(ranks):
     assert_same_training(ranks(2, _frozen_run))
+
+
+def _two_backwards():
+    """loss.backward(retain_graph=True) twice per step, on ranks holding 5 and 1 samples."""
+    x, y = w.digits_like(6)
+    ref = w.seeded(w.mlp, 0)
+    F.cross_entropy(ref(x), y).backward(retain_graph=True)
+    (2 * F.cross_entropy(ref(x), y)).backward()
+    model, _ = autodist.parallelize(w.seeded(w.mlp, 0))
+    part = slice(0, 5) if w.rank() == 0 else slice(5, 6)
+    loss = F.cross_entropy(model(x[part]), y[part])
+    loss.backward(retain_graph=True)
+    (2 * loss).backward()
+    return ({n: p.grad for n, p in ref.named_parameters()}, {n: p.grad for n, p in model.named_parameters()})
+
+
+def test_second_backward_without_forward_stays_exact(ranks):
+    for ref, par in ranks(2, _two_backwards):
+        assert_close(par, ref, rtol=1e-5, atol=1e-6)
+
+
+def _half_precision_refused():
+    with pytest.raises(NotImplementedError, match="float32/float64 parameters.*torch.autocast"):
+        autodist.parallelize(w.mlp().half())
+
+
+def test_half_precision_parameters_are_refused(ranks):
+    ranks(2, _half_precision_refused)
+
+
+def _manual_then_parallelize():
+    model = w.seeded(w.mlp, 0)
+    autodist.synchronize_model(model, what="parameters")
+    autodist.parallelize(model)  # still allowed afterwards
+    return True
+
+
+def test_synchronize_before_parallelize(ranks):
+    assert ranks(2, _manual_then_parallelize) == [True, True]
