@@ -14,23 +14,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
 import workloads as w
+from test_mp import FunctionalMLP as FunctionalNet  # F.linear calls: the MP layers keep the names w1, b1, ...
 
 
 def stack() -> nn.Module:
-    # widths 9 and 7 split unevenly over 2 ranks; the planner makes a column/row pair, then a full layer
+    # widths 9 and 7 split unevenly over 2 ranks; the planner makes a column/row pair, and the small
+    # output layer stays replicated
     return nn.Sequential(nn.Linear(12, 9), nn.Tanh(), nn.Linear(9, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-class FunctionalNet(nn.Module):
-    """Linear layers as F.linear calls: the MP layers that replace them keep the names w1, b1, w2, b2."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1, self.b1 = nn.Parameter(torch.randn(10, 12) * 0.3), nn.Parameter(torch.randn(10) * 0.1)
-        self.w2, self.b2 = nn.Parameter(torch.randn(3, 10) * 0.3), nn.Parameter(torch.randn(3) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(torch.tanh(F.linear(x, self.w1, self.b1)), self.w2, self.b2)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
