@@ -1,6 +1,8 @@
 """Sharding: every sample once per epoch, the single-process global batches, clear errors."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -179,6 +181,10 @@ def test_every_global_rng_sampler_gets_a_shared_seed(make_sampler):
 
 
 def test_uneven_tensor_shards_are_announced(caplog):
-    with caplog.at_level("WARNING", logger="autodist"):
+    logger = logging.getLogger("autodist")  # autodist's logger does not propagate once init() configured it
+    logger.addHandler(caplog.handler)
+    try:
         shard(torch.zeros(5, 2), 0, 2, NO_SEED)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "5 samples, which do not split evenly over 2 ranks" in caplog.text

@@ -107,15 +107,18 @@ def _free_port() -> int:
 @pytest.mark.e2e
 def test_open_mpi_style_launch_trains_like_one_process(tmp_path):
     # What mpirun -np 2 -x MASTER_PORT=... gives each process: no torchrun variables at all.
-    out, port = tmp_path / "state.pt", _free_port()
-    procs = []
-    for rank in range(2):
-        env = _child_env() | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
-                              "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                              "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "launched_train.py"), str(out)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    out = tmp_path / "state.pt"
+    for _ in range(3):  # the free port may be taken by someone else before rank 0 binds it: try another
+        procs, port = [], _free_port()
+        for rank in range(2):
+            env = _child_env() | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                                  "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                                  "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "launched_train.py"), str(out)],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+        if not any("address already in use" in o.lower() for o in outputs):
+            break
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     saved = torch.load(out, weights_only=True)
     assert (saved["world"], saved["launcher"]) == (2, "openmpi")
