@@ -170,6 +170,7 @@ def parallelize(
                               bucket_mb=bucket_mb, sync_buffers=sync_buffers)
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
-        log.info("parallelized %s: %d data-parallel x %d model-parallel ranks (sync=%s)",
-                 type(model).__name__, dims.dp, dims.mp, sync)
+        log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
+                 "sync=%s", type(model).__name__, world.size, world.launcher, world.backend,
+                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, sync)
     return model, shard

@@ -11,7 +11,7 @@ _USAGE = """usage: autodist run -n N [torchrun options] script.py [script args]
        autodist explain MODULE:NAME --mp K [--batch-size B] [--layers a,b]
 
 run      launches N processes of script.py on this machine through torchrun
-         (torch.distributed.run), meeting on 127.0.0.1 with a free port.
+         (torch.distributed.run --standalone: a free port on localhost).
          Multi-node options (--nnodes, --node-rank, --rdzv-endpoint,
          --master-addr, ...) pass through to torchrun unchanged.
 explain  prints how parallelize(model, mp=K) would split the model NAME (an

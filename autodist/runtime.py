@@ -52,6 +52,7 @@ class World:
     device: torch.device
     backend: str | None  # None in a world of one: no process group exists
     launcher: str = "none"
+    reason: str = ""  # why this backend, in words (parallelize puts it in its log line)
 
     @property
     def is_main(self) -> bool:
@@ -191,7 +192,8 @@ def _adopt_existing_group(launch: Launch) -> World:
     local_size = launch.local_size if launch.size == size else size
     local_rank = launch.local_rank if launch.size == size else dist.get_rank() % local_size
     device = pin_device(local_rank, gpus)
-    return World(dist.get_rank(), size, local_rank, local_size, device, backend, launch.launcher)
+    return World(dist.get_rank(), size, local_rank, local_size, device, backend, launch.launcher,
+                 "the process group was started before autodist.init()")
 
 
 def _shutdown() -> None:
@@ -244,8 +246,9 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
     # Exiting with a live process group can abort in its background threads ("terminate called
     # without an active exception"): the group autodist started, autodist also ends.
     atexit.register(_shutdown)
-    if launch.rank == 0:
-        log.info("%d ranks via %s, backend %s: %s", launch.size, launch.launcher, chosen, why)
+    # One line on rank 0 says what was chosen and why; parallelize prints it with its own summary,
+    # so that a training script's first log line is its own.
+    log.debug("%d ranks via %s, backend %s: %s", launch.size, launch.launcher, chosen, why)
     _world = World(launch.rank, launch.size, launch.local_rank, launch.local_size, device, chosen,
-                   launch.launcher)
+                   launch.launcher, why)
     return _world
