@@ -7,11 +7,12 @@ run on the local slice, the second is split by input features (row). The
 activation between them never leaves its rank, and the pair costs one
 all-reduce forward (after the row layer) and one backward (before the column
 layer) - none at all when the column layer is the network's first, whose
-input needs no gradient. A selected Linear outside any pair becomes a
-full-in/full-out ``MPBaseLinear`` (``MPInitialLinear`` at the top), unless
-it is small (fewer than 64 input or output features, like an output layer
-over 10 classes): then two collectives a step would buy almost no memory, so
-it stays replicated unless named in ``mp_layers``. Anything
+input needs no gradient (autograd then records no communication; an input
+that does need one, for a saliency map, still gets its exact gradient). A
+selected Linear outside any pair becomes a full-in/full-out ``MPBaseLinear``,
+unless it is small (fewer than 64 input or output features, like an output
+layer over 10 classes): then two collectives a step would buy almost no
+memory, so it stays replicated unless named in ``mp_layers``. Anything
 else between two Linears - a reshape, dropout (its random mask would differ
 from one process's), a second use of the activation - keeps the tensor whole:
 the pair is not formed, never a silent shape error. A Linear the plan cannot
@@ -328,8 +329,9 @@ def _linear_row(name: str, linear: nn.Linear, role: str, first: bool, mp: int, n
     if role == "row":
         return LayerPlan(name, "Linear", "row", dense, per_rank, [("forward", "all-reduce", n_out)], "")
     comm = [("forward", "all-reduce", n_out)] + ([] if first else [("backward", "all-gather", n_in)])
-    layer = "MPInitialLinear" if first else "MPBaseLinear"
-    return LayerPlan(name, "Linear", "full", dense, per_rank, comm, f"{layer} (row split inside); {note}")
+    first_note = "first layer: no input-gradient communication; " if first else ""
+    return LayerPlan(name, "Linear", "full", dense, per_rank, comm,
+                     f"MPBaseLinear (row split inside); {first_note}{note}")
 
 
 def _plan_rows(planner: _Planner, graph: fx.Graph) -> list[LayerPlan]:
@@ -467,14 +469,16 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _mp_layer(linear: nn.Linear, role: str, first: bool, group: object | None) -> nn.Module:
-    from autodist.layers import ColumnParallelLinear, MPBaseLinear, MPInitialLinear, RowParallelLinear
+def _mp_layer(linear: nn.Linear, role: str, group: object | None) -> nn.Module:
+    """The split layer for a role. A first layer needs no special class: its input, needing no gradient, makes
+    autograd record no backward communication, and an input that does need one (saliency) still gets it exact."""
+    from autodist.layers import ColumnParallelLinear, MPBaseLinear, RowParallelLinear
 
     if role == "column":
-        return ColumnParallelLinear.from_dense(linear, group=group, input_grad=not first)
+        return ColumnParallelLinear.from_dense(linear, group=group)
     if role == "row":
         return RowParallelLinear.from_dense(linear, group=group)
-    return (MPInitialLinear if first else MPBaseLinear).from_dense(linear, group=group)
+    return MPBaseLinear.from_dense(linear, group=group)
 
 
 def _elementwise_layer(name: str) -> nn.Module:
@@ -515,7 +519,7 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
         if node is None or node.op == "call_module":
             linear = model.get_submodule(name)
             replaced += [(p, f"{name}.{n}") for n, p in linear.named_parameters()]
-            _swap(model, name, _mp_layer(linear, role, name in rewrite.first, group))
+            _swap(model, name, _mp_layer(linear, role, group))
             continue
         weight, bias = _linear_args(node)
         w = model.get_parameter(str(weight.target))
@@ -526,7 +530,7 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
             if b is not None:
                 dense.bias.copy_(b)
         replaced += [(w, str(weight.target))] + ([(b, str(bias.target))] if b is not None else [])
-        _replace_function_site(model, rewrite.graph, node, _mp_layer(dense, role, name in rewrite.first, group))
+        _replace_function_site(model, rewrite.graph, node, _mp_layer(dense, role, group))
         functions = True
     for name, layer in rewrite.swaps.items():
         _swap(model, name, _elementwise_layer(layer))

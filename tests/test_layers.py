@@ -147,12 +147,11 @@ def _linear_case(in_features: int, out_features: int, bias: bool) -> list:
     ref_out = dense(ref_x)
     ref_out.backward(grad)
     rows = []
-    for cls, kw in [(ColumnParallelLinear, {}), (ColumnParallelLinear, {"input_grad": False}),
-                    (RowParallelLinear, {}), (MPBaseLinear, {}), (MPInitialLinear, {})]:
-        layer = cls.from_dense(dense, **kw)
-        name, (lo, hi) = f"{cls.__name__}{kw or ''}", layer.bounds
+    for cls in (ColumnParallelLinear, RowParallelLinear, MPBaseLinear, MPInitialLinear):
+        layer = cls.from_dense(dense)
+        name, (lo, hi) = cls.__name__, layer.bounds
         column, sharded_in = layer.split == "column", cls is RowParallelLinear
-        input_grad = kw.get("input_grad", True) and cls is not MPInitialLinear
+        input_grad = cls is not MPInitialLinear
         inp = (x[..., lo:hi] if sharded_in else x).clone().requires_grad_(input_grad)
         out = layer(inp)
         out.backward(grad[..., lo:hi] if column else grad)
@@ -224,6 +223,32 @@ def test_each_rank_holds_about_one_kth_of_the_weight(ranks):
         assert max(counts) <= 600 / 3 + other_dim, (cls.__name__, counts)  # 1/K, plus one row of rounding
 
 
+def _backward_sends() -> dict:
+    """Collectives each layer sends in backward, for an input without and with requires_grad."""
+    counts = {}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+    for cls in (ColumnParallelLinear, MPBaseLinear):
+        for needs_grad in (False, True):
+            torch.manual_seed(0)
+            out = cls(6, 4)(torch.zeros(2, 6, requires_grad=needs_grad))
+            sent = []
+            try:
+                for name, fn in originals.items():
+                    setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: sent.append(_name) or _fn(*a, **k))
+                out.sum().backward()
+            finally:
+                for name, fn in originals.items():
+                    setattr(dist, name, fn)
+            counts[cls.__name__, needs_grad] = sent
+    return counts
+
+
+def test_first_layer_input_sends_nothing_backward_unless_it_needs_a_gradient(ranks):
+    for counts in ranks(2, _backward_sends):
+        assert counts == {("ColumnParallelLinear", False): [], ("ColumnParallelLinear", True): ["all_reduce"],
+                          ("MPBaseLinear", False): [], ("MPBaseLinear", True): ["all_gather"]}
+
+
 # -- real ranks: errors ---------------------------------------------------------------------------------
 
 def _errors_case() -> bool:
@@ -234,8 +259,6 @@ def _errors_case() -> bool:
     needs_grad = torch.zeros(2, 6, requires_grad=True)
     with pytest.raises(RuntimeError, match="use MPBaseLinear below the top of the network"):
         MPInitialLinear(6, 4)(needs_grad)
-    with pytest.raises(RuntimeError, match="planned as the network's first layer"):
-        ColumnParallelLinear(6, 4, input_grad=False)(needs_grad)
     with pytest.raises(ValueError, match="MPBaseLinear takes the full input"):
         RowParallelLinear(6, 4)(torch.zeros(2, 6))
     with torch.no_grad():  # no gradient wanted: the first layer takes any input

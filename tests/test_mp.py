@@ -147,6 +147,26 @@ def test_collectives_and_parameter_count_match_the_plan(ranks, size):
         assert mine <= dense / size + 20 + 16 + 20 + 3 + 20 * size  # 1/K of the weights, plus biases, plus rounding
 
 
+def _input_gradient(build, shape):
+    """A saliency-style gradient with respect to the input, parallelized and alone."""
+    x, y = _data(shape)
+    ref = w.seeded(build, 0)
+    model, _ = autodist.parallelize(w.seeded(build, 0), mp=2)
+    grads = []
+    for m in (model, ref):
+        inp = x.clone().requires_grad_()
+        F.cross_entropy(m(inp), y).backward()
+        grads.append(inp.grad)
+    return grads
+
+
+@pytest.mark.parametrize("build, shape", [(deep_stack, (12,)), (ReshapeInside, (8, 8))],
+                         ids=["first-layer-column", "first-layer-full"])
+def test_input_that_requires_grad_gets_the_single_process_gradient(ranks, build, shape):
+    for got, expected in ranks(2, _input_gradient, build, shape):
+        assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def _optimizer_too_early():
     model = w.seeded(deep_stack, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,13 +1,16 @@
 """Linear layers split over the ranks of a model-parallel group, each exact against ``nn.Linear``.
 
-=========================  ==============  ===============  ================  ===========================
+=========================  ==============  ===============  ================  =====================================
 layer                      weight split    input            output            collectives (fwd / bwd)
-=========================  ==============  ===============  ================  ===========================
-``ColumnParallelLinear``   output rows     full             last-dim shard    - / all-reduce (none if first)
+=========================  ==============  ===============  ================  =====================================
+``ColumnParallelLinear``   output rows     full             last-dim shard    - / all-reduce (if input grad)
 ``RowParallelLinear``      input columns   last-dim shard   full              all-reduce / -
-``MPBaseLinear``           input columns   full             full              all-reduce / all-gather
+``MPBaseLinear``           input columns   full             full              all-reduce / all-gather (if input grad)
 ``MPInitialLinear``        input columns   full, no grad    full              all-reduce / -
-=========================  ==============  ===============  ================  ===========================
+=========================  ==============  ===============  ================  =====================================
+
+"If input grad": only when the input needs a gradient. For the network's first
+layer, fed the data, autograd records nothing and backward sends nothing.
 
 A column layer, elementwise ops on its slice, then a row layer is Megatron's
 pair: one all-reduce forward, one backward. ``MPBaseLinear`` and
@@ -79,13 +82,12 @@ class _SplitLinear(nn.Module):
         self._take_shard(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
 
     @classmethod
-    def from_dense(cls: type[_Layer], linear: nn.Linear, *, group: Any = None, **kw: Any) -> _Layer:
+    def from_dense(cls: type[_Layer], linear: nn.Linear, *, group: Any = None) -> _Layer:
         """This rank's shard of ``linear``: the layer computes exactly what ``linear`` does.
 
         Args:
             linear: the dense layer; it is not changed (its shards are copied).
             group: the process group to split over (None: every rank).
-            **kw: the layer's own options (``input_grad`` for ColumnParallelLinear).
 
         Returns:
             The new layer, on ``linear``'s device and dtype.
@@ -96,7 +98,7 @@ class _SplitLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Expect nn.Linear for linear, {type(linear).__name__} found")
         with torch.device("meta"):  # no random draws, no dense allocation: the values come from `linear`
-            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group, **kw)
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group)
         layer._take_shard(linear)
         return layer
 
@@ -167,18 +169,20 @@ class ColumnParallelLinear(_SplitLinear):
 
     Rank r holds rows ``lo:hi`` of the dense weight (and of the bias). Follow
     it with elementwise ops and a :class:`RowParallelLinear` (Megatron's pair).
+    In backward the input's gradient is all-reduced over the group (each rank
+    holds only its part of it). When the input needs no gradient - the
+    network's first layer, fed the data - autograd records nothing for it, so
+    the layer sends nothing at all; an input that does need one (saliency maps,
+    adversarial examples) gets the exact gradient.
 
     Args:
         in_features / out_features / bias: as ``nn.Linear``.
         group: the process group to split over (None: every rank).
-        input_grad: all-reduce the input's gradient in backward (each rank
-            holds only its part of it). False for the network's first layer,
-            whose input needs no gradient: no communication at all.
 
     Example:
-        >>> up = ColumnParallelLinear(1024, 2048, input_grad=False)
+        >>> up = ColumnParallelLinear(1024, 2048)
         >>> down = RowParallelLinear(2048, 10)
-        >>> out = down(torch.tanh(up(x)))      # one all-reduce forward
+        >>> out = down(torch.tanh(up(x)))      # one all-reduce forward; none backward if x needs no grad
 
     Note:
         Built directly, the dense weight is drawn as ``nn.Linear`` draws it, then
@@ -187,26 +191,10 @@ class ColumnParallelLinear(_SplitLinear):
 
     split = "column"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
-                 input_grad: bool = True, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(in_features, out_features, bias, group=group, device=device, dtype=dtype)
-        self.input_grad = input_grad
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_group()
         self._check_width(x, self.in_features, "the full input")
-        if self.input_grad:
-            x = copy_to_group(x, self.group)
-        elif x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError(f"{type(self).__name__} was planned as the network's first layer (input_grad=False: "
-                               f"its input gradient is not summed over ranks, each would hold only its part), "
-                               f"but its input requires a gradient; build it with input_grad=True or detach "
-                               f"the input")
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, input_grad={self.input_grad}"
+        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(_SplitLinear):
@@ -240,7 +228,8 @@ class MPBaseLinear(_SplitLinear):
     Forward takes this rank's slice of the input, multiplies by its columns of
     the weight and all-reduces; the bias is added once. Backward all-gathers
     the input gradient: the concatenation of every rank's slice gradient, as
-    in one process.
+    in one process. An input that needs no gradient (the network's first
+    layer) records nothing for autograd, so backward then sends nothing.
 
     Args:
         in_features / out_features / bias: as ``nn.Linear``.
