@@ -1,4 +1,4 @@
-"""``parallelize``: validate -> init -> lay out ranks -> shard data -> replicate -> split layers -> hooks."""
+"""``parallelize``: validate -> init -> lay out ranks -> shard data -> replicate -> split -> share RNG -> hooks."""
 from __future__ import annotations
 
 from typing import Literal
@@ -13,6 +13,7 @@ from autodist.grad_sync import GradSync, Registration, attach, is_parallelized
 from autodist.guards import retire
 from autodist.mesh import Groups, ParallelDims, build_groups
 from autodist.replicate import broadcast_state, check_same_model, model_tensors
+from autodist.rng import share_rng_state
 from autodist.runtime import World, init, log
 
 
@@ -143,9 +144,15 @@ def parallelize(
         the samples its forward passes saw (the first dimension of the first
         tensor argument), so uneven shards stay exact for a loss that is a mean
         over the batch. BatchNorm normalises with each rank's local batch
-        statistics, as in DDP. Build the optimizer after parallelize: with mp
-        the Linear parameters are replaced (an optimizer holding the old ones
-        refuses to step).
+        statistics, as in DDP. With ``mp > 1`` every rank of a model-parallel
+        group takes the torch RNG state (CPU and CUDA) of the group's first
+        rank, so dropout and other random ops draw the same numbers on all of
+        them - and so does random data augmentation on torch's RNG, which must
+        agree because the ranks of a group must see the same input (Python's
+        ``random`` and NumPy are not touched: seed them alike on every rank).
+        Data-parallel replicas keep their own random streams. Build the
+        optimizer after parallelize: with mp the Linear parameters are
+        replaced (an optimizer holding the old ones refuses to step).
     """
     _check_model(model)
     _check_options(sync, mp, bucket_mb, first_bucket_mb)
@@ -164,6 +171,8 @@ def parallelize(
     _replicate(model, dims, groups, world)
     if dims.mp > 1 and not rewrite.mp_modules(model):
         _split_layers(model, dims, groups, mp_layers)
+    if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
+        share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
     sync_state = None
     if dims.dp > 1:
         sync_state = GradSync(model, groups.dp, hooks=(sync == "backward"), first_bucket_mb=first_bucket_mb,

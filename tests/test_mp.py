@@ -167,6 +167,45 @@ def test_input_that_requires_grad_gets_the_single_process_gradient(ranks, build,
         assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def dropout_stack() -> nn.Module:
+    # dropout in the replicated region, between two Megatron pairs: every rank of a group must draw one mask
+    return nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64),
+                         nn.Tanh(), nn.Linear(64, 3))
+
+
+def _train_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    opt = w.optimizer("sgd", model)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _dropout_training():
+    """Each rank seeds its RNG differently; parallelize must give the ranks of a group one random stream."""
+    x, y = _data((12,))
+    ref = w.seeded(dropout_stack, 0)
+    model, (xs, ys) = autodist.parallelize(w.seeded(dropout_stack, 0 if w.rank() == 0 else 9 + w.rank()), (x, y),
+                                           mp=2)
+    start = torch.get_rng_state()
+    _train_steps(model, xs, ys, 3)
+    replicated = {k: v for k, v in w.state(model).items() if k in ("2.bias", "6.bias")}  # the row layers' biases
+    gathered = autodist.gather_state_dict(model, all_ranks=True)
+    torch.set_rng_state(start)  # one process drawing the same masks: the same training (meaningful for dp=1)
+    _train_steps(ref, x, y, 3)
+    return replicated, gathered, w.state(ref)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_dropout_draws_one_mask_per_model_parallel_group(ranks, size):
+    results = ranks(size, _dropout_training)
+    for replicated, gathered, ref in results:
+        # identical in every rank (exact): the same mask within a group, the same averaged gradient across groups
+        assert_close(replicated, results[0][0], rtol=0, atol=0)
+        if size == 2:
+            assert_close(gathered, ref, rtol=1e-5, atol=1e-6)
+
+
 def _optimizer_too_early():
     model = w.seeded(deep_stack, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
