@@ -12,20 +12,32 @@ import subprocess
 import sys
 import tarfile
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
+
+from autodist import engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "cifar")
 
 
 def _example_module(name: str):
+    """examples/cifar/<name>.py, loaded as the scripts load it (siblings importable), leaving sys.path as it was."""
     spec = importlib.util.spec_from_file_location(f"cifar_example_{name}", os.path.join(EXAMPLE, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    before = set(sys.modules)
+    sys.path.insert(0, EXAMPLE)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(EXAMPLE)
+        for key in set(sys.modules) - before:  # the siblings (`import plots`) under their bare names
+            if os.path.dirname(getattr(sys.modules[key], "__file__", None) or "") == EXAMPLE:
+                del sys.modules[key]
     return module
 
 
@@ -203,28 +215,151 @@ def test_unpacking_refuses_paths_outside_the_folder_without_tarfiles_filter(tmp_
         data.checked_members(tar)
 
 
-def _run(args: list[str], tmp_path) -> tuple[str, dict]:
+# -- the results table and the plots -------------------------------------------------------------
+
+def made_up_metrics(ranks: int, mode: str, loss: float, accuracy: float) -> dict:
+    history = [{"epoch": e, "train_loss": loss * (3 - e), "train_accuracy": 80.0 + e, "test_loss": 0.5 / e,
+                "test_accuracy": accuracy - 2 + e, "seconds": 0.1 * e} for e in (1, 2)]
+    return {"dataset": "scikit-learn digits", "mode": mode, "model": "mlp", "ranks": ranks, "mp": 1,
+            "batch_size": 32, "lr": 0.05, "history": history}
+
+
+def test_results_table():
+    compare = _example_module("compare")
+    text = compare.table([("1 process", made_up_metrics(1, "dp", 0.0667, 96.38)),
+                          ("2 ranks, mp", made_up_metrics(2, "mp", 0.12345, 95.5))])
+    assert text == (
+        "Dataset: scikit-learn digits, model: mlp, 2 epochs, global batch 32, SGD + momentum.\n\n"
+        "| run | final train loss | test accuracy | time per epoch |\n"
+        "|---|---|---|---|\n"
+        "| 1 process | 0.0667 | 96.38% | 0.15 s |\n"  # the last epoch's numbers; the mean time of both
+        "| 2 ranks, mp | 0.1235 | 95.50% | 0.15 s |\n")
+
+
+def _is_png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_of_several_runs_and_of_one(tmp_path):
+    pytest.importorskip("matplotlib")
+    plots = _example_module("plots")
+    results = [("1 process", made_up_metrics(1, "dp", 0.0667, 96.38)),
+               ("2 ranks, dp", made_up_metrics(2, "dp", 0.07, 96.0))]
+    plots.plot_runs(results, str(tmp_path / "results.png"))
+    assert plots.plot_run(results[1][1], str(tmp_path / "metrics.png"))
+    assert _is_png(tmp_path / "results.png") and _is_png(tmp_path / "metrics.png")
+
+
+def test_without_matplotlib_one_line_says_there_is_no_plot(tmp_path, monkeypatch):
+    plots = _example_module("plots")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with example_log() as lines:
+        assert not plots.plot_run(made_up_metrics(1, "dp", 0.1, 90.0), str(tmp_path / "metrics.png"),
+                                  engine.rank_logger())
+    assert len(lines) == 1 and lines[0].startswith("[rank 0/1] no plot written: matplotlib is not installed")
+    assert not os.path.exists(tmp_path / "metrics.png")
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+TRAIN = os.path.join(EXAMPLE, "train.py")
+DIGITS_LINE = ("[rank 0/{}] dataset: scikit-learn digits (1438 train / 359 test images of 1x8x8); "
+               "CIFAR-10 not found in 'data'")
+TORCHRUN_BANNER = ("*" * 41, "Setting OMP_NUM_THREADS environment variable")  # torchrun's, not a log line
+
+
+class Run(NamedTuple):
+    output: list[str]  # stdout and stderr lines, in order
+    metrics: dict  # metrics.json
+    out: str  # the --out folder
+
+
+def _run(folder, ranks: int, *args: str) -> Run:
+    """train.py in ``folder`` (no CIFAR-10 there) on ``ranks`` processes, writing into ``folder``/out."""
+    os.makedirs(folder, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args, "--out", str(tmp_path / "out"), "--no-progress"],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    with open(tmp_path / "out" / "metrics.json") as f:
-        return proc.stdout + proc.stderr, json.load(f)
+    command = [sys.executable, TRAIN]
+    if ranks > 1:  # as a user launches it; torchrun sets OMP_NUM_THREADS=1 per worker and prints its banner
+        env.pop("OMP_NUM_THREADS")
+        command = [sys.executable, "-m", "autodist.cli", "run", "-n", str(ranks), TRAIN]
+    proc = subprocess.run([*command, *args, "--out", "out", "--no-progress"], cwd=str(folder), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    out = os.path.join(folder, "out")
+    with open(os.path.join(out, "metrics.json")) as f:
+        return Run(proc.stdout.splitlines(), json.load(f), out)
+
+
+def _log_lines(output: list[str]) -> list[str]:
+    """What the run printed apart from torchrun's banner, in order."""
+    return [line for line in output if line.strip() and not line.startswith(TORCHRUN_BANNER)]
+
+
+# Three short runs on digits, shared by the tests below: 2 ranks dp train 2 epochs uninterrupted; one
+# process trains 1 epoch and checkpoints it; 2 ranks mp resume that checkpoint to epoch 2.
+
+@pytest.fixture(scope="module")
+def two_ranks_dp(tmp_path_factory) -> Run:
+    return _run(tmp_path_factory.mktemp("dp"), 2, "--epochs", "2")
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> tuple[Run, Run]:
+    """One process for 1 epoch with --checkpoint, then 2 ranks mp resuming from it to epoch 2."""
+    checkpoint = str(tmp_path_factory.mktemp("checkpoint") / "ckpt.pt")
+    saved = _run(tmp_path_factory.mktemp("one"), 1, "--epochs", "1", "--checkpoint", checkpoint)
+    resumed = _run(tmp_path_factory.mktemp("mp"), 2, "--mode", "mp", "--epochs", "2", "--checkpoint", checkpoint)
+    return saved, resumed
 
 
 @pytest.mark.e2e
-def test_example_runs_one_epoch_on_two_ranks(tmp_path):
-    output, metrics = _run(["-m", "autodist.cli", "run", "-n", "2", os.path.join(EXAMPLE, "train.py"),
-                            "--mode", "mp", "--epochs", "1"], tmp_path)
-    assert "dataset: scikit-learn digits" in output and "CIFAR-10 not found" in output
-    assert metrics["ranks"] == 2 and metrics["mp"] == 2 and len(metrics["history"]) == 1
-    assert metrics["history"][0]["test_accuracy"] > 50
+def test_first_log_line_says_the_dataset(two_ranks_dp, interrupted):
+    for run, ranks in ((two_ranks_dp, 2), (interrupted[0], 1), (interrupted[1], 2)):
+        assert _log_lines(run.output)[0] == DIGITS_LINE.format(ranks)  # digits, and that CIFAR-10 was not found
+    assert any(line.startswith(TORCHRUN_BANNER[1]) for line in two_ranks_dp.output)  # there, but not a log line
+    metrics = two_ranks_dp.metrics
+    assert metrics["dataset"] == "scikit-learn digits" and metrics["ranks"] == 2 and metrics["mp"] == 1
+
+
+@pytest.mark.e2e
+def test_layouts_agree_on_test_accuracy(two_ranks_dp, interrupted):
+    dp, one, mp = (run.metrics["history"] for run in (two_ranks_dp, *interrupted))
+    assert len(dp) == 2 and len(one) == 1 and interrupted[1].metrics["mp"] == 2
+    assert abs(one[0]["test_accuracy"] - dp[0]["test_accuracy"]) <= 0.5  # epoch 1: one process vs 2 ranks dp
+    assert abs(mp[1]["test_accuracy"] - dp[1]["test_accuracy"]) <= 0.5  # epoch 2: 2 ranks mp vs 2 ranks dp
+    assert dp[1]["test_accuracy"] > 80
+
+
+@pytest.mark.e2e
+def test_resume_at_another_layout_continues_the_run(two_ranks_dp, interrupted):
+    saved, resumed = (run.metrics["history"] for run in interrupted)
+    assert any(line.startswith("[rank 0/2] resumed from ") and line.endswith("ckpt.pt after epoch 1")
+               for line in interrupted[1].output)
+    assert resumed[0] == saved[0]  # carried in the checkpoint
+    # Against the uninterrupted run: the layouts add partial sums in different orders (one process vs an
+    # all-reduce of 2 ranks' gradients; mp's split layers), so losses agree to rounding (~1e-8 relative
+    # here), not bit for bit; the counts of correct predictions, hence the accuracies, are the same.
+    uninterrupted = two_ranks_dp.metrics["history"]
+    assert [h["epoch"] for h in resumed] == [1, 2]
+    for got, expected in zip(resumed, uninterrupted):
+        for key in ("train_accuracy", "test_accuracy"):
+            assert got[key] == expected[key], key
+        for key in ("train_loss", "test_loss"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-6), key
+
+
+@pytest.mark.e2e
+def test_each_run_writes_its_plot(two_ranks_dp, interrupted):
+    pytest.importorskip("matplotlib")
+    for run in (two_ranks_dp, *interrupted):
+        assert sorted(os.listdir(run.out)) == ["metrics.json", "metrics.png"]
+        assert _is_png(os.path.join(run.out, "metrics.png"))
 
 
 @pytest.mark.e2e
 def test_example_reads_cifar_when_present(tmp_path):
     write_fake_cifar(str(tmp_path / "data"))
-    output, metrics = _run([os.path.join(EXAMPLE, "train.py"), "--model", "convnet", "--epochs", "1",
-                            "--batch-size", "8"], tmp_path)
-    assert "dataset: CIFAR-10 (20 train / 4 test images of 3x32x32)" in output
-    assert metrics["dataset"] == "CIFAR-10"
+    run = _run(tmp_path, 1, "--model", "convnet", "--epochs", "1", "--batch-size", "8")
+    assert _log_lines(run.output)[0] == "[rank 0/1] dataset: CIFAR-10 (20 train / 4 test images of 3x32x32)"
+    assert run.metrics["dataset"] == "CIFAR-10"

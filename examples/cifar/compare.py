@@ -3,9 +3,10 @@
     python examples/cifar/compare.py --epochs 10 --out examples/cifar/results
 
 Writes ``results.md`` (a table like Horovod's: final train loss, test accuracy,
-time per epoch) and ``results.png`` (loss and accuracy per epoch) into --out.
-All four runs train the same model on the same global batches, so their
-curves should lie on top of each other.
+time per epoch) and ``results.png`` (loss and accuracy per epoch) into --out,
+and each run's own ``metrics.json`` and ``metrics.png`` into a folder of its
+own there. All four runs train the same model on the same global batches, so
+their curves should lie on top of each other.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+
+import plots
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = [  # (label, ranks, mode)
@@ -26,7 +29,7 @@ RUNS = [  # (label, ranks, mode)
 
 def run(label: str, ranks: int, mode: str, args: argparse.Namespace, out: str) -> dict:
     script = [os.path.join(HERE, "train.py"), "--mode", mode, "--model", args.model, "--epochs", str(args.epochs),
-              "--data-dir", args.data_dir, "--out", out, "--no-progress"]
+              "--batch-size", str(args.batch_size), "--data-dir", args.data_dir, "--out", out, "--no-progress"]
     if ranks == 1:
         command = [sys.executable, *script]
     else:
@@ -38,9 +41,16 @@ def run(label: str, ranks: int, mode: str, args: argparse.Namespace, out: str) -
 
 
 def table(results: list[tuple[str, dict]]) -> str:
-    dataset = results[0][1]["dataset"]
-    lines = [f"Dataset: {dataset}, model: {results[0][1]['model']}, "
-             f"{len(results[0][1]['history'])} epochs, global batch 64, SGD + momentum.", "",
+    """A markdown table of (label, metrics.json) pairs: final train loss, test accuracy, mean time per epoch.
+
+    Example:
+        >>> print(table([("1 process", json.load(open("results/1-dp/metrics.json")))]))
+        Dataset: scikit-learn digits, model: mlp, 10 epochs, global batch 64, SGD + momentum.
+        ...
+    """
+    first = results[0][1]
+    lines = [f"Dataset: {first['dataset']}, model: {first['model']}, {len(first['history'])} epochs, "
+             f"global batch {first['batch_size']}, SGD + momentum.", "",
              "| run | final train loss | test accuracy | time per epoch |", "|---|---|---|---|"]
     for label, r in results:
         last = r["history"][-1]
@@ -49,28 +59,11 @@ def table(results: list[tuple[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[tuple[str, dict]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for (label, r), style in zip(results, ["-", "--", ":", "-."]):
-        epochs = [h["epoch"] for h in r["history"]]
-        loss_ax.plot(epochs, [h["train_loss"] for h in r["history"]], style, label=label)
-        acc_ax.plot(epochs, [h["test_accuracy"] for h in r["history"]], style, label=label)
-    loss_ax.set(xlabel="epoch", ylabel="train loss", title="train loss (mean over the epoch)")
-    acc_ax.set(xlabel="epoch", ylabel="test accuracy (%)", title=f"test accuracy, {results[0][1]['dataset']}")
-    loss_ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch of every run")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
@@ -81,7 +74,7 @@ def main() -> None:
     text = table(results)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
-    plot(results, os.path.join(args.out, "results.png"))
+    plots.plot_runs(results, os.path.join(args.out, "results.png"))
     print(text)
 
 

@@ -25,6 +25,7 @@ from autodist import engine
 
 import data as datasets
 import models
+import plots
 
 
 def parse_args() -> argparse.Namespace:
@@ -33,12 +34,13 @@ def parse_args() -> argparse.Namespace:
                    help="dp: data parallel; mp: every rank splits the Linear layers; hybrid: groups of 2 split them")
     p.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
     p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
-    p.add_argument("--download", action="store_true", help="fetch CIFAR-10 (MD5-checked) if it is absent")
+    p.add_argument("--download", action="store_true",
+                   help="fetch CIFAR-10 (MD5-checked) if it is absent; one rank per machine fetches, the others wait")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, split over the data-parallel ranks")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for metrics.json (rank 0)")
+    p.add_argument("--out", default=None, help="folder for metrics.json and its plot, metrics.png (rank 0)")
     p.add_argument("--checkpoint", default=None, help="save here after every epoch, resume from it if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args()
@@ -47,9 +49,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     world = autodist.init()
+    log = engine.rank_logger()
     torch.manual_seed(args.seed)
     data = datasets.load(args.data_dir, download=args.download, seed=args.seed)
-    log = engine.rank_logger()
     if world.is_main:
         log.info("dataset: %s (%d train / %d test images of %s)%s", data.name, len(data.train), len(data.test),
                  "x".join(map(str, data.image_shape)),
@@ -94,9 +96,10 @@ def main() -> None:
     if world.is_main and args.out:
         os.makedirs(args.out, exist_ok=True)
         summary = {"dataset": data.name, "mode": args.mode, "model": args.model, "ranks": world.size, "mp": mp,
-                   "history": history}
+                   "batch_size": args.batch_size, "lr": args.lr, "history": history}
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
             json.dump(summary, f, indent=1)
+        plots.plot_run(summary, os.path.join(args.out, "metrics.png"), log)
 
 
 if __name__ == "__main__":
