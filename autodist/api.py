@@ -1,6 +1,7 @@
 """``parallelize``: validate -> init -> lay out ranks -> shard data -> replicate -> split -> share RNG -> hooks."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -36,16 +37,6 @@ def _check_options(sync: str, mp: int, bucket_mb: float, first_bucket_mb: float)
     if not (bucket_mb > 0 and first_bucket_mb > 0):
         raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, "
                          f"first_bucket_mb={first_bucket_mb}")
-
-
-def _shared_seed(device: torch.device) -> int:
-    """One seed drawn from rank 0's global RNG, the same on every rank.
-
-    The tensor lives on the world's device: NCCL's default group carries CUDA tensors only.
-    """
-    seed = torch.tensor([int(torch.empty((), dtype=torch.int64).random_().item())], device=device)
-    dist.broadcast(seed, src=0)
-    return int(seed.item())
 
 
 def _hand_placed_mp(model: nn.Module, mp: int, world: World) -> int:
@@ -165,7 +156,7 @@ def parallelize(
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
-                                                     shared_seed=lambda: _shared_seed(world.device))
+                                                     partial(data_mod.broadcast_order, device=world.device))
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)

@@ -7,12 +7,13 @@ Two rules make a parallel run see the same global batches as one process:
   the single-process batch i of size P*b, in order;
 * a DataLoader keeps its own sampler: every rank draws the same global batch
   and keeps its contiguous slice of it, so the epoch's batches, their order and
-  the per-epoch reshuffling are the single-process loader's.
+  the per-epoch reshuffling are the single-process loader's (a sampler on the
+  global RNG is drawn by rank 0 and its order broadcast, once an epoch).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -147,26 +148,62 @@ _KEPT_LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn"
                         "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 
 
-def _with_shared_generator(batch_sampler: Any, shared_seed: Callable[[], int]) -> Any:
-    """A random sampler on the global RNG would draw a different order on each rank: give it a seeded generator.
+ShareOrder = Callable[[Iterable[int]], list[int]]  # an epoch's sample order, as rank 0 drew it
 
-    RandomSampler, SubsetRandomSampler and WeightedRandomSampler all take their
-    randomness from ``sampler.generator`` when it is set; the user's objects are
-    left untouched (copies are changed).
+
+def broadcast_order(order: Iterable[int], device: torch.device) -> list[int]:
+    """Rank 0 draws ``order`` (iterating it); every rank returns rank 0's list. Every rank must call it.
+
+    Only rank 0 iterates ``order``, so only rank 0's global RNG moves, exactly
+    as the single-process run's would.
     """
+    import torch.distributed as dist
+
+    drawn = torch.tensor(list(order), dtype=torch.int64, device=device) if dist.get_rank() == 0 else None
+    length = torch.tensor([0 if drawn is None else drawn.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    if drawn is None:
+        drawn = torch.empty(int(length.item()), dtype=torch.int64, device=device)
+    dist.broadcast(drawn, src=0)
+    return drawn.tolist()
+
+
+class Rank0Order(Sampler[int]):
+    """A sampler that draws from the global RNG, made to agree across ranks: each epoch, rank 0 iterates it
+    and every rank gets rank 0's order.
+
+    RandomSampler without a generator, SubsetRandomSampler and
+    WeightedRandomSampler take their randomness from the global RNG, which
+    differs between ranks. Rank 0 draws just as the single-process loader
+    would (same calls on the same RNG), so with the same ``torch.manual_seed``
+    the parallel run sees the single-process batches.
+    """
+
+    def __init__(self, sampler: Sampler[int], share: ShareOrder) -> None:
+        self.sampler, self.share = sampler, share
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.share(self.sampler))
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+def _agreeing(batch_sampler: Any, share: ShareOrder) -> Any:
+    """``batch_sampler`` with a global-RNG sampler wrapped in :class:`Rank0Order` (on a copy: the user's loader
+    is left as it was)."""
     sampler = getattr(batch_sampler, "sampler", None)
     if isinstance(batch_sampler, BatchSampler) and hasattr(sampler, "generator") and sampler.generator is None:
         batch_sampler = copy.copy(batch_sampler)
-        batch_sampler.sampler = copy.copy(sampler)
-        batch_sampler.sampler.generator = torch.Generator().manual_seed(shared_seed())
+        batch_sampler.sampler = Rank0Order(sampler, share)
     return batch_sampler
 
 
-def shard_loader(loader: DataLoader, rank: int, size: int, shared_seed: Callable[[], int]) -> DataLoader:
+def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder) -> DataLoader:
     """A DataLoader yielding rank's slice of each of ``loader``'s global batches.
 
-    ``shared_seed`` is called (on every rank together) only when the loader
-    shuffles with the global RNG and so needs one seed that all ranks agree on.
+    ``share`` is called (on every rank together, once an epoch) only when the
+    loader's sampler draws from the global RNG: it hands every rank rank 0's order.
     """
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError("a DataLoader over an IterableDataset cannot be split by index; shard its stream "
@@ -180,20 +217,27 @@ def shard_loader(loader: DataLoader, rank: int, size: int, shared_seed: Callable
                          "DataLoader and autodist shards it")
     _check_enough(len(loader.dataset), size, "the DataLoader's dataset")  # type: ignore[arg-type]
     options = {name: getattr(loader, name) for name in _KEPT_LOADER_OPTIONS if hasattr(loader, name)}
-    batches = RankSliceBatchSampler(_with_shared_generator(loader.batch_sampler, shared_seed), rank, size)
+    batches = RankSliceBatchSampler(_agreeing(loader.batch_sampler, share), rank, size)
     return DataLoader(loader.dataset, batch_sampler=batches,
                       collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
 
 
-def shard(data: DataLike, rank: int, size: int, shared_seed: Callable[[], int]) -> DataLike:
+def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> DataLike:
     """Rank's shard of ``data``, of the same kind as ``data``.
 
+    Args:
+        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset or a DataLoader.
+        rank / size: this rank's data-parallel index, and the number of data-parallel ranks.
+        share: for a DataLoader whose sampler draws from the global RNG, gives every
+            rank rank 0's order of an epoch (:func:`broadcast_order`); the default,
+            ``list``, is right in a single process only.
+
     Example:
-        >>> shard(torch.arange(5), rank=1, size=2, shared_seed=lambda: 0)
+        >>> shard(torch.arange(5), rank=1, size=2)
         tensor([1, 3])
     """
     if isinstance(data, DataLoader):
-        return shard_loader(data, rank, size, shared_seed)
+        return shard_loader(data, rank, size, share)
     if isinstance(data, Dataset):
         return shard_dataset(data, rank, size)
     if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
@@ -205,4 +249,4 @@ def shard(data: DataLike, rank: int, size: int, shared_seed: Callable[[], int]) 
 def check(data: DataLike, size: int) -> None:
     """Validate ``data`` without sharding it (a world of one returns data as it is)."""
     if data is not None:
-        shard(data, 0, size, shared_seed=lambda: 0)
+        shard(data, 0, size)

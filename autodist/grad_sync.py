@@ -18,6 +18,13 @@ copied into the bucket by n_r / G, where G is the previous step's N (known
 alike on all ranks), and after the all-reduce corrected by G / N only in the
 rare step where N changed. After the all-reduce, ``p.grad`` is a view of the
 bucket: no copy back.
+
+Gradient accumulation (``no_sync``) needs each micro-batch k weighted by its
+own share n_rk / N_k, which the final bucket cannot know. So from the first
+forward inside ``no_sync`` until the next sync, every forward all-reduces its
+sample count (one number, asynchronously, while the forward runs) and a
+gradient hook scales each micro-batch's gradient by n_rk / N_k before autograd
+accumulates it; the final buckets then just sum over ranks.
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ from typing import Any, Iterator, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from autodist.runtime import log
 
 _MB = 1024 * 1024
 
@@ -77,19 +86,20 @@ class _Bucket:
         self.work: dist.Work | None = None
 
     def pack(self, count: float, scale: float) -> None:
-        flags = []
+        meta = [count]
         for p, view in zip(self.params, self.views):
             grad = p.grad
-            flags.append(0.0 if grad is None else 1.0)
+            meta.append(0.0 if grad is None else 1.0)
             if grad is not None and grad.is_sparse:
                 raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
                                           "use dense gradients")
             if grad is None or scale == 0.0:  # an empty batch may leave NaN grads: weight 0 means zero
                 view.zero_()
+            elif scale == 1.0:
+                view.copy_(grad)
             else:
                 torch.mul(grad, scale, out=view)
-        self.flat[self.count_slot] = count
-        self.flat[self.count_slot + 1:] = torch.tensor(flags, dtype=self.flat.dtype)
+        self.flat[self.count_slot:].copy_(_to_device(meta, self.flat), non_blocking=True)
 
     def start(self, count: float, scale: float, group: dist.ProcessGroup | None) -> None:
         self.pack(count, scale)
@@ -112,6 +122,12 @@ class _Bucket:
                 p.grad = view
 
 
+def _to_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A small host list as a tensor for ``like``'s device; pinned, so the copy does not stall a GPU backward."""
+    host = torch.tensor(values, dtype=like.dtype)
+    return host.pin_memory() if like.device.type == "cuda" else host
+
+
 def _first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
@@ -123,23 +139,34 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-def average_(tensors: list[torch.Tensor], weight: float, group: dist.ProcessGroup | None) -> None:
-    """In place: each tensor becomes sum_r w_r t_r / sum_r w_r over the ranks of ``group``."""
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for (dtype, device), ts in by_dtype.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts] + [torch.ones(1, dtype=dtype, device=device)])
-        flat.mul_(weight)
+def average_(tensors: list[torch.Tensor], weight: float, group: dist.ProcessGroup | None,
+             changed: list[bool] | None = None) -> None:
+    """In place: each tensor becomes sum_r w_r t_r / sum_r w_r over the ranks of ``group``.
+
+    With ``changed`` (one flag per tensor, this rank's), a tensor that no rank
+    changed is left exactly as it is, not replaced by an average that may round
+    differently. A rank of weight 0 contributes nothing, even where it holds inf.
+    """
+    changed = [True] * len(tensors) if changed is None else changed
+    by_dtype: dict[tuple, list[tuple[torch.Tensor, bool]]] = {}
+    for t, flag in zip(tensors, changed):
+        by_dtype.setdefault((t.dtype, t.device), []).append((t, flag))
+    for (dtype, device), entries in by_dtype.items():
+        ts = [t for t, _ in entries]
+        data = torch.cat([t.detach().reshape(-1) for t in ts])
+        data = data.mul_(weight) if weight != 0.0 else data.zero_()
+        meta = [weight] + [1.0 if flag else 0.0 for _, flag in entries]
+        flat = torch.cat([data, torch.tensor(meta, dtype=dtype).to(device)])
         dist.all_reduce(flat, group=group)
-        total = float(flat[-1])
+        total, flags = float(flat[data.numel()]), flat[data.numel() + 1:].tolist()
         if total <= 0.0:
             continue  # no rank had any weight: keep what each rank has
         flat.div_(total)
         offset = 0
         with torch.no_grad():
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            for t, flag in zip(ts, flags):
+                if flag > 0.0:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 
@@ -148,20 +175,15 @@ class GradSync:
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
                  first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True) -> None:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        low = [n for n, p in named if p.dtype in (torch.float16, torch.bfloat16)]
-        if low:
-            raise NotImplementedError(
-                f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
-                f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
-                f"and compute in low precision with torch.autocast")
         self.group = group
-        self.names = {p: n for n, p in named}
-        params = [p for _, p in named]
-        self.buckets = [_Bucket([params[i] for i in idx])
-                        for idx in assign_buckets(params, int(first_bucket_mb * _MB), int(bucket_mb * _MB))]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()] if sync_buffers else []
+        self.hooks = hooks
+        self.caps = (int(first_bucket_mb * _MB), int(bucket_mb * _MB))
+        self.named = list(model.named_parameters())
+        self.model = weakref.ref(model)
+        self.sync_buffers = sync_buffers
+        # what the buffers held at the last sync: only those changed since are averaged (BatchNorm updates
+        # its running statistics without bumping the version counter, so contents are compared)
+        self.buffer_snapshots = [b.detach().clone() for b in self._current_buffers()]
         self.enabled = True  # False inside no_sync()
         self.samples = 0  # samples seen by forward passes since the last sync
         self.forwards = 0
@@ -169,16 +191,95 @@ class GradSync:
         self.last_weight = 1.0  # this rank's weight at the last sync, for a backward with no new forward
         self.next_bucket = 0
         self.callback_queued = False
-        self.handles = [model.register_forward_pre_hook(self._count_batch, with_kwargs=True)]
-        if hooks:
-            self.handles += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        # gradient accumulation: per-micro-batch weights (see the module docstring)
+        self.pending_counts: list[tuple[int, torch.Tensor, dist.Work]] = []  # (n_rk, N_k once reduced, work)
+        self.micro_weight = 1.0
+        self.prescale_handles: list[Any] = []
+        self.param_handles: list[Any] = []
+        self._build()
+        self.handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+
+    def _build(self) -> None:
+        """Buckets and hooks for the parameters that are trainable now."""
+        named = [(n, p) for n, p in self.named if p.requires_grad]
+        low = [n for n, p in named if p.dtype in (torch.float16, torch.bfloat16)]
+        if low:
+            raise NotImplementedError(
+                f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
+                f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
+                f"and compute in low precision with torch.autocast")
+        self.trainable = tuple(p.requires_grad for _, p in self.named)
+        self.names = {p: n for n, p in named}
+        self.params = [p for _, p in named]
+        self.buckets = [_Bucket([self.params[i] for i in idx])
+                        for idx in assign_buckets(self.params, *self.caps)]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        for handle in self.param_handles:
+            handle.remove()
+        self.param_handles = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+                              if self.hooks else [])
+        if self.prescale_handles:
+            self._remove_prescale()
+            self._install_prescale()
 
     # -- hooks ---------------------------------------------------------------------------------
-    def _count_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled():
-            first = _first_tensor((args, kwargs))
-            self.samples += first.shape[0] if first is not None and first.ndim > 0 else 1
-            self.forwards += 1
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self.callback_queued:
+            self._discard_aborted_backward()
+        if tuple(p.requires_grad for _, p in self.named) != self.trainable:
+            # requires_grad changed since parallelize (unfreezing a layer, say): every rank must make the
+            # same change, as it would to its optimizer, and the buckets follow
+            if dist.get_rank() == 0:
+                log.info("the set of trainable parameters changed: gradient buckets rebuilt")
+            self._build()
+        first = _first_tensor((args, kwargs))
+        samples = first.shape[0] if first is not None and first.ndim > 0 else 1
+        self.samples += samples
+        self.forwards += 1
+        if not self.enabled or self.prescale_handles:  # accumulating: this micro-batch needs its own weight
+            self._install_prescale()
+            device = self.params[0].device if self.params else torch.device("cpu")
+            total = torch.tensor([float(samples)], dtype=torch.float64, device=device)
+            self.pending_counts.append((samples, total, dist.all_reduce(total, group=self.group, async_op=True)))
+
+    def _discard_aborted_backward(self) -> None:
+        """A backward that raised never reached its end-of-backward callback: drop what it left half done."""
+        log.warning("the previous backward pass did not finish (it raised?): its partial gradient sync is "
+                    "discarded; gradients left in .grad are this rank's own, unsynchronized")
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # every rank started the same buckets before failing alike
+            bucket.work = None
+            bucket.ready.clear()
+        for _, _, work in self.pending_counts:
+            work.wait()
+        self.pending_counts.clear()
+        self._remove_prescale()
+        self.next_bucket, self.samples, self.forwards, self.callback_queued = 0, 0, 0, False
+
+    def _install_prescale(self) -> None:
+        if not self.prescale_handles:
+            self.prescale_handles = [p.register_hook(self._prescale) for p in self.params]
+
+    def _remove_prescale(self) -> None:
+        for handle in self.prescale_handles:
+            handle.remove()
+        self.prescale_handles = []
+
+    def _prescale(self, grad: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's gradient times n_rk / N_k, before autograd adds it to .grad."""
+        if self.pending_counts:  # the first gradient of this backward: the counts of its forward(s)
+            mine, total = 0, 0.0
+            for samples, reduced, work in self.pending_counts:
+                work.wait()
+                mine, total = mine + samples, total + float(reduced)
+            self.micro_weight = mine / total if total > 0 else 0.0
+            self.pending_counts.clear()
+        if self.micro_weight == 0.0:  # an empty micro-batch (NaN loss): it contributes nothing
+            return torch.zeros_like(grad)
+        return grad * self.micro_weight
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.enabled:
@@ -210,7 +311,9 @@ class GradSync:
 
     def _start(self, bucket: _Bucket) -> None:
         count = self._weight()
-        bucket.start(count, count / self.previous_total, self.group)
+        # accumulated micro-batches were weighted one by one: the buckets only sum
+        scale = 1.0 if self.prescale_handles else count / self.previous_total
+        bucket.start(count, scale, self.group)
 
     def flush(self) -> None:
         """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
@@ -219,19 +322,44 @@ class GradSync:
         for bucket in self.buckets:
             bucket.work.wait()  # type: ignore[union-attr]
         total = self.buckets[0].total() if self.buckets else 0.0
-        correction = self.previous_total / total if total > 0 else 0.0
+        prescaled = bool(self.prescale_handles)
+        correction = 1.0 if prescaled else self.previous_total / total if total > 0 else 0.0
         for bucket in self.buckets:
             bucket.unpack(correction)
-        if self.buffers:
-            average_(self.buffers, self._weight(), self.group)
-        if total > 0:
+        self._average_changed_buffers()
+        if total > 0 and not prescaled:
             self.previous_total = total
         self.last_weight = self._weight()
+        self._remove_prescale()
+        for _, _, work in self.pending_counts:  # forwards with no backward since: their counts are moot
+            work.wait()
+        self.pending_counts.clear()
         self.next_bucket, self.samples, self.forwards = 0, 0, 0
 
+    def _current_buffers(self) -> list[torch.Tensor]:
+        model = self.model()
+        if not self.sync_buffers or model is None:
+            return []
+        return [b for b in model.buffers() if b.is_floating_point()]
+
+    def _average_changed_buffers(self) -> None:
+        """Buffers that some rank changed since the last sync (BatchNorm statistics) become their sample-weighted
+        average; buffers no rank touched (masks, constants) stay exactly as they are."""
+        buffers = self._current_buffers()  # model.to() may have replaced the buffer tensors
+        if not buffers:
+            return
+        if [(b.shape, b.dtype, b.device) for b in buffers] != \
+                [(s.shape, s.dtype, s.device) for s in self.buffer_snapshots]:
+            self.buffer_snapshots = [torch.full_like(b, float("nan")) for b in buffers]  # all count as changed
+        changed = [not torch.equal(b, snapshot) for b, snapshot in zip(buffers, self.buffer_snapshots)]
+        average_(buffers, self._weight(), self.group, changed)
+        for b, snapshot in zip(buffers, self.buffer_snapshots):
+            snapshot.copy_(b)
+
     def remove(self) -> None:
-        for handle in self.handles:
+        for handle in [*self.handles, *self.param_handles]:
             handle.remove()
+        self._remove_prescale()
 
 
 @dataclass
@@ -329,15 +457,15 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
     if world.size == 1:
         return
     registration = _registry.get(model) or _unparallelized.get(model)
-    if registration is None:  # not parallelized: the user keeps it identical on all ranks
-        # kept apart from _registry, so that parallelize(model) later is still allowed
-        registration = Registration(world.size, world.rank, None, GradSync(model, None, hooks=False))
-        _unparallelized[model] = registration
-    if registration.dp == 1:
+    if registration is not None and registration.dp == 1:
         return
     if what == "parameters":
         params = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad():
-            average_([p.data for p in params], 1.0, registration.dp_group)
+            average_([p.data for p in params], 1.0, registration.dp_group if registration else None)
         return
+    if registration is None:  # not parallelized: the user keeps it identical on all ranks
+        # kept apart from _registry, so that parallelize(model) later is still allowed
+        registration = Registration(world.size, world.rank, None, GradSync(model, None, hooks=False))
+        _unparallelized[model] = registration
     registration.sync.flush()  # type: ignore[union-attr]

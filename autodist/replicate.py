@@ -17,24 +17,28 @@ def model_tensors(model: nn.Module, exclude: set[int] = frozenset()) -> list[Ent
             + [("buffer", n, b) for n, b in model.named_buffers() if id(b) not in exclude])
 
 
-def signature(entries: list[Entry]) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(kind, name, shape, dtype) of each entry: what must agree across ranks."""
-    return [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in entries]
+def signature(entries: list[Entry]) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+    """(kind, name, shape, dtype, requires_grad) of each entry: what must agree across ranks.
+
+    ``requires_grad`` matters too: a parameter frozen on one rank only would
+    leave the ranks' gradient buckets different.
+    """
+    return [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad) for kind, name, t in entries]
 
 
 def first_difference(reference: list[tuple], other: list[tuple], rank: int, reference_rank: int = 0) -> str | None:
     """Words for the first entry where rank's signature differs from the reference rank's, or None.
 
     Example:
-        >>> first_difference([("parameter", "w", (2,), "torch.float32")],
-        ...                  [("parameter", "w", (3,), "torch.float32")], rank=1)
+        >>> first_difference([("parameter", "w", (2,), "torch.float32", True)],
+        ...                  [("parameter", "w", (3,), "torch.float32", True)], rank=1)
         "parameter 'w': shape (2,) on rank 0, (3,) on rank 1"
     """
     for ref, mine in zip(reference, other):
         if ref[:2] != mine[:2]:
             return f"rank {reference_rank} has {ref[0]} {ref[1]!r} where rank {rank} has {mine[0]} {mine[1]!r}"
         if ref != mine:
-            what, i = ("shape", 2) if ref[2] != mine[2] else ("dtype", 3)
+            what, i = next((w, i) for w, i in (("shape", 2), ("dtype", 3), ("requires_grad", 4)) if ref[i] != mine[i])
             return f"{ref[0]} {ref[1]!r}: {what} {ref[i]} on rank {reference_rank}, {mine[i]} on rank {rank}"
     if len(reference) != len(other):
         longer, who = (reference, reference_rank) if len(reference) > len(other) else (other, rank)
@@ -53,7 +57,7 @@ def check_same_model(entries: list[Entry], group: dist.ProcessGroup | None = Non
     why = next((p for p in problems if p is not None), None)
     if why is not None:
         raise ValueError(f"the ranks hold different models: {why}. Every rank must build the same model "
-                         f"(same layers, shapes and dtypes) before autodist.parallelize")
+                         f"(same layers, shapes, dtypes and frozen parameters) before autodist.parallelize")
 
 
 def broadcast_state(entries: list[Entry], src: int = 0, group: dist.ProcessGroup | None = None) -> None:

@@ -13,7 +13,7 @@ import workloads as w
 from autodist.data import shard, slice_bounds
 from test_equivalence import assert_same_training
 
-NO_SEED = lambda: pytest.fail("this loader must not need a shared seed")  # noqa: E731
+NO_ORDER = lambda order: pytest.fail("this loader must not need rank 0's order")  # noqa: E731
 
 
 def test_slice_bounds_cover_everything_once():
@@ -27,16 +27,16 @@ def test_slice_bounds_cover_everything_once():
 
 def test_tensor_and_numpy_shards_are_strided_and_keep_their_kind():
     x, y = torch.arange(10).reshape(5, 2), np.arange(5)
-    xs, ys = shard((x, y), 1, 2, NO_SEED)
+    xs, ys = shard((x, y), 1, 2, NO_ORDER)
     assert isinstance(xs, torch.Tensor) and isinstance(ys, np.ndarray)
     assert xs.tolist() == [[2, 3], [6, 7]] and ys.tolist() == [1, 3]
-    assert isinstance(shard([x, y], 0, 2, NO_SEED), list)
-    assert shard(np.arange(5), 0, 2, NO_SEED).tolist() == [0, 2, 4]
+    assert isinstance(shard([x, y], 0, 2, NO_ORDER), list)
+    assert shard(np.arange(5), 0, 2, NO_ORDER).tolist() == [0, 2, 4]
 
 
 def test_dataset_shard_is_a_strided_subset():
     ds = TensorDataset(torch.arange(7))
-    parts = [shard(ds, r, 3, NO_SEED) for r in range(3)]
+    parts = [shard(ds, r, 3, NO_ORDER) for r in range(3)]
     assert [[int(s[0]) for s in p] for p in parts] == [[0, 3, 6], [1, 4], [2, 5]]
 
 
@@ -57,7 +57,7 @@ class _Stream(IterableDataset):
 ])
 def test_bad_data_gets_a_clear_error(data, error, words):
     with pytest.raises(error) as info:
-        shard(data, 0, 3, NO_SEED)
+        shard(data, 0, 3, NO_ORDER)
     assert words in str(info.value)
 
 
@@ -71,7 +71,7 @@ def test_loader_slices_are_the_single_process_batches(size, n, batch, drop_last)
     def make():
         return DataLoader(TensorDataset(torch.arange(n), torch.arange(n) * 10), batch_size=batch, shuffle=True,
                           drop_last=drop_last, collate_fn=_pair_collate, generator=torch.Generator().manual_seed(5))
-    single, shards = make(), [shard(make(), r, size, NO_SEED) for r in range(size)]
+    single, shards = make(), [shard(make(), r, size, NO_ORDER) for r in range(size)]
     seen_epochs = []
     for _ in range(2):
         expected = [b["x"].tolist() for b in single]
@@ -89,7 +89,7 @@ def test_loader_slices_are_the_single_process_batches(size, n, batch, drop_last)
 
 def test_empty_slice_keeps_the_batch_structure():
     loader = DataLoader(TensorDataset(torch.randn(5, 3), torch.arange(5)), batch_size=4)
-    last = list(shard(loader, 2, 3, NO_SEED))[-1]  # the last global batch has 1 sample: rank 2 gets none
+    last = list(shard(loader, 2, 3, NO_ORDER))[-1]  # the last global batch has 1 sample: rank 2 gets none
     assert last[0].shape == (0, 3) and last[1].shape == (0,)
 
 
@@ -98,32 +98,37 @@ def test_loader_options_are_kept():
         torch.manual_seed(worker_id)
     loader = DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4, num_workers=2, pin_memory=False,
                         worker_init_fn=init_fn, persistent_workers=True, timeout=30)
-    out = shard(loader, 0, 2, NO_SEED)
+    out = shard(loader, 0, 2, NO_ORDER)
     assert (out.num_workers, out.persistent_workers, out.timeout, out.worker_init_fn) == (2, True, 30, init_fn)
     assert [b[0].tolist() for b in out] == [[0.0, 1.0], [4.0, 5.0], [8.0, 9.0]]
 
 
-def test_a_global_rng_loader_asks_for_one_shared_seed():
-    seeds = []
+def test_a_global_rng_loader_takes_rank_zeros_order_once_an_epoch():
+    calls = []
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True)
-    out = shard(loader, 0, 2, lambda: seeds.append(1) or 1234)
-    assert seeds == [1] and loader.batch_sampler.sampler.generator is None  # the user's loader is untouched
-    assert len(list(out)) == 2
+    out = shard(loader, 0, 2, lambda order: calls.append(1) or list(order))
+    assert calls == [] and loader.batch_sampler.sampler.generator is None  # the user's loader is untouched
+    assert len(list(out)) == 2 and len(list(out)) == 2
+    assert calls == [1, 1]
 
 
 def _global_rng_order():
-    torch.manual_seed(w.rank())  # the ranks' global RNGs differ
+    # only rank 0's global RNG matches the single-process run's; the others' differ
+    torch.manual_seed(42 if w.rank() == 0 else 100 + w.rank())
+    model = w.mlp()
     loader = DataLoader(TensorDataset(torch.arange(20)), batch_size=6, shuffle=True)
-    _, data = autodist.parallelize(w.mlp(), loader)
+    _, data = autodist.parallelize(model, loader)
     return [[b[0].tolist() for b in data] for _ in range(2)]
 
 
-def test_global_rng_shuffle_agrees_across_ranks(ranks):
+def test_global_rng_shuffle_is_the_single_process_order(ranks):
+    torch.manual_seed(42)
+    w.mlp()  # the same draws as the ranks make before iterating
+    loader = DataLoader(TensorDataset(torch.arange(20)), batch_size=6, shuffle=True)
+    expected = [[b[0].tolist() for b in loader] for _ in range(2)]
     a, b = ranks(2, _global_rng_order)
-    for epoch_a, epoch_b in zip(a, b):
-        merged = sum((x + y for x, y in zip(epoch_a, epoch_b)), [])
-        assert sorted(merged) == list(range(20))
-    assert a[0] != a[1]
+    merged = [[x + y for x, y in zip(epoch_a, epoch_b)] for epoch_a, epoch_b in zip(a, b)]
+    assert merged == expected and expected[0] != expected[1]
 
 
 def _numpy_run():
@@ -166,25 +171,23 @@ def test_dataset_input_matches_one_process(ranks):
     lambda n: torch.utils.data.SubsetRandomSampler(range(n)),
     lambda n: torch.utils.data.WeightedRandomSampler([1.0] * n, n),
 ])
-def test_every_global_rng_sampler_gets_a_shared_seed(make_sampler):
-    seeds = []
+def test_every_global_rng_sampler_follows_rank_zeros_order(make_sampler):
+    rank0_order = [5, 2, 7, 0, 1, 3, 6, 4]
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, sampler=make_sampler(8))
-    shards = [shard(loader, r, 2, lambda: seeds.append(1) or 77) for r in range(2)]
+    shards = [shard(loader, r, 2, lambda order: rank0_order) for r in range(2)]
     torch.manual_seed(0)
     first = [b[0].tolist() for b in shards[0]]
     torch.manual_seed(1)  # another global RNG state: the order must not depend on it
     second = [b[0].tolist() for b in shards[1]]
-    assert len(seeds) == 2 and loader.batch_sampler.sampler.generator is None
-    torch.manual_seed(5)
-    assert [b[0].tolist() for b in shard(loader, 0, 2, lambda: 77)] == first
-    assert len(first) == len(second) == 2
+    assert first == [[5, 2], [1, 3]] and second == [[7, 0], [6, 4]]
+    assert loader.batch_sampler.sampler.generator is None
 
 
 def test_uneven_tensor_shards_are_announced(caplog):
     logger = logging.getLogger("autodist")  # autodist's logger does not propagate once init() configured it
     logger.addHandler(caplog.handler)
     try:
-        shard(torch.zeros(5, 2), 0, 2, NO_SEED)
+        shard(torch.zeros(5, 2), 0, 2, NO_ORDER)
     finally:
         logger.removeHandler(caplog.handler)
     assert "5 samples, which do not split evenly over 2 ranks" in caplog.text

@@ -57,9 +57,9 @@ def test_parameter_averaging(ranks):
         assert_close(par, expected, rtol=1e-6, atol=1e-6)
 
 
-def _accumulate(micro: int):
-    """Each optimizer step accumulates `micro` global micro-batches of 5 samples (uneven shares)."""
-    x, y = w.digits_like(20)
+def _accumulate(micro: int, n: int):
+    """Each optimizer step accumulates `micro` global micro-batches of 5 samples (the last one of n % 5)."""
+    x, y = w.digits_like(n)
     ref_model, model = w.seeded(w.mlp, 0), w.seeded(w.mlp, w.rank())
     ref_opt = w.optimizer("adam", ref_model)
     model, data = autodist.parallelize(model, w.loader(x, y, 5, shuffle=False))
@@ -82,7 +82,13 @@ def _accumulate(micro: int):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_no_sync_gradient_accumulation(ranks, size):
-    assert_same_training(ranks(size, _accumulate, 2))
+    assert_same_training(ranks(size, _accumulate, 2, 20))
+
+
+def test_no_sync_with_micro_batches_split_differently(ranks):
+    # 17 samples in micro-batches of 5, 5 | 5, 2 on 3 ranks: 2+2+1, then 2+2+1 and 1+1+0 in the last
+    # step, whose two micro-batches give the ranks different shares (and one rank an empty batch).
+    assert_same_training(ranks(3, _accumulate, 2, 17))
 
 
 def _many_buckets():
@@ -124,17 +130,21 @@ def test_parallelize_twice_is_an_error(ranks):
 def _launch_order():
     model, _ = autodist.parallelize(w.seeded(w.mlp, 0), first_bucket_mb=0.0002, bucket_mb=0.001)
     sync = autodist.grad_sync.state_of(model)
-    started_when_first_layer_ready = []
+    started_when_first_layer_ready, started_midway = [], []
     first = next(model.parameters())  # the last gradient backward produces
     first.register_post_accumulate_grad_hook(lambda p: started_when_first_layer_ready.append(sync.next_bucket))
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: started_midway.append(sync.next_bucket))
     x, y = w.digits_like(8)
     F.cross_entropy(model(x), y).backward()
-    return len(sync.buckets), started_when_first_layer_ready, sync.next_bucket
+    return len(sync.buckets), started_midway, started_when_first_layer_ready, sync.next_bucket
 
 
 def test_buckets_start_during_backward(ranks):
-    for n_buckets, started, after in ranks(2, _launch_order):
+    for n_buckets, midway, started, after in ranks(2, _launch_order):
         assert n_buckets >= 3
+        # halfway through backward (the middle layer's weight gradient), the last layer's buckets
+        # are already on their way and the first layer's are not
+        assert len(midway) == 1 and 0 < midway[0] < n_buckets
         # when the last gradient lands, still inside backward, every bucket has been sent
         # (the first layer's by autodist's own hook on that same parameter, registered first);
         # the end-of-backward callback then only waits, and resets for the next step

@@ -1,0 +1,138 @@
+"""What users do that the happy path does not: constant buffers, unfreezing, a backward that raises."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+from test_equivalence import assert_same_training
+
+
+class Masked(nn.Module):
+    """A Linear plus two buffers no forward writes: a -inf logit mask and a constant table."""
+
+    def __init__(self, features: int = 6, classes: int = 3) -> None:
+        super().__init__()
+        self.lin = nn.Linear(features, classes)
+        self.register_buffer("mask", torch.tensor([0.0, -math.inf, 0.0]))
+        self.register_buffer("table", torch.rand(1000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.mask + 0.0 * self.table[:1]
+
+
+def _masked_run():
+    # 17 samples, batch 8, 3 ranks: the last global batch has 1 sample, so two ranks hold none.
+    return w.reference_and_parallel(Masked, lambda: w.loader(*w.digits_like(17), 8), "adam", 2)
+
+
+def test_buffers_no_forward_writes_stay_exact(ranks):
+    results = ranks(3, _masked_run)
+    assert_same_training(results)
+    for ref, par in results:
+        # not averaged at all: -inf stays -inf (an empty rank's weight 0 must not make it NaN),
+        # and the constant table keeps every bit (rank 0's, as broadcast)
+        assert_close(par["mask"], ref["mask"], rtol=0, atol=0)
+        assert_close(par["table"], ref["table"], rtol=0, atol=0)
+
+
+def _train_unfreezing(model: nn.Module, loader) -> nn.Module:
+    model[0].requires_grad_(False)
+    opt = w.optimizer("adam", model)  # holds every parameter; frozen ones have no grad and are skipped
+    for epoch in range(3):
+        if epoch == 1:
+            model[0].requires_grad_(True)  # fine-tuning: unfreeze the first layer after one epoch
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return model
+
+
+def _unfreeze_run():
+    data = w.digits_like(22)
+    ref = _train_unfreezing(w.seeded(w.mlp, 0), w.loader(*data, 8))
+    model = w.seeded(w.mlp, w.rank())
+    model[0].requires_grad_(False)  # as on every rank when parallelize runs
+    model, loader = autodist.parallelize(model, w.loader(*data, 8))
+    return w.state(ref), w.state(_train_unfreezing(model, loader))
+
+
+def test_unfreezing_after_parallelize(ranks):
+    assert_same_training(ranks(2, _unfreeze_run))
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise_in_backward(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    out.register_hook(lambda grad: (_ for _ in ()).throw(_Boom("simulated failure in backward")))
+
+
+def _train_with_a_failing_backward(model: nn.Module, loader) -> nn.Module:
+    """Batch 1's backward raises halfway (as an out-of-memory error would); the loop skips that batch."""
+    opt = w.optimizer("sgd", model)
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        trap = model[1].register_forward_hook(_raise_in_backward) if i == 1 else None
+        loss = F.cross_entropy(model(x), y)
+        if trap is not None:
+            trap.remove()
+        try:
+            loss.backward()
+        except _Boom:
+            opt.zero_grad()
+            continue
+        opt.step()
+    return model
+
+
+def _failing_backward_run():
+    data = w.digits_like(22)
+    ref = _train_with_a_failing_backward(w.seeded(w.mlp, 0), w.loader(*data, 8))
+    # tiny buckets: the later layers' buckets are already sent when the failure strikes
+    model, loader = autodist.parallelize(w.seeded(w.mlp, w.rank()), w.loader(*data, 8),
+                                         first_bucket_mb=0.0002, bucket_mb=0.0002)
+    return w.state(ref), w.state(_train_with_a_failing_backward(model, loader))
+
+
+def test_training_goes_on_after_a_backward_raised(ranks):
+    assert_same_training(ranks(2, _failing_backward_run))
+
+
+def _frozen_on_rank_zero_only():
+    model = w.seeded(w.mlp, 0)
+    if w.rank() == 0:
+        model[2].weight.requires_grad_(False)
+    try:
+        autodist.parallelize(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_frozen_on_one_rank_only_is_named(ranks):
+    for msg in ranks(2, _frozen_on_rank_zero_only, timeout=30):
+        assert "'2.weight'" in msg and "requires_grad False on rank 0, True on rank 1" in msg, msg
+
+
+def _average_half_precision_weights():
+    model = w.seeded(w.mlp, 0).half()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(w.rank()))
+    autodist.synchronize_model(model, what="parameters")  # needs no gradient machinery, so no fp16 refusal
+    return [p.detach().clone() for p in model.parameters()], len(model._forward_pre_hooks)
+
+
+def test_parameter_averaging_of_an_unparallelized_half_model(ranks):
+    for params, hooks in ranks(2, _average_half_precision_weights):
+        assert hooks == 0
+        for p in params:
+            assert_close(p, torch.full_like(p, 0.5), rtol=0, atol=0)
