@@ -1,4 +1,4 @@
-"""The CIFAR example: its CIFAR-10 reader on a small file in CIFAR's format, and one short real run."""
+"""The CIFAR example: its reader and download on small files the tests write, its table and plots, short real runs."""
 from __future__ import annotations
 
 import hashlib
@@ -182,6 +182,16 @@ def test_a_failed_download_leaves_nothing_behind(tmp_path, monkeypatch, failure)
     assert os.listdir(target) == []
     error = "IncompleteRead" if failure == "incomplete" else "URLError"
     assert lines[-1].startswith(f"[rank 0/1] could not download CIFAR-10 ({error}")
+
+
+def test_an_incomplete_cifar_folder_is_left_alone_and_named(tmp_path):
+    data = _example_module("data")
+    url, md5 = write_cifar_archive(str(tmp_path / "server"))
+    os.makedirs(tmp_path / "data" / "cifar-10-batches-py")  # an earlier unpack was cut short
+    with example_log() as lines:
+        assert not data.download_cifar10(str(tmp_path / "data"), url=url, md5sum=md5)
+    assert len(lines) == 1 and "cifar-10-batches-py exists but lacks some of data_batch_1" in lines[0]
+    assert "remove it and rerun" in lines[0] and os.listdir(tmp_path / "data") == ["cifar-10-batches-py"]
 
 
 def _load_with_download(target: str, url: str, md5: str) -> tuple[str, list[str], list[str]]:
