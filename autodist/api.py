@@ -4,7 +4,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Literal
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -73,11 +72,18 @@ def _replicate(model: nn.Module, dims: ParallelDims, groups: Groups, world: Worl
         broadcast_state(shards, src=dims.mp_rank(world.rank), group=groups.dp)
 
 
-def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layers: rewrite.MPLayers) -> None:
+def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layers: rewrite.MPLayers,
+                  rank: int) -> None:
     """Plan and swap in the MP layers; remember the parameters they replaced."""
     planned = rewrite.plan(model, dims.mp, mp_layers)
     retire(rewrite.apply(model, planned, groups.mp))
     log.debug("model-parallel plan:\n%s", planned.plan)
+    if not planned.plan.traced and rank == 0:
+        swapped = ", ".join(planned.roles)
+        log.warning("torch.fx cannot trace %s (tracing stopped at %s), so model parallelism fell back to swapping "
+                    "plain nn.Linear modules one by one for full-in/full-out MPBaseLinear (%s): no Megatron pairs, "
+                    "up to two collectives per layer; see autodist.explain(model, mp=%d) for the plan",
+                    type(model).__name__, planned.plan.untraced, swapped, dims.mp)
 
 
 def parallelize(
@@ -161,7 +167,7 @@ def parallelize(
         model.to(world.device)
     _replicate(model, dims, groups, world)
     if dims.mp > 1 and not rewrite.mp_modules(model):
-        _split_layers(model, dims, groups, mp_layers)
+        _split_layers(model, dims, groups, mp_layers, world.rank)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
         share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
     sync_state = None

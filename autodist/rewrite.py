@@ -35,6 +35,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from autodist import forward_source
+
 MPLayers = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
 
 _ELEMENTWISE_MODULES = (nn.Tanh, nn.ReLU, nn.GELU, nn.Sigmoid, nn.SiLU, nn.Identity)
@@ -73,6 +75,7 @@ class Plan:
     mp: int
     layers: list[LayerPlan]
     traced: bool = True
+    untraced: str = ""  # where torch.fx stopped, when it did
     batch_size: int | None = None
     bytes_per_element: int = 4
 
@@ -96,7 +99,8 @@ class Plan:
         total = sum(layer.params_per_rank for layer in self.layers)
         lines.append(f"mp={self.mp}: {self.collectives_per_step} model-parallel collectives per training step; "
                      f"bytes for {per}; {total:,} parameters per rank in these layers"
-                     + ("" if self.traced else "; model not traceable by torch.fx: module-by-module swap"))
+                     + ("" if self.traced else f"; model not traceable by torch.fx (stopped at {self.untraced}): "
+                                               f"module-by-module swap"))
         return "\n".join(lines)
 
 
@@ -401,29 +405,41 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
 
     That swap is exact whatever the forward does with the layer's output. What
     stays: weights shared with another layer, nn.Linear subclasses (their own
-    forward may differ) and Linears inside torch's own layers (which read the
-    weight themselves, e.g. MultiheadAttention.out_proj). A forward that reads a
-    plain Linear's weight directly is not detectable without a trace.
+    forward may differ), Linears inside torch's own layers (which read the
+    weight themselves, e.g. MultiheadAttention.out_proj) and Linears whose
+    parameters the model's own code reads (``self.fc.weight`` in a forward
+    would see a shard): the source of the forward methods is read for that
+    (``forward_source``), and also for which layers are fed the model's input,
+    whose backward sends nothing.
     """
+    where = _where_tracing_stopped(err)
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    rows, roles = [], {}
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear or not name or _inside_torch_layer(model, name):
-            continue  # a subclass may have its own forward; torch's own layers (MHA) read their weights
-        n = _count(module)
+    linears = {name: module for name, module in model.named_modules()
+               if type(module) is nn.Linear and name and not _inside_torch_layer(model, name)}
+    kept = {}
+    for name, module in linears.items():
         if not selected(name, module):
-            rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], "not selected by mp_layers"))
+            kept[name] = "not selected by mp_layers"
         elif owners[id(module.weight)] > 1:
-            rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], "weight shared with another layer"))
+            kept[name] = "weight shared with another layer"
         elif min(module.in_features, module.out_features) < mp:
-            rows.append(LayerPlan(name, "Linear", "replicated", n, n, [], f"a dimension smaller than mp={mp}"))
+            kept[name] = f"a dimension smaller than mp={mp}"
+    reads = forward_source.parameter_reads(model, set(linears) - set(kept))
+    kept |= {name: f"the model's code reads its parameters, which would be this rank's shard ({at})"
+             for name, at in reads.items()}
+    first = forward_source.input_layers(model, set(linears) - set(kept))
+    rows, roles = [], {}
+    for name, module in linears.items():
+        if name in kept:
+            rows.append(LayerPlan(name, "Linear", "replicated", _count(module), _count(module), [], kept[name]))
         else:
             roles[name] = "full"
-            rows.append(_linear_row(name, module, "full", False, mp, "module-by-module swap"))
+            rows.append(_linear_row(name, module, "full", name in first, mp, "module-by-module swap"))
     if not roles:
+        why = "".join(f"; {name} stays: {note}" for name, note in kept.items())
         raise NotImplementedError(f"torch.fx cannot trace {type(model).__name__} and no nn.Linear module can be "
-                                  f"swapped in its place; tracing stopped at {_where_tracing_stopped(err)}")
-    return Rewrite(Plan(mp, rows, traced=False), roles, set())
+                                  f"swapped in its place; tracing stopped at {where}{why}")
+    return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first)
 
 
 def _inside_torch_layer(model: nn.Module, name: str) -> bool:

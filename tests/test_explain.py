@@ -1,12 +1,14 @@
 """The model-parallel plan, computed without any process group."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 import autodist
-from test_mp import FunctionalMLP, ReshapeInside, TorchADNet, deep_stack
+from test_mp import FunctionalMLP, ReshapeInside, TorchADNet, UntraceableBlocks, deep_stack
 
 
 def _rows(plan):
@@ -72,7 +74,108 @@ class UntraceableNoLinear(nn.Module):
 def test_untraceable_model_falls_back_to_module_swaps():
     plan = autodist.explain(Untraceable(), mp=2)
     assert not plan.traced and [r.split for r in plan.layers] == ["full", "full"]
-    assert "module-by-module" in str(plan)
+    assert "module-by-module" in str(plan) and "if x.sum() > 0" in str(plan)  # says where tracing stopped
+    rows = _rows(plan)
+    assert rows["fc1"].collectives == [("forward", "all-reduce", 8)]  # fed the input: nothing sent backward
+    assert rows["fc2"].collectives == [("forward", "all-reduce", 2), ("backward", "all-gather", 8)]
+    assert plan.collectives_per_step == 3
+
+
+class ReadsItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        return self.out(self.fc(x)).sum(1) + self.fc.weight.pow(2).sum()
+
+
+class OnlyLayerIsRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        return self.fc(x).sum(1) + self.fc.weight.pow(2).sum()
+
+
+def test_fallback_keeps_a_linear_whose_weight_forward_reads_whole():
+    rows = _rows(autodist.explain(ReadsItsWeight(), mp=2))
+    assert rows["fc"].split == "replicated" and rows["out"].split == "full"
+    assert re.search(r"reads its parameters.*test_explain.py:\d+: return self.out\(self.fc\(x\)\)", rows["fc"].note)
+    assert rows["out"].collectives == [("forward", "all-reduce", 2), ("backward", "all-gather", 8)]
+    with pytest.raises(NotImplementedError, match=r"if x.sum\(\) > 0.*fc stays: .*self.fc.weight.pow\(2\)"):
+        autodist.explain(OnlyLayerIsRead(), mp=2)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x.flatten(1)))) * self.b.weight.device.type.count("c")  # harmless read
+
+
+class Reads(nn.Module):
+    """Reads in a helper method and through a loop variable; a Sequential and a block fed the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Flatten(), nn.Linear(8, 8))
+        self.block = Block()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.loop = nn.ModuleList([nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        h = self.block(x) + self.seq(x)
+        for layer in self.layers:
+            h = layer(h)
+        for layer in self.loop:
+            h = layer(h) + layer.bias
+        return self.head(h) + self.penalty()
+
+    def penalty(self):
+        return self.layers[1].weight.sum()
+
+
+def test_fallback_reads_helpers_loops_and_submodules():
+    rows = _rows(autodist.explain(Reads(), mp=2))
+    assert {n: r.split for n, r in rows.items()} == {
+        "seq.1": "full", "block.a": "full", "block.b": "full", "layers.0": "full", "layers.1": "replicated",
+        "loop.0": "replicated", "head": "full"}
+    assert "Reads.penalty" in rows["layers.1"].note and "layer.bias" in rows["loop.0"].note
+    first = {n for n, r in rows.items() if r.split == "full" and len(r.collectives) == 1}
+    assert first == {"seq.1", "block.a"}  # fed the model's input, through a Sequential and a block's forward
+
+
+def test_fallback_follows_helpers_super_and_module_lists_to_the_layers_fed_the_input():
+    rows = _rows(autodist.explain(UntraceableBlocks(), mp=2))
+    assert {n for n, r in rows.items() if len(r.collectives) == 1} == {"side", "stem", "layers.0"}
+    assert {n for n, r in rows.items() if len(r.collectives) == 2} == {"layers.1", "head"}
+
+
+def test_fallback_counts_a_layer_in_a_loop_on_its_own_output_as_needing_a_gradient():
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            for _ in range(3):
+                if x.sum() > 0:
+                    x = -x
+                x = self.fc(x)
+            return x
+
+    assert autodist.explain(Looped(), mp=2).layers[0].collectives[1:] == [("backward", "all-gather", 8)]
 
 
 def test_untraceable_model_without_linears_names_the_line():

@@ -1,6 +1,8 @@
 """Model parallelism through parallelize(mp=K): the same training as one process, hybrid dp x mp."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +12,8 @@ from torch.testing import assert_close
 
 import autodist
 import workloads as w
+from autodist.layers.comm import all_gather_cat, shard_sizes
+from autodist.rewrite import mp_modules
 
 
 class TorchADNet(nn.Module):
@@ -55,9 +59,50 @@ class FunctionalMLP(nn.Module):
         return F.linear(torch.tanh(F.linear(x, self.w1, self.b1)), self.w2, bias=self.b2)
 
 
+class FullInside(nn.Module):
+    """A reshape after a Megatron pair leaves the next Linear unpaired: a full-in/full-out MPBaseLinear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c(self.b(torch.tanh(self.a(x))).view(-1, 8, 8).flatten(1))
+        return self.d(h.view(-1, 2, 32).flatten(1))
+
+
+class Untraceable(nn.Module):
+    """torch.fx stops at the data-dependent branch; forward also reads fc2's weight itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow
+            x = -x
+        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
+        return self.fc3(h) + 0.1 * self.fc2.weight.pow(2).sum()  # a shard's sum would differ on every rank
+
+
 def _data(shape: tuple[int, ...], n: int = 24, classes: int = 3, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def dense_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under the single-process model's names, split layers' shards gathered."""
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    for name, layer in mp_modules(model):
+        prefix = f"{name}." if name else ""
+        original = getattr(layer, "dense_names", {})  # a layer that replaced F.linear: the names it had
+        for key, p in layer.named_parameters(recurse=False):
+            whole = key == "bias" and layer.split == "row"  # a row split keeps the whole bias on every rank
+            dim = 0 if layer.split == "column" else 1
+            grads.pop(prefix + key)
+            grads[original.get(key, prefix + key)] = p.grad.detach().clone() if whole else \
+                all_gather_cat(p.grad, layer.group, layer.sizes, dim=dim)
+    return grads
 
 
 def _compare_training(build, shape, classes: int, opt_name: str, steps: int, mp: int):
@@ -66,11 +111,14 @@ def _compare_training(build, shape, classes: int, opt_name: str, steps: int, mp:
     ref = w.seeded(build, 0)
     model, _ = autodist.parallelize(w.seeded(build, 0 if w.rank() == 0 else 9), mp=mp)
     out = {"output": (model(x).detach(), ref(x).detach())}
-    ref_opt, opt = w.optimizer(opt_name, ref), w.optimizer(opt_name, model)
-    for _ in range(steps):
-        for m, o in ((ref, ref_opt), (model, opt)):
+    pairs = [(model, w.optimizer(opt_name, model)), (ref, w.optimizer(opt_name, ref))]
+    for step in range(steps):
+        for m, o in pairs:
             o.zero_grad()
             F.cross_entropy(m(x), y).backward()
+        if step == 0:
+            out["gradients"] = (dense_grads(model), dense_grads(ref))
+        for _, o in pairs:
             o.step()
     out["state"] = (autodist.gather_state_dict(model, all_ranks=True), w.state(ref))
     return out
@@ -95,12 +143,33 @@ def test_reshape_inside_forward(ranks):
     _assert_compared(ranks(2, _compare_training, ReshapeInside, (8, 8), 3, "adam", 4, 2))
 
 
+def test_untraceable_model_falls_back_soundly(ranks):
+    # fc2's weight is read by forward itself: it must stay whole, or every rank would add its shard's sum
+    _assert_compared(ranks(2, _compare_training, Untraceable, (12,), 3, "adam", 4, 2))
+
+
+def _fallback_warnings() -> list[str]:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("autodist")
+    logger.addHandler(handler)
+    try:
+        autodist.parallelize(w.seeded(Untraceable, 0), mp=2)
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+def test_fallback_warns_where_tracing_stopped(ranks):
+    on_rank0, on_rank1 = ranks(2, _fallback_warnings)
+    assert len(on_rank0) == 1 and on_rank1 == []
+    assert "test_mp.py" in on_rank0[0] and "if x.sum() > 0:" in on_rank0[0] and "fc1, fc3" in on_rank0[0]
 
 
 def test_hybrid_dp2_mp2(ranks):
-    # Compare gathered dense parameters; data parallel over 2 groups of 2 model-parallel ranks.
-    for ref, par in ranks(4, _hybrid_gathered):
-        assert_close(par, ref, rtol=1e-5, atol=1e-6)
+    # data parallel over 2 groups of 2 model-parallel ranks: first-batch gradients, then parameters
+    _assert_compared(ranks(4, _hybrid_gathered))
 
 
 def test_functional_linear_calls_are_rewritten(ranks):
@@ -109,15 +178,82 @@ def test_functional_linear_calls_are_rewritten(ranks):
 
 def _hybrid_gathered():
     x, y = w.digits_like(30, features=12)
-    ref = w.train(w.seeded(deep_stack, 0), w.loader(x, y, 8), "adam", 3)
+    ref, ref_data = w.seeded(deep_stack, 0), w.loader(x, y, 8)
     model, data = autodist.parallelize(w.seeded(deep_stack, 0 if w.rank() == 0 else 5), w.loader(x, y, 8), mp=2)
+    for m, batches in ((ref, ref_data), (model, data)):  # one global batch; the sharded one holds this rank's part
+        xb, yb = next(iter(batches))
+        F.cross_entropy(m(xb), yb).backward()
+    out = {"gradients": (dense_grads(model), dense_grads(ref))}
+    w.train(ref, ref_data, "adam", 3)
     w.train(model, data, "adam", 3)
-    return w.state(ref), autodist.gather_state_dict(model, all_ranks=True)
+    out["state"] = (autodist.gather_state_dict(model, all_ranks=True), w.state(ref))
+    return out
 
 
-def _count_collectives():
-    model, _ = autodist.parallelize(w.seeded(deep_stack, 0), mp=dist.get_world_size())
-    plan = autodist.explain(w.seeded(deep_stack, 0), mp=dist.get_world_size())
+class _Stem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stem(x)
+
+
+class UntraceableBlocks(_Stem):
+    """Untraceable; layers fed the input through a helper method, super().forward and a loop over a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side, self.head = nn.Linear(12, 12), nn.Linear(12, 3)
+        self.layers = nn.ModuleList([nn.Linear(12, 12), nn.Linear(12, 12)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        h = torch.tanh(self.project(x) + super().forward(x))
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x + h)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.side(x)
+
+
+# name -> (builder, sample shape, how each Linear must be split: a layer left whole would be caught here)
+_COUNTED = {
+    "megatron pairs": (deep_stack, (12,), {"0": "column", "2": "row", "4": "column", "6": "row"}),
+    "full in, full out": (FullInside, (16,), {"a": "column", "b": "row", "c": "full", "d": "replicated"}),
+    "F.linear": (FunctionalMLP, (12,), {"w1": "column", "w2": "row"}),
+    "untraceable": (Untraceable, (12,), {"fc1": "full", "fc2": "replicated", "fc3": "full"}),
+    "untraceable blocks": (UntraceableBlocks, (12,), {"stem": "full", "side": "full", "head": "full",
+                                                      "layers.0": "full", "layers.1": "full"}),
+}
+
+
+_F_LINEAR_BIASES = {"b1": "w1", "b2": "w2"}  # FunctionalMLP's F.linear sites are named by their weights
+
+
+def _params_on_rank(dense: nn.Module, splits: dict[str, str], rank: int, size: int) -> int:
+    """What rank ``rank`` must hold: column layers keep rows of weight and bias, row/full layers keep columns of
+    the weight and the whole bias, everything else is whole."""
+    total = 0
+    for name, p in dense.named_parameters():
+        layer = name.rpartition(".")[0] or _F_LINEAR_BIASES.get(name, name)
+        split = splits.get(layer, "replicated")
+        if split == "column":
+            total += p.numel() // p.shape[0] * shard_sizes(p.shape[0], size)[rank]
+        elif split in ("row", "full") and p.ndim == 2:
+            total += p.shape[0] * shard_sizes(p.shape[1], size)[rank]
+        else:
+            total += p.numel()
+    return total
+
+
+def _count_collectives(model_name: str):
+    build, shape, splits = _COUNTED[model_name]
+    size, rank = dist.get_world_size(), dist.get_rank()
+    model, _ = autodist.parallelize(w.seeded(build, 0), mp=size)
+    plan = autodist.explain(w.seeded(build, 0), mp=size)
     counts = {"n": 0}
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor")}
 
@@ -126,7 +262,7 @@ def _count_collectives():
             counts["n"] += 1
             return fn(*args, **kwargs)
         return wrapper
-    x, y = _data((12,))
+    x, y = _data(shape)
     try:
         for name, fn in originals.items():
             setattr(dist, name, counting(fn))
@@ -134,17 +270,23 @@ def _count_collectives():
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    dense = sum(p.numel() for p in w.seeded(deep_stack, 0).parameters())
-    mine = sum(p.numel() for p in model.parameters())
-    return counts["n"], plan.collectives_per_step, mine, dense, sum(r.params_per_rank for r in plan.layers)
+    dense = w.seeded(build, 0)
+    return {"sent": counts["n"], "planned": plan.collectives_per_step,
+            "splits": {r.name: r.split for r in plan.layers if r.op in ("Linear", "F.linear")},
+            "params": sum(p.numel() for p in model.parameters()),
+            "expected params": _params_on_rank(dense, splits, rank, size),
+            "planned params": sum(r.params_per_rank for r in plan.layers),  # rank 0's: it holds the wider shards
+            "rank 0 params": _params_on_rank(dense, splits, 0, size)}
 
 
+@pytest.mark.parametrize("model_name", sorted(_COUNTED))
 @pytest.mark.parametrize("size", [2, 3])
-def test_collectives_and_parameter_count_match_the_plan(ranks, size):
-    for sent, planned, mine, dense, planned_params in ranks(size, _count_collectives):
-        assert sent == planned > 0
-        assert mine <= planned_params  # rank 0 holds the larger shard of uneven splits
-        assert mine <= dense / size + 20 + 16 + 20 + 3 + 20 * size  # 1/K of the weights, plus biases, plus rounding
+def test_collectives_and_parameter_count_match_the_plan(ranks, size, model_name):
+    for got in ranks(size, _count_collectives, model_name):
+        assert got["sent"] == got["planned"] > 0
+        assert got["splits"] == _COUNTED[model_name][2]
+        assert got["params"] == got["expected params"]
+        assert got["planned params"] == got["rank 0 params"]
 
 
 def _input_gradient(build, shape):
