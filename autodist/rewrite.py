@@ -95,12 +95,15 @@ class Plan:
         widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        per = f"a batch of {self.batch_size} rows" if self.batch_size else "one row of the batch (pass batch_size)"
         total = sum(layer.params_per_rank for layer in self.layers)
         lines.append(f"mp={self.mp}: {self.collectives_per_step} model-parallel collectives per training step; "
-                     f"bytes for {per}; {total:,} parameters per rank in these layers"
+                     f"{total:,} parameters per rank in these layers"
                      + ("" if self.traced else f"; model not traceable by torch.fx (stopped at {self.untraced}): "
                                                f"module-by-module swap"))
+        # a Linear takes every leading dimension as rows: a (B, T, C) activation is B x T rows
+        rows_sent = f"{self.batch_size} rows" if self.batch_size else "one row (pass batch_size)"
+        lines.append(f"bytes: for {rows_sent} through each Linear; a row is a sample of (batch, features) inputs, "
+                     f"so for (batch, seq, features) inputs pass batch_size = batch x seq")
         return "\n".join(lines)
 
 
@@ -564,7 +567,8 @@ def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: 
         model: the single-process model.
         mp: the model-parallel degree.
         mp_layers: "all", a list of Linear layer names, or a callable (name, module) -> bool.
-        batch_size: rows per step, to turn the bytes per row into bytes per step.
+        batch_size: rows each Linear sees per step, to turn the bytes per row into bytes per step: the
+            batch size for (batch, features) inputs, batch x sequence length for (batch, seq, features).
 
     Returns:
         A :class:`Plan`; ``print`` it for the table.

@@ -25,6 +25,7 @@ def test_torchad_network_is_one_megatron_pair():
     assert plan.collectives_per_step == 1
     table = str(plan)
     assert "column" in table and "5,120" in table  # 128 rows x 10 floats x 4 bytes
+    assert "for (batch, seq, features) inputs pass batch_size = batch x seq" in table  # what the bytes assume
 
 
 def test_deep_stack_pairs_then_a_lone_layer():
