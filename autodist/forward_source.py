@@ -10,10 +10,12 @@ backward sends nothing). Both questions are answered here from the source of
 submodule whose class is not torch's own.
 
 The reading is conservative where it must be sound: a weight read whose
-owner cannot be resolved (``layer.weight`` for a loop variable) counts as a
-read of every candidate layer below that module, and a module whose source is
-unavailable counts as reading them all. Code outside the model's classes
-(module-level helper functions, hooks) is not read.
+owner cannot be resolved (``w.weight`` for some local ``w``) counts as a read
+of every candidate layer below that module (the variable of a loop over
+``self.layers`` counts for the layers in it), and a module whose source is
+unavailable counts as reading them all. Not seen: code outside the model's
+classes (module-level helper functions, hooks) and reads through
+``parameters()`` or ``state_dict()``.
 """
 from __future__ import annotations
 
