@@ -152,25 +152,26 @@ ShareOrder = Callable[[Iterable[int]], list[int]]  # an epoch's sample order, as
 
 
 def broadcast_order(order: Iterable[int], device: torch.device) -> list[int]:
-    """Rank 0 draws ``order`` (iterating it); every rank returns rank 0's list. Every rank must call it.
+    """Every rank draws ``order`` (iterating it) and returns rank 0's list. Every rank must call it.
 
-    Only rank 0 iterates ``order``, so only rank 0's global RNG moves, exactly
-    as the single-process run's would.
+    Every rank draws, not only rank 0, so that all global RNGs move alike:
+    ranks that share an RNG stream (a model-parallel group, for dropout) keep
+    sharing it. Rank 0's draw is the single-process run's.
     """
     import torch.distributed as dist
 
-    drawn = torch.tensor(list(order), dtype=torch.int64, device=device) if dist.get_rank() == 0 else None
-    length = torch.tensor([0 if drawn is None else drawn.numel()], dtype=torch.int64, device=device)
+    drawn = torch.tensor(list(order), dtype=torch.int64, device=device)
+    length = torch.tensor([drawn.numel()], dtype=torch.int64, device=device)
     dist.broadcast(length, src=0)
-    if drawn is None:
+    if dist.get_rank() != 0:
         drawn = torch.empty(int(length.item()), dtype=torch.int64, device=device)
     dist.broadcast(drawn, src=0)
     return drawn.tolist()
 
 
 class Rank0Order(Sampler[int]):
-    """A sampler that draws from the global RNG, made to agree across ranks: each epoch, rank 0 iterates it
-    and every rank gets rank 0's order.
+    """A sampler that draws from the global RNG, made to agree across ranks: each epoch, every rank iterates
+    it and all take rank 0's order.
 
     RandomSampler without a generator, SubsetRandomSampler and
     WeightedRandomSampler take their randomness from the global RNG, which

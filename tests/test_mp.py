@@ -356,9 +356,6 @@ def _dropout_over_epochs():
     return {k: v for k, v in w.state(model).items() if k in ("2.bias", "6.bias")}
 
 
-@pytest.mark.xfail(strict=True, reason="autodist/data.py's Rank0Order draws each epoch's order on rank 0 only, so "
-                                       "rank 0's global RNG moves and its model-parallel peers' does not; every rank "
-                                       "should draw and take rank 0's order")
 def test_dropout_masks_stay_shared_across_epochs_of_a_shuffling_loader(ranks):
     first, second = ranks(2, _dropout_over_epochs)
     assert_close(first, second, rtol=0, atol=0)
