@@ -67,7 +67,7 @@ def explain(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="autodist explain", description="print the model-parallel plan")
     parser.add_argument("target", help="MODULE:NAME, NAME an nn.Module or a callable returning one")
     parser.add_argument("--mp", type=int, required=True, help="model-parallel degree")
-    parser.add_argument("--batch-size", type=int, default=None, help="rows per step, for bytes per step")
+    parser.add_argument("--batch-size", type=int, default=None, help="rows through each Linear per step (batch x seq for 3-D inputs), for the bytes column")
     parser.add_argument("--layers", default="all", help="comma-separated Linear names to split (default: all)")
     args = parser.parse_args(list(argv))
     module_name, _, attr = args.target.partition(":")
