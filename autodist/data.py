@@ -177,7 +177,9 @@ class Rank0Order(Sampler[int]):
     WeightedRandomSampler take their randomness from the global RNG, which
     differs between ranks. Rank 0 draws just as the single-process loader
     would (same calls on the same RNG), so with the same ``torch.manual_seed``
-    the parallel run sees the single-process batches.
+    the parallel run sees the single-process batches. The first batch of an
+    epoch is then a collective: every rank must fetch it, in the same order
+    relative to its other collectives (the usual training loop does).
     """
 
     def __init__(self, sampler: Sampler[int], share: ShareOrder) -> None:

@@ -73,11 +73,9 @@ def _offer(out: queue.Queue, stop: threading.Event, entry: tuple[str, Any]) -> b
     return False
 
 
-def _produce(batches: Iterable[Any], out: queue.Queue, stop: threading.Event, device: torch.device | None) -> None:
-    """The background thread: iterate ``batches`` into ``out`` until done, failed or stopped."""
-    source = None
+def _produce(source: Iterator[Any], out: queue.Queue, stop: threading.Event, device: torch.device | None) -> None:
+    """The background thread: iterate ``source`` into ``out`` until done, failed or stopped."""
     try:
-        source = iter(batches)
         for item in source:
             if not _offer(out, stop, ("item", _to_device(item, device))):
                 break
@@ -107,10 +105,22 @@ class Prefetcher(Iterator[T]):
 
     def __init__(self, batches: Iterable[T], depth: int, device: torch.device | None) -> None:
         self._length = _length_of(batches)
+        # The first batch is fetched here, in the caller's thread: a DataLoader from parallelize agrees on
+        # the epoch's order by a collective at its first batch, and collectives must keep one order on
+        # every rank, which a background thread racing the training step's collectives would not.
+        source = iter(batches)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
-        self._thread = threading.Thread(target=_produce, args=(batches, self._queue, self._stop, device),
+        try:
+            self._queue.put(("item", _to_device(next(source), device)))
+        except StopIteration:
+            self._queue.put(("done", None))
+            source = iter(())
+        except Exception as error:  # noqa: BLE001 - raised at the first batch, like any other
+            self._queue.put(("error", error))
+            source = iter(())
+        self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop, device),
                                         name="autodist-prefetch", daemon=True)
         weakref.finalize(self, self._stop.set)  # an abandoned iterator (loop left by break) stops its thread
         self._thread.start()
@@ -180,6 +190,14 @@ def prefetch(batches: Iterable[T], depth: int = 2, device: torch.device | str | 
         is closed or dropped, and a source iterator with ``close()`` (a
         generator) is closed. Use
         ``with engine.prefetch(...) as batches:`` to stop it at a known point.
+        The first batch is fetched in the calling thread (a DataLoader from
+        ``parallelize`` may agree on the epoch's order there). With
+        ``num_workers=0`` the thread runs your dataset's code: random
+        augmentation there draws from torch's global RNG concurrently with
+        dropout in the training step, so under model parallelism (whose ranks
+        must draw alike) give the DataLoader workers (``num_workers > 0``, each
+        seeded alike within a model-parallel group) or augment with a
+        ``torch.Generator`` of your own.
     """
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
         raise ValueError(f"depth must be a positive int (batches kept ready), got {depth!r}")

@@ -128,6 +128,18 @@ def _to_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return host.pin_memory() if like.device.type == "cuda" else host
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) output: a tensor, tuple, list or dict."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
 def _first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
@@ -140,23 +152,24 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 
 def average_(tensors: list[torch.Tensor], weight: float, group: dist.ProcessGroup | None,
-             changed: list[bool] | None = None) -> None:
+             changed: torch.Tensor | None = None) -> None:
     """In place: each tensor becomes sum_r w_r t_r / sum_r w_r over the ranks of ``group``.
 
-    With ``changed`` (one flag per tensor, this rank's), a tensor that no rank
-    changed is left exactly as it is, not replaced by an average that may round
+    With ``changed`` (one bool per tensor, this rank's; a tensor on their
+    device, so that no host sync is needed), a tensor that no rank changed is
+    left exactly as it is, not replaced by an average that may round
     differently. A rank of weight 0 contributes nothing, even where it holds inf.
     """
-    changed = [True] * len(tensors) if changed is None else changed
-    by_dtype: dict[tuple, list[tuple[torch.Tensor, bool]]] = {}
-    for t, flag in zip(tensors, changed):
-        by_dtype.setdefault((t.dtype, t.device), []).append((t, flag))
-    for (dtype, device), entries in by_dtype.items():
-        ts = [t for t, _ in entries]
+    by_dtype: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault((t.dtype, t.device), []).append(i)
+    for (dtype, device), indices in by_dtype.items():
+        ts = [tensors[i] for i in indices]
         data = torch.cat([t.detach().reshape(-1) for t in ts])
         data = data.mul_(weight) if weight != 0.0 else data.zero_()
-        meta = [weight] + [1.0 if flag else 0.0 for _, flag in entries]
-        flat = torch.cat([data, torch.tensor(meta, dtype=dtype).to(device)])
+        flags = torch.ones(len(ts), dtype=dtype, device=device) if changed is None else \
+            changed[torch.tensor(indices, device=changed.device)].to(device=device, dtype=dtype)
+        flat = torch.cat([data, torch.full((1,), weight, dtype=dtype, device=device), flags])
         dist.all_reduce(flat, group=group)
         total, flags = float(flat[data.numel()]), flat[data.numel() + 1:].tolist()
         if total <= 0.0:
@@ -190,14 +203,16 @@ class GradSync:
         self.previous_total = 1.0  # G: last step's global sample count, the same on every rank
         self.last_weight = 1.0  # this rank's weight at the last sync, for a backward with no new forward
         self.next_bucket = 0
-        self.callback_queued = False
+        self.in_backward = False  # a backward through the model began and has not reached its end
+        self.grads_arrived = False  # this backward brought gradients while syncing was enabled
         # gradient accumulation: per-micro-batch weights (see the module docstring)
-        self.pending_counts: list[tuple[int, torch.Tensor, dist.Work]] = []  # (n_rk, N_k once reduced, work)
-        self.micro_weight = 1.0
+        self.pending_counts: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []  # (n_rk, N_k, work)
+        self.micro_weight: torch.Tensor | None = None  # n_rk / N_k of the micro-batch being backpropagated
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
         self._build()
-        self.handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+        self.handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+                        model.register_forward_hook(self._watch_output)]
 
     def _build(self) -> None:
         """Buckets and hooks for the parameters that are trainable now."""
@@ -226,7 +241,7 @@ class GradSync:
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return
-        if self.callback_queued:
+        if self.in_backward:
             self._discard_aborted_backward()
         if tuple(p.requires_grad for _, p in self.named) != self.trainable:
             # requires_grad changed since parallelize (unfreezing a layer, say): every rank must make the
@@ -241,13 +256,27 @@ class GradSync:
         if not self.enabled or self.prescale_handles:  # accumulating: this micro-batch needs its own weight
             self._install_prescale()
             device = self.params[0].device if self.params else torch.device("cpu")
-            total = torch.tensor([float(samples)], dtype=torch.float64, device=device)
-            self.pending_counts.append((samples, total, dist.all_reduce(total, group=self.group, async_op=True)))
+            mine = torch.full((1,), float(samples), dtype=torch.float64, device=device)  # no host copy
+            total = mine.clone()
+            self.pending_counts.append((mine, total, dist.all_reduce(total, group=self.group, async_op=True)))
+
+    def _watch_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Mark the moment a backward reaches the model's output, so that one that raises later is noticed."""
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._backward_began)
+
+    def _backward_began(self, grad: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _discard_aborted_backward(self) -> None:
         """A backward that raised never reached its end-of-backward callback: drop what it left half done."""
-        log.warning("the previous backward pass did not finish (it raised?): its partial gradient sync is "
-                    "discarded; gradients left in .grad are this rank's own, unsynchronized")
+        log.warning("the previous backward pass did not finish (it raised?): its half-done gradient sync is "
+                    "discarded, and what it left in .grad is not a synchronized gradient: call "
+                    "optimizer.zero_grad() before the next backward")
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # every rank started the same buckets before failing alike
@@ -257,7 +286,8 @@ class GradSync:
             work.wait()
         self.pending_counts.clear()
         self._remove_prescale()
-        self.next_bucket, self.samples, self.forwards, self.callback_queued = 0, 0, 0, False
+        self.next_bucket, self.samples, self.forwards = 0, 0, 0
+        self.in_backward = self.grads_arrived = False
 
     def _install_prescale(self) -> None:
         if not self.prescale_handles:
@@ -271,22 +301,23 @@ class GradSync:
     def _prescale(self, grad: torch.Tensor) -> torch.Tensor:
         """This micro-batch's gradient times n_rk / N_k, before autograd adds it to .grad."""
         if self.pending_counts:  # the first gradient of this backward: the counts of its forward(s)
-            mine, total = 0, 0.0
-            for samples, reduced, work in self.pending_counts:
+            for _, _, work in self.pending_counts:
                 work.wait()
-                mine, total = mine + samples, total + float(reduced)
-            self.micro_weight = mine / total if total > 0 else 0.0
+            mine = sum(m for m, _, _ in self.pending_counts)
+            total = sum(t for _, t, _ in self.pending_counts)
+            self.micro_weight = (mine / total).reshape(())  # stays on the device: no host sync
             self.pending_counts.clear()
-        if self.micro_weight == 0.0:  # an empty micro-batch (NaN loss): it contributes nothing
-            return torch.zeros_like(grad)
-        return grad * self.micro_weight
+        if self.micro_weight is None:
+            return grad
+        weight = self.micro_weight.to(grad.dtype)
+        # an empty micro-batch (NaN loss) has weight 0 and contributes nothing, not NaN
+        return torch.where(weight > 0, grad * weight, torch.zeros_like(grad))
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.enabled:
             return
-        if not self.callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self.callback_queued = True
+        self._backward_began(p)  # a backward that did not pass through the model's output (a submodule's)
+        self.grads_arrived = True
         bucket = self.bucket_of[p]
         if bucket.work is not None:
             raise RuntimeError(
@@ -299,9 +330,13 @@ class GradSync:
             self._start(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
-    def _finish_backward(self) -> None:
-        self.callback_queued = False
-        self.flush()
+    def _end_of_backward(self) -> None:
+        # a backward that brought no gradient to sync (torch.autograd.grad for a gradient penalty, a
+        # backward inside no_sync) leaves everything for the next one
+        self.in_backward = False
+        if self.grads_arrived:
+            self.grads_arrived = False
+            self.flush()
 
     # -- the sync ------------------------------------------------------------------------------
     def _weight(self) -> float:
@@ -331,10 +366,15 @@ class GradSync:
             self.previous_total = total
         self.last_weight = self._weight()
         self._remove_prescale()
+        self.micro_weight = None
         for _, _, work in self.pending_counts:  # forwards with no backward since: their counts are moot
             work.wait()
         self.pending_counts.clear()
         self.next_bucket, self.samples, self.forwards = 0, 0, 0
+
+    def forget_buffers(self) -> None:
+        """Count every buffer as changed at the next sync (its state before is unknown)."""
+        self.buffer_snapshots = []
 
     def _current_buffers(self) -> list[torch.Tensor]:
         model = self.model()
@@ -351,7 +391,7 @@ class GradSync:
         if [(b.shape, b.dtype, b.device) for b in buffers] != \
                 [(s.shape, s.dtype, s.device) for s in self.buffer_snapshots]:
             self.buffer_snapshots = [torch.full_like(b, float("nan")) for b in buffers]  # all count as changed
-        changed = [not torch.equal(b, snapshot) for b, snapshot in zip(buffers, self.buffer_snapshots)]
+        changed = torch.stack([(b != snapshot).any() for b, snapshot in zip(buffers, self.buffer_snapshots)])
         average_(buffers, self._weight(), self.group, changed)
         for b, snapshot in zip(buffers, self.buffer_snapshots):
             snapshot.copy_(b)
@@ -398,21 +438,24 @@ def state_of(model: nn.Module) -> GradSync | None:
 
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally: backward passes inside the block do not communicate.
+    """Accumulate gradients locally: backward passes inside the block send no gradients.
 
-    The next backward outside the block (or ``synchronize_model``) averages
-    everything accumulated, weighted by the samples each rank saw.
+    The next backward outside the block (or ``synchronize_model``) sends
+    everything accumulated. Each micro-batch's gradient is weighted by this
+    rank's share of that micro-batch, so the result equals one process
+    accumulating the same global micro-batches, also when the shares differ
+    (a short last batch). For those weights every forward from the first one
+    inside the block until the sync all-reduces its sample count: one number,
+    asynchronously, so every rank must run the same forwards.
 
     Example:
         >>> with autodist.no_sync(model):
-        ...     loss_fn(model(x1), y1).backward()   # local only
-        >>> loss_fn(model(x2), y2).backward()       # syncs the sum of both
+        ...     loss_fn(model(x1), y1).backward()   # no gradient sent
+        >>> loss_fn(model(x2), y2).backward()       # syncs the weighted sum of both
 
     Note:
-        Exact (equal to one process accumulating the same global micro-batches)
-        when each rank holds the same share of every accumulated micro-batch,
-        which is always so except for a short last batch. A world of one, or a
-        model that was not parallelized, makes this a no-op.
+        Exact with one forward per backward, the usual loop. A world of one, or
+        a model that was not parallelized, makes this a no-op.
     """
     sync = state_of(model)
     if sync is None:
@@ -467,5 +510,6 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
     if registration is None:  # not parallelized: the user keeps it identical on all ranks
         # kept apart from _registry, so that parallelize(model) later is still allowed
         registration = Registration(world.size, world.rank, None, GradSync(model, None, hooks=False))
+        registration.sync.forget_buffers()  # the forward before this call may have changed them already
         _unparallelized[model] = registration
     registration.sync.flush()  # type: ignore[union-attr]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,12 +76,18 @@ def _raise_in_backward(module: nn.Module, args: tuple, out: torch.Tensor) -> Non
     out.register_hook(lambda grad: (_ for _ in ()).throw(_Boom("simulated failure in backward")))
 
 
-def _train_with_a_failing_backward(model: nn.Module, loader) -> nn.Module:
-    """Batch 1's backward raises halfway (as an out-of-memory error would); the loop skips that batch."""
+def _raise_in_first_backward_op(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    # the model's very first backward op fails, before any parameter has a gradient
+    out.grad_fn.register_prehook(lambda grads: (_ for _ in ()).throw(_Boom("simulated failure in backward")))
+
+
+def _train_with_a_failing_backward(model: nn.Module, loader, where: int) -> nn.Module:
+    """Batch 1's backward raises (as an out-of-memory error would); the loop skips that batch."""
     opt = w.optimizer("sgd", model)
+    trap_kind = _raise_in_first_backward_op if where == len(model) - 1 else _raise_in_backward
     for i, (x, y) in enumerate(loader):
         opt.zero_grad()
-        trap = model[1].register_forward_hook(_raise_in_backward) if i == 1 else None
+        trap = model[where].register_forward_hook(trap_kind) if i == 1 else None
         loss = F.cross_entropy(model(x), y)
         if trap is not None:
             trap.remove()
@@ -93,17 +100,19 @@ def _train_with_a_failing_backward(model: nn.Module, loader) -> nn.Module:
     return model
 
 
-def _failing_backward_run():
-    data = w.digits_like(22)
-    ref = _train_with_a_failing_backward(w.seeded(w.mlp, 0), w.loader(*data, 8))
-    # tiny buckets: the later layers' buckets are already sent when the failure strikes
+def _failing_backward_run(where: int):
+    data = w.digits_like(17)
+    ref = _train_with_a_failing_backward(w.seeded(w.mlp, 0), w.loader(*data, 8), where)
+    # tiny buckets: the later layers' buckets are already sent when a failure halfway strikes
     model, loader = autodist.parallelize(w.seeded(w.mlp, w.rank()), w.loader(*data, 8),
                                          first_bucket_mb=0.0002, bucket_mb=0.0002)
-    return w.state(ref), w.state(_train_with_a_failing_backward(model, loader))
+    return w.state(ref), w.state(_train_with_a_failing_backward(model, loader, where))
 
 
-def test_training_goes_on_after_a_backward_raised(ranks):
-    assert_same_training(ranks(2, _failing_backward_run))
+@pytest.mark.parametrize("where", [1, 4])  # halfway through backward; in its first op
+def test_training_goes_on_after_a_backward_raised(ranks, where):
+    # 17 samples in batches of 8 on 3 ranks: shares differ between steps, so stale counts would show
+    assert_same_training(ranks(3, _failing_backward_run, where))
 
 
 def _frozen_on_rank_zero_only():
@@ -136,3 +145,16 @@ def test_parameter_averaging_of_an_unparallelized_half_model(ranks):
         assert hooks == 0
         for p in params:
             assert_close(p, torch.full_like(p, 0.5), rtol=0, atol=0)
+
+
+def _bn_then_average_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    model(w.digits_like(8, seed=w.rank())[0])  # train mode: each rank's running mean moves its own way
+    autodist.synchronize_model(model)  # never parallelized: the first call builds the sync state
+    return model[1].running_mean.clone()
+
+
+def test_synchronize_model_averages_buffers_changed_before_its_first_call(ranks):
+    a, b = ranks(2, _bn_then_average_buffers)
+    assert_close(a, b, rtol=0, atol=0)
