@@ -158,3 +158,30 @@ def _bn_then_average_buffers():
 def test_synchronize_model_averages_buffers_changed_before_its_first_call(ranks):
     a, b = ranks(2, _bn_then_average_buffers)
     assert_close(a, b, rtol=0, atol=0)
+
+
+def _penalized_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus a gradient penalty: torch.autograd.grad runs a backward through the model first."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (grad_x,) = torch.autograd.grad(out.logsumexp(1).sum(), x, create_graph=True)
+    return F.cross_entropy(out, y) + 0.1 * grad_x.pow(2).sum(1).mean()
+
+
+def _gradient_penalty_run():
+    data = w.digits_like(22)
+    ref, model = w.seeded(w.mlp, 0), w.seeded(w.mlp, w.rank())
+    model, loader = autodist.parallelize(model, w.loader(*data, 8))
+    for m, batches in ((ref, w.loader(*data, 8)), (model, loader)):
+        opt = w.optimizer("adam", m)
+        for _ in range(2):
+            for x, y in batches:
+                opt.zero_grad()
+                _penalized_loss(m, x, y).backward()
+                opt.step()
+    return w.state(ref), w.state(model)
+
+
+def test_gradient_penalty_inside_the_loss(ranks):
+    # the inner backward brings no parameter gradient: it must neither sync nor reset the step's counts
+    assert_same_training(ranks(3, _gradient_penalty_run))
