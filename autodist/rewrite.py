@@ -99,7 +99,8 @@ class Plan:
         lines.append(f"mp={self.mp}: {self.collectives_per_step} model-parallel collectives per training step; "
                      f"{total:,} parameters per rank in these layers"
                      + ("" if self.traced else f"; model not traceable by torch.fx (stopped at {self.untraced}): "
-                                               f"module-by-module swap"))
+                                               f"module-by-module swap, collectives counted for one call of each "
+                                               f"layer"))
         # a Linear takes every leading dimension as rows: a (B, T, C) activation is B x T rows
         rows_sent = f"{self.batch_size} rows" if self.batch_size else "one row (pass batch_size)"
         lines.append(f"bytes: for {rows_sent} through each Linear; a row is a sample of (batch, features) inputs, "
@@ -410,10 +411,12 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
     stays: weights shared with another layer, nn.Linear subclasses (their own
     forward may differ), Linears inside torch's own layers (which read the
     weight themselves, e.g. MultiheadAttention.out_proj) and Linears whose
-    parameters the model's own code reads (``self.fc.weight`` in a forward
-    would see a shard): the source of the forward methods is read for that
+    parameters the model's own code may read (``self.fc.weight`` in any method
+    would see a shard): the source of the model's classes is read for that
     (``forward_source``), and also for which layers are fed the model's input,
-    whose backward sends nothing.
+    whose backward sends nothing. Collectives are counted for one call of each
+    layer: one called twice (or recomputed by activation checkpointing) sends
+    twice.
     """
     where = _where_tracing_stopped(err)
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))

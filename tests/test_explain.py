@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import autodist
-from test_mp import FunctionalMLP, ReshapeInside, TorchADNet, UntraceableBlocks, deep_stack
+from test_mp import (WEIGHT_READERS, FunctionalMLP, ReadInCheckpointedMethod, ReshapeInside, TorchADNet,
+                     UntraceableBlocks, deep_stack)
 
 
 def _rows(plan):
@@ -177,6 +178,65 @@ def test_fallback_counts_a_layer_in_a_loop_on_its_own_output_as_needing_a_gradie
             return x
 
     assert autodist.explain(Looped(), mp=2).layers[0].collectives[1:] == [("backward", "all-gather", 8)]
+
+
+@pytest.mark.parametrize("reader", sorted(WEIGHT_READERS))
+def test_fallback_finds_weight_reads_outside_forward(reader):
+    build, read = WEIGHT_READERS[reader]
+    rows = _rows(autodist.explain(build(), mp=2))
+    assert rows[read].split == "replicated" and "reads its parameters" in rows[read].note
+    assert rows["head"].split == "full"
+
+
+def _weight_norm(layer):
+    return layer.weight.norm()
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) / _weight_norm(self.fc)  # a helper of this file: read, and handed only block.fc
+
+
+def test_fallback_reads_the_functions_of_the_model_file_and_skips_what_init_ran():
+    class UsesHelper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = _NormedBlock(), nn.Linear(8, 3)
+            nn.init.zeros_(self.head.bias)  # ran before parallelize: not a read
+
+        def forward(self, x):
+            if x.sum() > 0:
+                x = -x
+            return self.head(self.block(x))
+
+    rows = _rows(autodist.explain(UsesHelper(), mp=2))
+    assert rows["block.fc"].split == "replicated" and "_weight_norm at test_explain.py" in rows["block.fc"].note
+    assert rows["head"].split == "full"
+
+
+def test_fallback_counts_a_layer_after_a_checkpointed_method_as_needing_a_gradient():
+    # checkpoint(self._body, x) runs fc: its result needs a gradient, so head's backward sends
+    rows = _rows(autodist.explain(ReadInCheckpointedMethod(), mp=2))
+    assert "ReadInCheckpointedMethod._body" in rows["fc"].note and "first layer" not in rows["head"].note
+    assert rows["head"].collectives == [("forward", "all-reduce", 3), ("backward", "all-gather", 8)]
+
+
+def test_fallback_counts_every_call_of_a_block_for_the_input_gradient():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                x = -x
+            return self.head(self.block(torch.tanh(self.block(x))))  # the second call's input needs a gradient
+
+    assert [len(r.collectives) for r in autodist.explain(Twice(), mp=2).layers] == [2, 2]
 
 
 def test_untraceable_model_without_linears_names_the_line():

@@ -219,6 +219,105 @@ class UntraceableBlocks(_Stem):
         return self.side(x)
 
 
+class _Penalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    def penalty(self) -> torch.Tensor:
+        return self.fc.weight.pow(2).sum()
+
+
+class ReadInSubmoduleMethod(nn.Module):
+    """A weight read in a submodule's method that the parent calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _Penalized(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        return self.head(torch.tanh(self.block(x))) + 0.1 * self.block.penalty()
+
+
+class ReadInCheckpointedMethod(nn.Module):
+    """A weight read in a method handed to activation checkpointing as a callable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * self.fc.weight.norm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        return self.head(torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False))
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    @staticmethod
+    def _norm(layer: nn.Linear) -> torch.Tensor:
+        return layer.weight.abs().sum()
+
+    @classmethod
+    def scaled(cls, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer(x) / cls._norm(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scaled(self.fc, x)
+
+
+class ReadInStaticHelper(nn.Module):
+    """A weight read in a static method, reached through a class method, handed the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _Scaled(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        return self.head(torch.tanh(self.block(x)))
+
+
+class ReadInProperty(nn.Module):
+    """A weight read in a property."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.fc.weight.abs().mean()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        return self.head(torch.tanh(self.fc(x))) * self.scale
+
+
+# each model reads one layer's weight outside forward: that layer stays whole, the head is swapped
+WEIGHT_READERS = {"submodule method": (ReadInSubmoduleMethod, "block.fc"),
+                  "checkpointed method": (ReadInCheckpointedMethod, "fc"),
+                  "static helper": (ReadInStaticHelper, "block.fc"), "property": (ReadInProperty, "fc")}
+
+
+@pytest.mark.parametrize("reader", sorted(WEIGHT_READERS))
+def test_weight_read_outside_forward_keeps_the_layer_whole(ranks, reader):
+    _assert_compared(ranks(2, _compare_training, WEIGHT_READERS[reader][0], (8,), 3, "adam", 3, 2))
+
+
 # name -> (builder, sample shape, how each Linear must be split: a layer left whole would be caught here)
 _COUNTED = {
     "megatron pairs": (deep_stack, (12,), {"0": "column", "2": "row", "4": "column", "6": "row"}),
@@ -227,6 +326,8 @@ _COUNTED = {
     "untraceable": (Untraceable, (12,), {"fc1": "full", "fc2": "replicated", "fc3": "full"}),
     "untraceable blocks": (UntraceableBlocks, (12,), {"stem": "full", "side": "full", "head": "full",
                                                       "layers.0": "full", "layers.1": "full"}),
+    # head's input comes from a checkpointed method: it needs a gradient, so head sends in backward
+    "checkpointed": (ReadInCheckpointedMethod, (8,), {"fc": "replicated", "head": "full"}),
 }
 
 
