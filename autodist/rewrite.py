@@ -201,6 +201,8 @@ class _Planner:
             self.kept_whole[name] = "not selected by mp_layers"
         elif node.op == "call_module" and self.calls[name] > 1:
             self.kept_whole[name] = "called more than once in forward"
+        elif _hooked(module):
+            self.kept_whole[name] = _HOOKED
         elif shared:
             self.kept_whole[name] = "its weight is shared or used outside the layer"
         elif min(module.in_features, module.out_features) < self.mp:
@@ -428,6 +430,8 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
             kept[name] = "not selected by mp_layers"
         elif owners[id(module.weight)] > 1:
             kept[name] = "weight shared with another layer"
+        elif _hooked(module):
+            kept[name] = _HOOKED
         elif min(module.in_features, module.out_features) < mp:
             kept[name] = f"a dimension smaller than mp={mp}"
     reads = forward_source.parameter_reads(model, set(linears) - set(kept))
@@ -446,6 +450,14 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
         raise NotImplementedError(f"torch.fx cannot trace {type(model).__name__} and no nn.Linear module can be "
                                   f"swapped in its place; tracing stopped at {where}{why}")
     return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first)
+
+
+_HOOKED = "it has hooks (weight_norm's, say), which swapping the module would drop"
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks)
 
 
 def _inside_torch_layer(model: nn.Module, name: str) -> bool:

@@ -293,6 +293,14 @@ class ModeDependent(nn.Module):
         return torch.nn.functional.linear(h, self.w2)
 
 
+def test_a_linear_with_hooks_stays_replicated():
+    traced, untraced = deep_stack(), Untraceable()
+    for layer in (traced[2], untraced.fc1):
+        layer.register_forward_hook(lambda module, inputs, output: 2 * output)  # a swap would drop it
+    for name, plan in (("2", autodist.explain(traced, mp=2)), ("fc1", autodist.explain(untraced, mp=2))):
+        assert _rows(plan)[name].split == "replicated" and "hooks" in _rows(plan)[name].note
+
+
 def test_shared_weights_stay_replicated():
     rows = _rows(autodist.explain(TiedPair(), mp=2))
     assert rows["a"].split == rows["b"].split == "replicated" and "shared" in rows["a"].note
