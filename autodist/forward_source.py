@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
+import dataclasses
 import functools
 import inspect
 import os
@@ -54,6 +55,9 @@ _PURE_MODULES = ("torch", "math", "builtins", "operator", "numpy")
 # torch methods of a module that hand out tensors, never modules (reads through them are not seen: see above)
 _TENSOR_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers")
 _UNAVAILABLE = (OSError, TypeError, SyntaxError, StopIteration)
+# written by @dataclass without a source; they compare, hash and print fields, never read a weight
+_DATACLASS_METHODS = ("__init__", "__repr__", "__eq__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
+                      "__setattr__", "__delattr__")
 _MISSING = object()
 
 
@@ -122,7 +126,8 @@ def _sources(model: nn.Module) -> list[tuple[nn.Module, _Function | str]]:
             try:
                 parsed = _parse(fn, cls, bound)
             except _UNAVAILABLE as err:
-                found.append((module, f"the source of {name} is unavailable ({type(err).__name__})"))
+                if not (dataclasses.is_dataclass(cls) and name.rpartition(".")[2] in _DATACLASS_METHODS):
+                    found.append((module, f"the source of {name} is unavailable ({type(err).__name__})"))
                 continue
             found.append((module, parsed))
             named = {parsed.globals.get(n.id) for n in ast.walk(parsed.node) if isinstance(n, ast.Name)}
@@ -438,15 +443,15 @@ class _GradientFreeFlow:
         """``for layer in self.layers:`` over a ModuleList or Sequential: read the body once per child, in order."""
         path = self_path(node.iter, scope.function.self_name)
         container = _resolve(scope.module, path) if path else _MISSING
-        rebound = any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id == node.target.id
-                      for statement in node.body for n in ast.walk(statement)) if isinstance(node.target, ast.Name) \
-            else True
-        if rebound or not isinstance(container, (nn.ModuleList, nn.Sequential)) or node.orelse:
+        name = node.target.id if isinstance(node.target, ast.Name) else ""
+        rebound = any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id == name
+                      for statement in node.body for n in ast.walk(statement))
+        if not name or rebound or not isinstance(container, (nn.ModuleList, nn.Sequential)) or node.orelse:
             return False
         for child in container.children():
-            scope.modules[node.target.id] = child  # type: ignore[union-attr]
+            scope.modules[name] = child
             self.block(node.body, scope)
-        scope.modules.pop(node.target.id, None)  # type: ignore[union-attr]
+        scope.modules.pop(name, None)
         return True
 
     def statement(self, node: ast.stmt, scope: _Scope) -> None:

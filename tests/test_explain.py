@@ -1,6 +1,7 @@
 """The model-parallel plan, computed without any process group."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -216,6 +217,24 @@ def test_fallback_reads_the_functions_of_the_model_file_and_skips_what_init_ran(
     rows = _rows(autodist.explain(UsesHelper(), mp=2))
     assert rows["block.fc"].split == "replicated" and "_weight_norm at test_explain.py" in rows["block.fc"].note
     assert rows["head"].split == "full"
+
+
+@dataclasses.dataclass(eq=False)
+class DataclassNet(nn.Module):
+    width: int = 8
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(self.width, self.width)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        return self.fc(x)
+
+
+def test_fallback_swaps_in_a_dataclass_module_whose_generated_methods_have_no_source():
+    assert autodist.explain(DataclassNet(), mp=2).layers[0].split == "full"
 
 
 def test_fallback_counts_a_layer_after_a_checkpointed_method_as_needing_a_gradient():
