@@ -37,95 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.buckets import MB, Bucket, assign_buckets, average_
 from autodist.runtime import log
-
-_MB = 1024 * 1024
-
-
-def assign_buckets(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int) -> list[list[int]]:
-    """Group parameter indices into buckets, last parameter first, one dtype/device per bucket.
-
-    Example:
-        >>> ps = [torch.zeros(1000), torch.zeros(10), torch.zeros(10)]
-        >>> assign_buckets(ps, first_cap_bytes=100, cap_bytes=10_000)
-        [[2, 1], [0]]
-    """
-    buckets: list[list[int]] = []
-    current: dict[tuple, tuple[int, int]] = {}  # (dtype, device) -> (bucket being filled, its bytes)
-    first_of: dict[tuple, int] = {}
-    for i in reversed(range(len(params))):
-        p = params[i]
-        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
-        entry = current.get(key)
-        if entry is not None:
-            cap = first_cap_bytes if entry[0] == first_of[key] else cap_bytes
-            if entry[1] + nbytes > cap:
-                entry = None
-        if entry is None:
-            buckets.append([])
-            entry = (len(buckets) - 1, 0)
-            first_of.setdefault(key, entry[0])
-        buckets[entry[0]].append(i)
-        current[key] = (entry[0], entry[1] + nbytes)
-    return buckets
-
-
-class _Bucket:
-    """One flat buffer: the gradients, then the sample count, then a used-flag per parameter."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel + 1 + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.views, offset = [], 0
-        for p in params:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.count_slot = numel
-        self.ready: set[int] = set()
-        self.work: dist.Work | None = None
-
-    def pack(self, count: float, scale: float) -> None:
-        meta = [count]
-        for p, view in zip(self.params, self.views):
-            grad = p.grad
-            meta.append(0.0 if grad is None else 1.0)
-            if grad is not None and grad.is_sparse:
-                raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
-                                          "use dense gradients")
-            if grad is None or scale == 0.0:  # an empty batch may leave NaN grads: weight 0 means zero
-                view.zero_()
-            elif scale == 1.0:
-                view.copy_(grad)
-            else:
-                torch.mul(grad, scale, out=view)
-        self.flat[self.count_slot:].copy_(_to_device(meta, self.flat), non_blocking=True)
-
-    def start(self, count: float, scale: float, group: dist.ProcessGroup | None) -> None:
-        self.pack(count, scale)
-        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
-
-    def total(self) -> float:
-        return float(self.flat[self.count_slot])
-
-    def unpack(self, correction: float) -> None:
-        self.work = None
-        self.ready.clear()
-        used = self.flat[self.count_slot + 1:].tolist()
-        for p, view, flag in zip(self.params, self.views, used):
-            if flag <= 0.0:
-                p.grad = None
-                continue
-            if correction != 1.0:
-                view.mul_(correction)
-            if p.grad is not view:
-                p.grad = view
-
-
-def _to_device(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """A small host list as a tensor for ``like``'s device; pinned, so the copy does not stall a GPU backward."""
-    host = torch.tensor(values, dtype=like.dtype)
-    return host.pin_memory() if like.device.type == "cuda" else host
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -151,38 +64,6 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-def average_(tensors: list[torch.Tensor], weight: float, group: dist.ProcessGroup | None,
-             changed: torch.Tensor | None = None) -> None:
-    """In place: each tensor becomes sum_r w_r t_r / sum_r w_r over the ranks of ``group``.
-
-    With ``changed`` (one bool per tensor, this rank's; a tensor on their
-    device, so that no host sync is needed), a tensor that no rank changed is
-    left exactly as it is, not replaced by an average that may round
-    differently. A rank of weight 0 contributes nothing, even where it holds inf.
-    """
-    by_dtype: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault((t.dtype, t.device), []).append(i)
-    for (dtype, device), indices in by_dtype.items():
-        ts = [tensors[i] for i in indices]
-        data = torch.cat([t.detach().reshape(-1) for t in ts])
-        data = data.mul_(weight) if weight != 0.0 else data.zero_()
-        flags = torch.ones(len(ts), dtype=dtype, device=device) if changed is None else \
-            changed[torch.tensor(indices, device=changed.device)].to(device=device, dtype=dtype)
-        flat = torch.cat([data, torch.full((1,), weight, dtype=dtype, device=device), flags])
-        dist.all_reduce(flat, group=group)
-        total, flags = float(flat[data.numel()]), flat[data.numel() + 1:].tolist()
-        if total <= 0.0:
-            continue  # no rank had any weight: keep what each rank has
-        flat.div_(total)
-        offset = 0
-        with torch.no_grad():
-            for t, flag in zip(ts, flags):
-                if flag > 0.0:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
 class GradSync:
     """The gradient synchronisation state of one parallelized model."""
 
@@ -190,7 +71,7 @@ class GradSync:
                  first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True) -> None:
         self.group = group
         self.hooks = hooks
-        self.caps = (int(first_bucket_mb * _MB), int(bucket_mb * _MB))
+        self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
         self.named = list(model.named_parameters())
         self.model = weakref.ref(model)
         self.sync_buffers = sync_buffers
@@ -226,7 +107,7 @@ class GradSync:
         self.trainable = tuple(p.requires_grad for _, p in self.named)
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]
-        self.buckets = [_Bucket([self.params[i] for i in idx])
+        self.buckets = [Bucket([self.params[i] for i in idx])
                         for idx in assign_buckets(self.params, *self.caps)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for handle in self.param_handles:
@@ -344,7 +225,7 @@ class GradSync:
         # weights; none ever (the model called through a submodule, say): ranks weigh equally.
         return float(self.samples) if self.forwards else self.last_weight
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: Bucket) -> None:
         count = self._weight()
         # accumulated micro-batches were weighted one by one: the buckets only sum
         scale = 1.0 if self.prescale_handles else count / self.previous_total
