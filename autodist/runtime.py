@@ -6,9 +6,11 @@ receives a :class:`World` (or values taken from it) as an argument.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -197,8 +199,23 @@ def _adopt_existing_group(launch: Launch) -> World:
 
 
 def _shutdown() -> None:
+    """At exit: all ranks leave together, then the group they share is torn down.
+
+    gloo's worker threads release finished work objects after the caller has
+    seen them complete, and releasing one can need the GIL; if the interpreter
+    is already finalizing by then, the process aborts at exit ("terminate
+    called without an active exception"). So: a barrier (nobody is still
+    sending), the group destroyed, garbage collected while the interpreter is
+    whole, and a moment with the GIL released for those threads to finish.
+    """
     if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer that died already: tear down what is left anyway
+            pass
         dist.destroy_process_group()
+        gc.collect()
+        time.sleep(0.1)
 
 
 def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> World:
