@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -209,10 +210,13 @@ def _shutdown() -> None:
     whole, and a moment with the GIL released for those threads to finish.
     """
     if dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - a peer that died already: tear down what is left anyway
-            pass
+        # A rank dying of an unhandled exception skips the barrier: its peers may be inside another
+        # collective, which the barrier must not be matched with.
+        if getattr(sys, "last_value", None) is None:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a peer that died already: tear down what is left anyway
+                pass
         dist.destroy_process_group()
         gc.collect()
         time.sleep(0.1)
