@@ -161,6 +161,20 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+class _ReduceFromGroupInPlace(torch.autograd.Function):
+    """:class:`_ReduceFromGroup` on a temporary the caller will not read again: no copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class _GatherLastDim(torch.autograd.Function):
     """All-gather of last-dim shards forward; this rank's slice of the gradient backward."""
 
@@ -226,6 +240,23 @@ def reduce_from_group(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     if group_rank_size(group)[1] == 1:
         return x
     return _ReduceFromGroup.apply(x, group)
+
+
+def reduce_from_group_(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """:func:`reduce_from_group` in place: ``x`` (a contiguous temporary) becomes the sum and is returned.
+
+    Saves a copy of the partial result; the autograd graph stays exact, since
+    the op that produced ``x`` does not need its own output for its backward
+    (true of a matrix product).
+
+    Example:
+        >>> out = reduce_from_group_(F.linear(x_local, w_local), group)
+    """
+    if group_rank_size(group)[1] == 1:
+        return x
+    if not x.is_contiguous():
+        return reduce_from_group(x, group)
+    return _ReduceFromGroupInPlace.apply(x, group)
 
 
 def gather_last_dim(x: torch.Tensor, group: Any, sizes: Sequence[int]) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autodist.layers.comm import (all_gather_cat, copy_to_group, group_rank_size, reduce_from_group,
+from autodist.layers.comm import (all_gather_cat, copy_to_group, group_rank_size, reduce_from_group_,
                                   shard_range, shard_sizes, split_last_dim)
 
 _Layer = TypeVar("_Layer", bound="_SplitLinear")
@@ -155,8 +155,8 @@ class _SplitLinear(nn.Module):
 
     def _row_output(self, x_local: torch.Tensor) -> torch.Tensor:
         # The bias joins after the sum over ranks: added once, not once per rank.
-        out = reduce_from_group(F.linear(x_local, self.weight), self.group)
-        return out if self.bias is None else out + self.bias
+        out = reduce_from_group_(F.linear(x_local, self.weight), self.group)  # the product is a temporary
+        return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
