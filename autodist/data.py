@@ -8,7 +8,7 @@ Two rules make a parallel run see the same global batches as one process:
 * a DataLoader keeps its own sampler: every rank draws the same global batch
   and keeps its contiguous slice of it, so the epoch's batches, their order and
   the per-epoch reshuffling are the single-process loader's (a sampler on the
-  global RNG is drawn by rank 0 and its order broadcast, once an epoch).
+  global RNG is drawn on every rank and rank 0's order broadcast, once an epoch).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
@@ -158,8 +159,6 @@ def broadcast_order(order: Iterable[int], device: torch.device) -> list[int]:
     ranks that share an RNG stream (a model-parallel group, for dropout) keep
     sharing it. Rank 0's draw is the single-process run's.
     """
-    import torch.distributed as dist
-
     drawn = torch.tensor(list(order), dtype=torch.int64, device=device)
     length = torch.tensor([drawn.numel()], dtype=torch.int64, device=device)
     dist.broadcast(length, src=0)

@@ -54,14 +54,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    for item in items:
-        found = _first_tensor(item)
-        if found is not None:
-            return found
-    return None
+    return next(_tensors(obj), None)
 
 
 class GradSync:

@@ -148,31 +148,25 @@ class _CopyToGroup(torch.autograd.Function):
 
 
 class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce forward (sum of per-rank partial results); identity backward."""
+    """All-reduce forward (sum of per-rank partial results); identity backward.
+
+    ``in_place``: ``x`` is a temporary nobody reads again, so it is summed where
+    it lies instead of in a copy.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        total = x.clone(memory_format=torch.contiguous_format)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, in_place: bool) -> torch.Tensor:
+        if in_place:
+            ctx.mark_dirty(x)
+            total = x
+        else:
+            total = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _ReduceFromGroupInPlace(torch.autograd.Function):
-    """:class:`_ReduceFromGroup` on a temporary the caller will not read again: no copy."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.mark_dirty(x)
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -239,7 +233,7 @@ def reduce_from_group(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     if group_rank_size(group)[1] == 1:
         return x
-    return _ReduceFromGroup.apply(x, group)
+    return _ReduceFromGroup.apply(x, group, False)
 
 
 def reduce_from_group_(x: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -254,9 +248,7 @@ def reduce_from_group_(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     if group_rank_size(group)[1] == 1:
         return x
-    if not x.is_contiguous():
-        return reduce_from_group(x, group)
-    return _ReduceFromGroupInPlace.apply(x, group)
+    return _ReduceFromGroup.apply(x, group, x.is_contiguous())
 
 
 def gather_last_dim(x: torch.Tensor, group: Any, sizes: Sequence[int]) -> torch.Tensor:
