@@ -15,6 +15,7 @@ from autodist.mesh import Groups, ParallelDims, build_groups
 from autodist.replicate import broadcast_state, check_same_model, model_tensors
 from autodist.rng import share_rng_state
 from autodist.runtime import World, init, log
+from autodist.shares import SampleCounter, SampleFn
 
 
 def _check_model(model: nn.Module) -> None:
@@ -25,6 +26,15 @@ def _check_model(model: nn.Module) -> None:
                          f"requires_grad=True), so there is nothing to train in parallel")
     if is_parallelized(model):
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
+
+
+def _check_counting(batch_dim: int, samples: SampleFn | None) -> None:
+    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+        raise ValueError(f"batch_dim must be a non-negative int (the dimension of the forward's input tensors that "
+                         f"indexes samples), got {batch_dim!r}")
+    if samples is not None and not callable(samples):
+        raise TypeError(f"samples must be a callable taking the forward's arguments and returning this rank's "
+                        f"sample count, got {type(samples).__name__}")
 
 
 def _check_options(sync: str, mp: int, bucket_mb: float, first_bucket_mb: float) -> None:
@@ -96,6 +106,8 @@ def parallelize(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     sync_buffers: bool = True,
+    batch_dim: int = 0,
+    samples: SampleFn | None = None,
     backend: str | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
@@ -121,6 +133,11 @@ def parallelize(
         bucket_mb / first_bucket_mb: bucket sizes for the gradient all-reduce.
         sync_buffers: average floating-point buffers (BatchNorm running stats)
             over data-parallel ranks, weighted by samples, at every gradient sync.
+        batch_dim: for forwards on data autodist did not shard, the dimension
+            of the input tensors that indexes samples (1 for (seq, batch) inputs).
+        samples: ``fn(*args, **kwargs) -> int``, called with each forward's
+            arguments, returning this rank's count; it overrides every other
+            way of counting (count tokens for a loss that is a mean over tokens).
         backend: force "gloo" or "nccl" (default: chosen by ``autodist.init``).
 
     Returns:
@@ -137,10 +154,12 @@ def parallelize(
         ...     optimizer.step()
 
     Note:
-        The gradient of the global batch is formed by weighting each rank by
-        the samples its forward passes saw (the first dimension of the first
-        tensor argument), so uneven shards stay exact for a loss that is a mean
-        over the batch. BatchNorm normalises with each rank's local batch
+        The gradient of the global batch weights each rank by its share n_r / N
+        of the batch behind each backward, so uneven shards stay exact for a
+        loss that is a mean over the batch. A DataLoader passed here knows each
+        batch's share; other data is counted along ``batch_dim`` of the
+        forward's tensors, and a backward through a forward it cannot count
+        raises, naming the arguments. BatchNorm normalises with each rank's local batch
         statistics, as in DDP. With ``mp > 1`` every rank of a model-parallel
         group takes the torch RNG state (CPU and CUDA) of the group's first
         rank, so dropout and other random ops draw the same numbers on all of
@@ -153,6 +172,7 @@ def parallelize(
     """
     _check_model(model)
     _check_options(sync, mp, bucket_mb, first_bucket_mb)
+    _check_counting(batch_dim, samples)
     world = init(backend)
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
         data_mod.check(data, 1)
@@ -173,7 +193,8 @@ def parallelize(
     sync_state = None
     if dims.dp > 1:
         sync_state = GradSync(model, groups.dp, hooks=(sync == "backward"), first_bucket_mb=first_bucket_mb,
-                              bucket_mb=bucket_mb, sync_buffers=sync_buffers)
+                              bucket_mb=bucket_mb, sync_buffers=sync_buffers,
+                              counter=SampleCounter(batch_dim, samples))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "

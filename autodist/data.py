@@ -13,12 +13,16 @@ Two rules make a parallel run see the same global batches as one process:
 from __future__ import annotations
 
 import copy
+from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, Subset
+
+from autodist import provenance
+from autodist.provenance import BatchShare
 
 DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
 
@@ -64,7 +68,9 @@ def _warn_uneven(n: int, rank: int, size: int, what: str) -> None:
 
 def _strided(x: torch.Tensor | np.ndarray, rank: int, size: int) -> torch.Tensor | np.ndarray:
     part = x[rank::size]
-    return np.ascontiguousarray(part) if isinstance(x, np.ndarray) else part.contiguous()
+    shard = np.ascontiguousarray(part) if isinstance(x, np.ndarray) else part.contiguous()
+    provenance.register_shard(shard)  # a slice of it then counts the rows it covers
+    return shard
 
 
 def shard_arrays(data: Any, rank: int, size: int) -> Any:
@@ -100,19 +106,53 @@ class RankSliceBatchSampler(Sampler[list]):
 
     All ranks iterate the same global batch sampler, so they agree on every
     batch; a slice may be empty when a global batch is smaller than the ranks.
+    Each iteration records, in order, the share (slice length, global batch
+    length) of every slice it yields, for :class:`ShardedLoader` to hand over
+    with the batch.
     """
 
     def __init__(self, batch_sampler: Sampler[list] | Sequence[list], rank: int, size: int) -> None:
         self.batch_sampler, self.rank, self.size = batch_sampler, rank, size
+        self.latest_shares: deque[BatchShare] = deque()
 
     def __iter__(self) -> Iterator[list]:
+        self.latest_shares = deque()  # the DataLoader iterator created now reads this one
+        return self._slices(self.latest_shares)
+
+    def _slices(self, shares: deque[BatchShare]) -> Iterator[list]:
         for batch in self.batch_sampler:
             batch = list(batch)
             lo, hi = slice_bounds(len(batch), self.rank, self.size)
+            shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id()))
             yield batch[lo:hi]
 
     def __len__(self) -> int:
         return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+class ShardedLoader(DataLoader):
+    """The DataLoader ``parallelize`` returns: the original loader's batches, this rank's slice of each.
+
+    Handing a batch to the loop also tells autodist which global batch it is
+    part of (this rank's count n_r and the batch's N): a backward through a
+    forward on that batch is weighted n_r / N, whatever the forward's inputs
+    look like.
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        return self._handed_over(batches, self.batch_sampler.latest_shares)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _handed_over(batches: Iterator[Any], shares: deque[BatchShare]) -> Iterator[Any]:
+        try:
+            for batch in batches:
+                share = shares.popleft()
+                provenance.register_batch(batch, share)
+                provenance.announce(share)
+                yield batch
+        finally:
+            provenance.announce(None)
 
 
 def _empty_like(batch: Any) -> Any:
@@ -219,9 +259,12 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder) ->
                          "DataLoader and autodist shards it")
     _check_enough(len(loader.dataset), size, "the DataLoader's dataset")  # type: ignore[arg-type]
     options = {name: getattr(loader, name) for name in _KEPT_LOADER_OPTIONS if hasattr(loader, name)}
+    if options.get("in_order") is False:
+        raise ValueError("the DataLoader was built with in_order=False: autodist matches each batch with its "
+                         "share of the global batch by order, so pass a loader with in_order=True (the default)")
     batches = RankSliceBatchSampler(_agreeing(loader.batch_sampler, share), rank, size)
-    return DataLoader(loader.dataset, batch_sampler=batches,
-                      collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
+    return ShardedLoader(loader.dataset, batch_sampler=batches,
+                         collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
 
 
 def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> DataLike:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
+from autodist import provenance
 from autodist.grad_sync import registration_of
 from autodist.runtime import init, log
 
@@ -73,11 +74,21 @@ def _offer(out: queue.Queue, stop: threading.Event, entry: tuple[str, Any]) -> b
     return False
 
 
+def _fetched(item: Any, device: torch.device | None) -> tuple[str, Any]:
+    """A queue entry for a batch just fetched in this thread: the batch on ``device``, and the share of the global
+    batch that a sharded DataLoader announced with it (handed over again when the loop takes the batch)."""
+    share = provenance.current()
+    moved = _to_device(item, device)
+    if share is not None and moved is not item:
+        provenance.register_batch(moved, share)
+    return "item", (moved, share)
+
+
 def _produce(source: Iterator[Any], out: queue.Queue, stop: threading.Event, device: torch.device | None) -> None:
     """The background thread: iterate ``source`` into ``out`` until done, failed or stopped."""
     try:
         for item in source:
-            if not _offer(out, stop, ("item", _to_device(item, device))):
+            if not _offer(out, stop, _fetched(item, device)):
                 break
         else:
             _offer(out, stop, ("done", None))
@@ -113,7 +124,7 @@ class Prefetcher(Iterator[T]):
         self._stop = threading.Event()
         self._finished = False
         try:
-            self._queue.put(("item", _to_device(next(source), device)))
+            self._queue.put(_fetched(next(source), device))
         except StopIteration:
             self._queue.put(("done", None))
             source = iter(())
@@ -133,7 +144,10 @@ class Prefetcher(Iterator[T]):
             raise StopIteration
         kind, value = self._queue.get()
         if kind == "item":
-            return value
+            batch, share = value
+            provenance.announce(share)  # the step about to run uses this batch, not the ones fetched ahead
+            return batch
+        provenance.announce(None)
         self.close()
         if kind == "error":
             raise value

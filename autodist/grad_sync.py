@@ -8,85 +8,69 @@ and buckets always start in the same order on every rank. A callback queued
 on the autograd engine waits for all of them before ``backward()`` returns, so
 the optimizer never sees an unsynchronised gradient.
 
-Exactness. Rank r holds n_r samples of a global batch of N and its loss is a
-mean over its own samples, so the global gradient is sum_r (n_r / N) g_r, not
-the plain mean of the g_r (they differ whenever shards are uneven). Every
-bucket carries two extra slots: n_r, whose all-reduced sum is N, and a
-used-flag per parameter, so a parameter that got no gradient on any rank keeps
-``grad = None`` as in a single process. Gradients are scaled while being
-copied into the bucket by n_r / G, where G is the previous step's N (known
-alike on all ranks), and after the all-reduce corrected by G / N only in the
-rare step where N changed. After the all-reduce, ``p.grad`` is a view of the
-bucket: no copy back.
-
-Gradient accumulation (``no_sync``) needs each micro-batch k weighted by its
-own share n_rk / N_k, which the final bucket cannot know. So from the first
-forward inside ``no_sync`` until the next sync, every forward all-reduces its
-sample count (one number, asynchronously, while the forward runs) and a
-gradient hook scales each micro-batch's gradient by n_rk / N_k before autograd
-accumulates it; the final buckets then just sum over ranks.
+Weights. Every forward pass is counted (:mod:`autodist.shares`: from the
+sharded data where it can be, inferred otherwise) and its outputs get a hook;
+a backward that reaches an output is a backward through that forward and
+takes its count, so a forward that no backward follows (validation without
+``no_grad``) never counts. :mod:`autodist.weights` turns the counts of the
+backwards since the last sync into the scale gradients are packed with. Every
+bucket carries two extra slots: the count, whose all-reduced sum is N (or, when
+every rank knew its N, must be), and a used-flag per parameter, so a parameter
+that got no gradient on any rank keeps ``grad = None`` as in a single process.
+After the all-reduce, ``p.grad`` is a view of the bucket: no copy back.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist import provenance
 from autodist.buckets import MB, Bucket, assign_buckets, average_
 from autodist.runtime import log
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) output: a tensor, tuple, list or dict."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    return next(_tensors(obj), None)
+from autodist.shares import Counted, SampleCounter, combine
+from autodist.tree import tensor_leaves
+from autodist.weights import Pack, Window
 
 
 class GradSync:
     """The gradient synchronisation state of one parallelized model."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
-                 first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True) -> None:
+                 first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True,
+                 counter: SampleCounter | None = None) -> None:
         self.group = group
         self.hooks = hooks
         self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
         self.named = list(model.named_parameters())
         self.model = weakref.ref(model)
         self.sync_buffers = sync_buffers
+        self.counter = counter or SampleCounter()
         # what the buffers held at the last sync: only those changed since are averaged (BatchNorm updates
         # its running statistics without bumping the version counter, so contents are compared)
         self.buffer_snapshots = [b.detach().clone() for b in self._current_buffers()]
         self.enabled = True  # False inside no_sync()
-        self.samples = 0  # samples seen by forward passes since the last sync
-        self.forwards = 0
-        self.previous_total = 1.0  # G: last step's global sample count, the same on every rank
-        self.last_weight = 1.0  # this rank's weight at the last sync, for a backward with no new forward
+        self.window = Window()  # the backwards since the last sync
+        self.previous_total = 1.0  # G: last sync's global count, the same on every rank
+        self.last_counted: Counted | None = None  # the last sync's count, for a backward that reached no output
+        self.warned_uncounted = False
         self.next_bucket = 0
+        self.packing: Pack | None = None  # this backward's packing, fixed when its first bucket starts
         self.in_backward = False  # a backward through the model began and has not reached its end
-        self.grads_arrived = False  # this backward brought gradients while syncing was enabled
-        # gradient accumulation: per-micro-batch weights (see the module docstring)
-        self.pending_counts: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []  # (n_rk, N_k, work)
-        self.micro_weight: torch.Tensor | None = None  # n_rk / N_k of the micro-batch being backpropagated
+        self.reached: list[Counted] = []  # the forwards this backward went through
+        self.grads_arrived = False  # this backward brought gradients to the parameters
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
         self._build()
-        self.handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
-                        model.register_forward_hook(self._watch_output)]
+        self.handles = [model.register_forward_pre_hook(self._on_forward),
+                        model.register_forward_hook(self._count_forward, with_kwargs=True)]
 
     def _build(self) -> None:
         """Buckets and hooks for the parameters that are trainable now."""
@@ -105,14 +89,10 @@ class GradSync:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for handle in self.param_handles:
             handle.remove()
-        self.param_handles = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-                              if self.hooks else [])
-        if self.prescale_handles:
-            self._remove_prescale()
-            self._install_prescale()
+        self.param_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
-    # -- hooks ---------------------------------------------------------------------------------
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # -- forward: count, and watch the outputs --------------------------------------------------
+    def _on_forward(self, module: nn.Module, args: tuple) -> None:
         if not torch.is_grad_enabled():
             return
         if self.in_backward:
@@ -123,75 +103,70 @@ class GradSync:
             if dist.get_rank() == 0:
                 log.info("the set of trainable parameters changed: gradient buckets rebuilt")
             self._build()
-        first = _first_tensor((args, kwargs))
-        samples = first.shape[0] if first is not None and first.ndim > 0 else 1
-        self.samples += samples
-        self.forwards += 1
-        if not self.enabled or self.prescale_handles:  # accumulating: this micro-batch needs its own weight
-            self._install_prescale()
-            device = self.params[0].device if self.params else torch.device("cpu")
-            mine = torch.full((1,), float(samples), dtype=torch.float64, device=device)  # no host copy
-            total = mine.clone()
-            self.pending_counts.append((mine, total, dist.all_reduce(total, group=self.group, async_op=True)))
 
-    def _watch_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Mark the moment a backward reaches the model's output, so that one that raises later is noticed."""
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._backward_began)
-
-    def _backward_began(self, grad: torch.Tensor) -> None:
-        if not self.in_backward:
-            self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _discard_aborted_backward(self) -> None:
-        """A backward that raised never reached its end-of-backward callback: drop what it left half done."""
-        log.warning("the previous backward pass did not finish (it raised?): its half-done gradient sync is "
-                    "discarded, and what it left in .grad is not a synchronized gradient: call "
-                    "optimizer.zero_grad() before the next backward")
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()  # every rank started the same buckets before failing alike
-            bucket.work = None
-            bucket.ready.clear()
-        for _, _, work in self.pending_counts:
-            work.wait()
-        self.pending_counts.clear()
-        self._remove_prescale()
-        self.next_bucket, self.samples, self.forwards = 0, 0, 0
-        self.in_backward = self.grads_arrived = False
-
-    def _install_prescale(self) -> None:
-        if not self.prescale_handles:
-            self.prescale_handles = [p.register_hook(self._prescale) for p in self.params]
-
-    def _remove_prescale(self) -> None:
-        for handle in self.prescale_handles:
-            handle.remove()
-        self.prescale_handles = []
-
-    def _prescale(self, grad: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's gradient times n_rk / N_k, before autograd adds it to .grad."""
-        if self.pending_counts:  # the first gradient of this backward: the counts of its forward(s)
-            for _, _, work in self.pending_counts:
-                work.wait()
-            mine = sum(m for m, _, _ in self.pending_counts)
-            total = sum(t for _, t, _ in self.pending_counts)
-            self.micro_weight = (mine / total).reshape(())  # stays on the device: no host sync
-            self.pending_counts.clear()
-        if self.micro_weight is None:
-            return grad
-        weight = self.micro_weight.to(grad.dtype)
-        # an empty micro-batch (NaN loss) has weight 0 and contributes nothing, not NaN
-        return torch.where(weight > 0, grad * weight, torch.zeros_like(grad))
-
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self.enabled:
+    def _count_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Count this forward's samples; a backward that reaches its output takes that count."""
+        if not torch.is_grad_enabled():
             return
-        self._backward_began(p)  # a backward that did not pass through the model's output (a submodule's)
+        counted = None
+        for _, t in tensor_leaves(output):
+            if t.requires_grad:
+                counted = counted or self.counter(args, kwargs)
+                t.register_hook(partial(self._reached, counted))
+
+    def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
+        """A backward reached an output of a forward counted ``counted``."""
+        if self.in_backward:
+            if all(c is not counted for c in self.reached):
+                self.reached.append(counted)  # a second forward in the same backward (its batch counts once)
+            return
+        self._begin_backward(counted)
+
+    def _begin_backward(self, counted: Counted) -> None:
+        """Fix this backward's weight before any of its gradients reaches a parameter."""
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.hooks and counted.total is None and (not self.enabled or self.window.backwards):
+            counted = self._count_globally(counted)  # accumulating: this micro-batch needs its own N now
+        self.reached = [counted]
+        factor = self.window.factor(counted)
+        alone = self.hooks and self.enabled and not self.window.backwards  # synced right after: packing scales it
+        if factor != 1.0 and not alone:
+            self.prescale_handles = [p.register_hook(partial(_prescale, factor)) for p in self.params]
+
+    def _count_globally(self, counted: Counted) -> Counted:
+        """N of a micro-batch whose N this rank cannot know: one all-reduce of the counts."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        total = torch.tensor([counted.count], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=self.group)
+        n = float(total)
+        if math.isnan(n):
+            self._raise_uncounted(counted.error)
+        return Counted(counted.count, n, None)
+
+    def _fallback_count(self) -> Counted:
+        """The count of a backward that reached no output of the model (it called a submodule, say)."""
+        share = provenance.current()
+        if share is not None:
+            return Counted(share.count, share.total, share.batch)
+        if self.last_counted is not None:
+            return self.last_counted
+        if not self.warned_uncounted:
+            self.warned_uncounted = True
+            log.warning("a backward reached the model's parameters without passing through an output of its "
+                        "forward (a submodule called directly?) and no sharded DataLoader batch is current: the "
+                        "ranks are weighted equally, which is exact only if they hold equal numbers of samples")
+        return Counted(1.0)
+
+    # -- backward: prescale, buckets, end --------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self.in_backward:  # a backward that did not pass through the model's output (a submodule's)
+            self.in_backward = True
+            self.reached = [self._fallback_count()]
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.grads_arrived = True
+        if not (self.enabled and self.hooks):
+            return
         bucket = self.bucket_of[p]
         if bucket.work is not None:
             raise RuntimeError(
@@ -205,46 +180,85 @@ class GradSync:
             self.next_bucket += 1
 
     def _end_of_backward(self) -> None:
-        # a backward that brought no gradient to sync (torch.autograd.grad for a gradient penalty, a
-        # backward inside no_sync) leaves everything for the next one
+        # a backward that brought no gradient (torch.autograd.grad for a gradient penalty) adds nothing
         self.in_backward = False
+        self._remove_prescale()
         if self.grads_arrived:
             self.grads_arrived = False
-            self.flush()
+            if self.packing is None:  # not added yet by the first bucket
+                self.window.add(combine(self.reached))
+            self.reached = []
+            if self.enabled and self.hooks:
+                self.flush()
+        self.reached = []
+
+    def _remove_prescale(self) -> None:
+        for handle in self.prescale_handles:
+            handle.remove()
+        self.prescale_handles = []
+
+    def _discard_aborted_backward(self) -> None:
+        """A backward that raised never reached its end-of-backward callback: drop what it left half done."""
+        log.warning("the previous backward pass did not finish (it raised?): its half-done gradient sync is "
+                    "discarded, and what it left in .grad is not a synchronized gradient: call "
+                    "optimizer.zero_grad() before the next backward")
+        self._reset_buckets()
+        self._remove_prescale()
+        self.window.reset()
+        self.in_backward = self.grads_arrived = False
+        self.reached = []
+
+    def _reset_buckets(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # every rank started the same buckets before failing alike
+            bucket.work = None
+            bucket.ready.clear()
+        self.next_bucket, self.packing = 0, None
 
     # -- the sync ------------------------------------------------------------------------------
-    def _weight(self) -> float:
-        # No forward since the last sync: a second backward through the same graph keeps that step's
-        # weights; none ever (the model called through a submodule, say): ranks weigh equally.
-        return float(self.samples) if self.forwards else self.last_weight
-
     def _start(self, bucket: Bucket) -> None:
-        count = self._weight()
-        # accumulated micro-batches were weighted one by one: the buckets only sum
-        scale = 1.0 if self.prescale_handles else count / self.previous_total
-        bucket.start(count, scale, self.group)
+        if self.packing is None:  # the first bucket of this sync: the window is complete
+            if self.in_backward:
+                self.window.add(combine(self.reached))
+            self.packing = self.window.pack(self.previous_total)
+        bucket.start(self.packing.count, self.packing.scale, self.group)
 
     def flush(self) -> None:
         """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
+        if not self.window.backwards and self.packing is None:  # nothing counted: synchronize_model by hand
+            self.window.add(self._fallback_count())
         for bucket in self.buckets[self.next_bucket:]:
             self._start(bucket)
         for bucket in self.buckets:
             bucket.work.wait()  # type: ignore[union-attr]
-        total = self.buckets[0].total() if self.buckets else 0.0
-        prescaled = bool(self.prescale_handles)
-        correction = 1.0 if prescaled else self.previous_total / total if total > 0 else 0.0
+        packing = self.packing
+        assert packing is not None or not self.buckets
+        total = self.buckets[0].total() if self.buckets else packing.count if packing else 0.0
+        if math.isnan(total):
+            error = self.window.error
+            self._reset_buckets()
+            self.window.reset()
+            self._raise_uncounted(error)
+        correction = 1.0
+        if packing is not None and packing.expected is None:
+            correction = packing.previous_total / total if total > 0 else 0.0
+            if total > 0:
+                self.previous_total = total
+        elif packing is not None and total != packing.expected:
+            log.warning("the ranks' sample counts add up to %g, but every rank's batch said %g: the ranks are "
+                        "not on the same global batch (a loop that takes batches ahead of their step?); this "
+                        "step's gradient is not the single-process one", total, packing.expected)
         for bucket in self.buckets:
             bucket.unpack(correction)
-        self._average_changed_buffers()
-        if total > 0 and not prescaled:
-            self.previous_total = total
-        self.last_weight = self._weight()
-        self._remove_prescale()
-        self.micro_weight = None
-        for _, _, work in self.pending_counts:  # forwards with no backward since: their counts are moot
-            work.wait()
-        self.pending_counts.clear()
-        self.next_bucket, self.samples, self.forwards = 0, 0, 0
+        self._average_changed_buffers(packing.count if packing else 1.0)
+        self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
+        self.window.reset()
+        self.next_bucket, self.packing = 0, None
+
+    def _raise_uncounted(self, mine: str | None) -> None:
+        raise ValueError(mine or f"autodist cannot count the samples of this step on another rank (see that rank's "
+                                 f"error); rank {dist.get_rank()} could count its own")
 
     def forget_buffers(self) -> None:
         """Count every buffer as changed at the next sync (its state before is unknown)."""
@@ -256,7 +270,7 @@ class GradSync:
             return []
         return [b for b in model.buffers() if b.is_floating_point()]
 
-    def _average_changed_buffers(self) -> None:
+    def _average_changed_buffers(self, weight: float) -> None:
         """Buffers that some rank changed since the last sync (BatchNorm statistics) become their sample-weighted
         average; buffers no rank touched (masks, constants) stay exactly as they are."""
         buffers = self._current_buffers()  # model.to() may have replaced the buffer tensors
@@ -266,7 +280,7 @@ class GradSync:
                 [(s.shape, s.dtype, s.device) for s in self.buffer_snapshots]:
             self.buffer_snapshots = [torch.full_like(b, float("nan")) for b in buffers]  # all count as changed
         changed = torch.stack([(b != snapshot).any() for b, snapshot in zip(buffers, self.buffer_snapshots)])
-        average_(buffers, self._weight(), self.group, changed)
+        average_(buffers, weight, self.group, changed)
         for b, snapshot in zip(buffers, self.buffer_snapshots):
             snapshot.copy_(b)
 
@@ -274,6 +288,11 @@ class GradSync:
         for handle in [*self.handles, *self.param_handles]:
             handle.remove()
         self._remove_prescale()
+
+
+def _prescale(factor: float, grad: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's gradient times its weight relative to the window's; an empty one (NaN loss) gives zero."""
+    return torch.zeros_like(grad) if factor == 0.0 else grad * factor
 
 
 @dataclass
