@@ -92,6 +92,8 @@ def register_batch(batch: Any, share: BatchShare) -> None:
     """Remember that the tensors of ``batch`` (nested anyhow) hold ``share``'s samples."""
     for _, t in tensor_leaves(batch):
         _batch_tensors[t] = share
+        if not t.numel() and t._base is not None:  # views of an empty batch (x.t()) have its root as their base
+            _batch_tensors[t._base] = share
         if t.layout == torch.strided and t.numel() and not _lookup(t):
             _register(t, 0, share)
 
