@@ -145,6 +145,7 @@ class ShardedLoader(DataLoader):
 
     @staticmethod
     def _handed_over(batches: Iterator[Any], shares: deque[BatchShare]) -> Iterator[Any]:
+        outer = provenance.current()  # an evaluation loop inside a training loop gives the training batch back
         try:
             for batch in batches:
                 share = shares.popleft()
@@ -152,7 +153,7 @@ class ShardedLoader(DataLoader):
                 provenance.announce(share)
                 yield batch
         finally:
-            provenance.announce(None)
+            provenance.announce(outer)
 
 
 def _empty_like(batch: Any) -> Any:

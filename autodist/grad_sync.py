@@ -17,7 +17,9 @@ backwards since the last sync into the scale gradients are packed with. Every
 bucket carries two extra slots: the count, whose all-reduced sum is N (or, when
 every rank knew its N, must be), and a used-flag per parameter, so a parameter
 that got no gradient on any rank keeps ``grad = None`` as in a single process.
-After the all-reduce, ``p.grad`` is a view of the bucket: no copy back.
+After the all-reduce, ``p.grad`` becomes a view of the bucket (no copy back),
+except after gradient accumulation, where the bucket is copied back into
+autograd's tensors (see ``Bucket.unpack``).
 """
 from __future__ import annotations
 
@@ -250,7 +252,7 @@ class GradSync:
                         "not on the same global batch (a loop that takes batches ahead of their step?); this "
                         "step's gradient is not the single-process one", total, packing.expected)
         for bucket in self.buckets:
-            bucket.unpack(correction)
+            bucket.unpack(correction, copy_back=self.window.backwards > 1)
         self._average_changed_buffers(packing.count if packing else 1.0)
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
         self.window.reset()
