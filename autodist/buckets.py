@@ -43,12 +43,14 @@ def assign_buckets(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: 
 
 
 class Bucket:
-    """One flat buffer: the gradients, then the sample count, then a used-flag per parameter."""
+    """One flat buffer: the gradients, then the sample count, a used-flag per parameter, then ``extra`` slots
+    that other data of the same sync may ride in (the model's buffers, in the last bucket)."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], extra: int = 0) -> None:
         self.params = params
         numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel + 1 + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.flat = torch.zeros(numel + 1 + len(params) + extra, dtype=params[0].dtype, device=params[0].device)
+        self.extra = self.flat[numel + 1 + len(params):]
         self.views, offset = [], 0
         for p in params:
             self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
@@ -71,7 +73,7 @@ class Bucket:
                 view.copy_(grad)
             else:
                 torch.mul(grad, scale, out=view)
-        self.flat[self.count_slot:].copy_(to_device(meta, self.flat), non_blocking=True)
+        self.flat[self.count_slot:self.count_slot + len(meta)].copy_(to_device(meta, self.flat), non_blocking=True)
 
     def start(self, count: float, scale: float, group: dist.ProcessGroup | None) -> None:
         self.pack(count, scale)
@@ -91,7 +93,7 @@ class Bucket:
         """
         self.work = None
         self.ready.clear()
-        used = self.flat[self.count_slot + 1:].tolist()
+        used = self.flat[self.count_slot + 1:self.count_slot + 1 + len(self.params)].tolist()
         for p, view, flag in zip(self.params, self.views, used):
             if flag <= 0.0:
                 p.grad = None

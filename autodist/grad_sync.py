@@ -19,7 +19,8 @@ every rank knew its N, must be), and a used-flag per parameter, so a parameter
 that got no gradient on any rank keeps ``grad = None`` as in a single process.
 After the all-reduce, ``p.grad`` becomes a view of the bucket (no copy back),
 except after gradient accumulation, where the bucket is copied back into
-autograd's tensors (see ``Bucket.unpack``).
+autograd's tensors (see ``Bucket.unpack``). The buffers training changed
+(BatchNorm's statistics) ride in the last bucket (:mod:`autodist.buffer_sync`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from torch import nn
 
 from autodist import provenance
 from autodist.buckets import MB, Bucket, assign_buckets, average_
+from autodist.buffer_sync import BufferSync
 from autodist.runtime import log
 from autodist.shares import Counted, SampleCounter, combine
 from autodist.tree import tensor_leaves
@@ -53,11 +55,8 @@ class GradSync:
         self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
         self.named = list(model.named_parameters())
         self.model = weakref.ref(model)
-        self.sync_buffers = sync_buffers
         self.counter = counter or SampleCounter()
-        # what the buffers held at the last sync: only those changed since are averaged (BatchNorm updates
-        # its running statistics without bumping the version counter, so contents are compared)
-        self.buffer_snapshots = [b.detach().clone() for b in self._current_buffers()]
+        self.buffer_sync = BufferSync(model, sync_buffers)
         self.enabled = True  # False inside no_sync()
         self.window = Window()  # the backwards since the last sync
         self.previous_total = 1.0  # G: last sync's global count, the same on every rank
@@ -86,8 +85,11 @@ class GradSync:
         self.trainable = tuple(p.requires_grad for _, p in self.named)
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]
-        self.buckets = [Bucket([self.params[i] for i in idx])
-                        for idx in assign_buckets(self.params, *self.caps)]
+        groups = assign_buckets(self.params, *self.caps)
+        last = self.params[groups[-1][0]] if groups else None
+        extra = self.buffer_sync.carry(last.dtype, last.device) if last is not None else 0
+        self.buckets = [Bucket([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
+                        for k, idx in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for handle in self.param_handles:
             handle.remove()
@@ -217,6 +219,7 @@ class GradSync:
             bucket.work = None
             bucket.ready.clear()
         self.next_bucket, self.packing = 0, None
+        self.buffer_sync.sent = None
 
     # -- the sync ------------------------------------------------------------------------------
     def _start(self, bucket: Bucket) -> None:
@@ -224,6 +227,8 @@ class GradSync:
             if self.in_backward:
                 self.window.add(combine(self.reached))
             self.packing = self.window.pack(self.previous_total)
+        if bucket is self.buckets[-1] and bucket.extra.numel():
+            self.buffer_sync.pack(bucket.extra, self.packing.count)
         bucket.start(self.packing.count, self.packing.scale, self.group)
 
     def flush(self) -> None:
@@ -253,7 +258,10 @@ class GradSync:
                         "step's gradient is not the single-process one", total, packing.expected)
         for bucket in self.buckets:
             bucket.unpack(correction, copy_back=self.window.backwards > 1)
-        self._average_changed_buffers(packing.count if packing else 1.0)
+        rode = self.buffer_sync.sent is not None
+        if rode:
+            self.buffer_sync.unpack(self.buckets[-1].extra, total)
+        self.buffer_sync.average_rest(packing.count if packing else 1.0, self.group, rode)
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
         self.window.reset()
         self.next_bucket, self.packing = 0, None
@@ -264,27 +272,7 @@ class GradSync:
 
     def forget_buffers(self) -> None:
         """Count every buffer as changed at the next sync (its state before is unknown)."""
-        self.buffer_snapshots = []
-
-    def _current_buffers(self) -> list[torch.Tensor]:
-        model = self.model()
-        if not self.sync_buffers or model is None:
-            return []
-        return [b for b in model.buffers() if b.is_floating_point()]
-
-    def _average_changed_buffers(self, weight: float) -> None:
-        """Buffers that some rank changed since the last sync (BatchNorm statistics) become their sample-weighted
-        average; buffers no rank touched (masks, constants) stay exactly as they are."""
-        buffers = self._current_buffers()  # model.to() may have replaced the buffer tensors
-        if not buffers:
-            return
-        if [(b.shape, b.dtype, b.device) for b in buffers] != \
-                [(s.shape, s.dtype, s.device) for s in self.buffer_snapshots]:
-            self.buffer_snapshots = [torch.full_like(b, float("nan")) for b in buffers]  # all count as changed
-        changed = torch.stack([(b != snapshot).any() for b, snapshot in zip(buffers, self.buffer_snapshots)])
-        average_(buffers, weight, self.group, changed)
-        for b, snapshot in zip(buffers, self.buffer_snapshots):
-            snapshot.copy_(b)
+        self.buffer_sync.forget()
 
     def remove(self) -> None:
         for handle in [*self.handles, *self.param_handles]:

@@ -185,3 +185,49 @@ def _gradient_penalty_run():
 def test_gradient_penalty_inside_the_loss(ranks):
     # the inner backward brings no parameter gradient: it must neither sync nor reset the step's counts
     assert_same_training(ranks(3, _gradient_penalty_run))
+
+
+class Tracking(nn.Module):
+    """BatchNorm (float32, rides in the last gradient bucket) and a float64 running sum of the inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("seen", torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.seen.mul_(0.5).add_(x.double().mean(0))
+        return self.bn(self.lin(x))
+
+
+def _tracking_steps():
+    torch.manual_seed(0)
+    model, _ = autodist.parallelize(Tracking())
+    x = w.digits_like(8, seed=w.rank())[0][:, :6]
+    taken = []
+    for step in range(3):
+        if step == 2:  # a buffer replaced by one of another shape after the buckets were built
+            model.bn.running_mean = torch.zeros(3)
+            model.register_buffer("seen", torch.zeros(7, dtype=torch.float64))
+            x7 = torch.cat([x, x[:, :1]], 1)
+            model.forward = lambda inp, m=model: m.bn(m.lin(inp[:, :6])) + 0 * m.seen.add_(inp.double().mean(0)).sum()
+            F.cross_entropy(model(x7), torch.zeros(8, dtype=torch.long)).backward()
+        else:
+            F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+        taken.append({k: v.clone() for k, v in model.state_dict().items() if v.is_floating_point()})
+    return x, taken
+
+
+def test_buffers_of_every_dtype_and_replaced_buffers_are_averaged(ranks):
+    (x0, steps0), (x1, steps1) = ranks(2, _tracking_steps)
+    for a, b in zip(steps0, steps1):
+        for name in a:  # the ranks saw different inputs, yet agree on every buffer after every step
+            assert_close(a[name], b[name], rtol=0, atol=0, msg=f"ranks disagree on {name}")
+    # the float64 buffer is the average of the ranks' own running sums (equal weights: 8 samples each)
+    expected = torch.zeros(6, dtype=torch.float64)
+    for _ in range(2):
+        expected = 0.5 * expected + (x0.double().mean(0) + x1.double().mean(0)) / 2
+    assert_close(steps0[1]["seen"], expected)
+    assert steps0[2]["seen"].shape == (7,) and steps0[2]["bn.running_mean"].abs().sum() > 0
