@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist import data as data_mod
-from autodist import rewrite
+from autodist import observe, rewrite
 from autodist.grad_sync import GradSync, Registration, attach, is_parallelized
 from autodist.guards import retire
 from autodist.mesh import Groups, ParallelDims, build_groups
@@ -83,17 +83,17 @@ def _replicate(model: nn.Module, dims: ParallelDims, groups: Groups, world: Worl
 
 
 def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layers: rewrite.MPLayers,
-                  rank: int) -> None:
+                  rank: int, example: observe.Example | None) -> None:
     """Plan and swap in the MP layers; remember the parameters they replaced."""
-    planned = rewrite.plan(model, dims.mp, mp_layers)
+    planned = rewrite.plan(model, dims.mp, mp_layers, example=example)
     retire(rewrite.apply(model, planned, groups.mp))
     log.debug("model-parallel plan:\n%s", planned.plan)
     if not planned.plan.traced and rank == 0:
         swapped = ", ".join(planned.roles)
-        log.warning("torch.fx cannot trace %s (tracing stopped at %s), so model parallelism fell back to swapping "
-                    "plain nn.Linear modules one by one for full-in/full-out MPBaseLinear (%s): no Megatron pairs, "
-                    "up to two collectives per layer; see autodist.explain(model, mp=%d) for the plan",
-                    type(model).__name__, planned.plan.untraced, swapped, dims.mp)
+        log.warning("torch.fx cannot trace %s (tracing stopped at %s), so model parallelism was planned from one "
+                    "forward on a sample batch and swaps modules one by one (%s); see "
+                    "autodist.explain(model, mp=%d, example=...) for the plan",
+                    type(model).__name__, planned.plan.untraced, swapped or "none", dims.mp)
 
 
 def parallelize(
@@ -108,6 +108,7 @@ def parallelize(
     sync_buffers: bool = True,
     batch_dim: int = 0,
     samples: SampleFn | None = None,
+    example: observe.Example | None = None,
     backend: str | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
@@ -138,6 +139,11 @@ def parallelize(
         samples: ``fn(*args, **kwargs) -> int``, called with each forward's
             arguments, returning this rank's count; it overrides every other
             way of counting (count tokens for a loss that is a mean over tokens).
+        example: with ``mp > 1`` for a model torch.fx cannot trace, the
+            arguments of one forward (a tuple of positional ones, a dict of
+            keyword ones, or one tensor) to plan the split from what the
+            forward runs; default: two samples of ``data``, a dict batch as
+            keyword arguments, a tuple batch's first element as the input.
         backend: force "gloo" or "nccl" (default: chosen by ``autodist.init``).
 
     Returns:
@@ -187,7 +193,8 @@ def parallelize(
         model.to(world.device)
     _replicate(model, dims, groups, world)
     if dims.mp > 1 and not rewrite.mp_modules(model):
-        _split_layers(model, dims, groups, mp_layers, world.rank)
+        _split_layers(model, dims, groups, mp_layers, world.rank,
+                      observe.example_of(data) if example is None else example)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
         share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
     sync_state = None

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autodist import forward_source
+from autodist import observe, pairs
 
 MPLayers = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
 
@@ -405,27 +405,41 @@ class Rewrite:
     swaps: dict[str, str] = field(default_factory=dict)  # module name -> MP layer class name
 
 
-def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool],
-              err: BaseException) -> Rewrite:
-    """torch.fx could not trace: every selected plain nn.Linear becomes a full-in/full-out MPBaseLinear.
+def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException,
+              example: observe.Example | None, explicit: bool) -> Rewrite:
+    """torch.fx could not trace: plan from one recorded forward on ``example`` and swap modules one by one.
 
-    That swap is exact whatever the forward does with the layer's output. What
-    stays: weights shared with another layer, nn.Linear subclasses (their own
-    forward may differ), Linears inside torch's own layers (which read the
-    weight themselves, e.g. MultiheadAttention.out_proj) and Linears whose
-    parameters the model's own code may read (``self.fc.weight`` in any method
-    would see a shard): the source of the model's classes is read for that
-    (``forward_source``), and also for which layers are fed the model's input,
-    whose backward sends nothing. Collectives are counted for one call of each
-    layer: one called twice (or recomputed by activation checkpointing) sends
-    twice.
+    The recorded forward (:mod:`autodist.observe`) says how often each plain
+    nn.Linear ran, whether its input needed a gradient, and whether any op
+    outside it read its parameters (a rank's shard would then be read instead).
+    Layers fed through elementwise ops only form Megatron pairs
+    (:mod:`autodist.pairs`): column layers, the ops between on the local
+    slice, a row layer. Every other selected Linear becomes a full-in/full-out
+    ``MPBaseLinear``, exact whatever the forward does with its output. What
+    stays whole: weights shared with another layer,
+    nn.Linear subclasses (their own forward may differ), Linears inside torch's
+    own layers (which read the weight themselves, e.g. MultiheadAttention's
+    out_proj), and Linears the recorded forward did not run or ran twice.
     """
     where = _where_tracing_stopped(err)
+    if example is None:
+        raise ValueError(f"torch.fx cannot trace {type(model).__name__} (tracing stopped at {where}), and autodist "
+                         f"then plans model parallelism from one forward on a sample batch: pass data to "
+                         f"parallelize (a DataLoader, Dataset or tensors) or example=(args...) / example={{kwargs}}")
+    try:
+        seen = observe.observe(model, lambda: observe.call(model, example))
+    except Exception as run_err:  # noqa: BLE001 - the user must learn how to call the model instead
+        raise ValueError(f"torch.fx cannot trace {type(model).__name__}, and its forward on a sample batch failed "
+                         f"({type(run_err).__name__}: {run_err}); the sample was called as "
+                         f"{_call_form(example)}: pass parallelize(..., example=...) with the arguments your "
+                         f"training loop gives the model (a tuple of positional ones, or a dict of keyword ones)"
+                         ) from run_err
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     linears = {name: module for name, module in model.named_modules()
                if type(module) is nn.Linear and name and not _inside_torch_layer(model, name)}
     kept = {}
     for name, module in linears.items():
+        calls, outside = len(seen.calls.get(id(module), [])), seen.reads_outside(module)
         if not selected(name, module):
             kept[name] = "not selected by mp_layers"
         elif owners[id(module.weight)] > 1:
@@ -434,22 +448,41 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
             kept[name] = _HOOKED
         elif min(module.in_features, module.out_features) < mp:
             kept[name] = f"a dimension smaller than mp={mp}"
-    reads = forward_source.parameter_reads(model, set(linears) - set(kept))
-    kept |= {name: f"the model's code reads its parameters, which would be this rank's shard ({at})"
-             for name, at in reads.items()}
-    first = forward_source.input_layers(model, set(linears) - set(kept))
-    rows, roles = [], {}
+        elif calls != 1:
+            kept[name] = "not run by the forward on the sample batch" if not calls else f"called {calls} times"
+        elif outside is not None:
+            kept[name] = f"the model reads its parameters outside the layer ({outside}), which would see a shard"
+    candidates = {name: id(module) for name, module in linears.items() if name not in kept}
+    found, unpaired = pairs.find_pairs(seen, candidates)
+    roles = {name: "column" for pair in found for name in pair.columns} | {pair.row: "row" for pair in found}
+    first = {name for name, module in linears.items() if name in candidates
+             and not seen.calls[id(module)][0].input_needs_grad}
+    rows = []
     for name, module in linears.items():
-        if name in kept:
-            rows.append(LayerPlan(name, "Linear", "replicated", _count(module), _count(module), [], kept[name]))
-        else:
+        if name in candidates and name not in roles:
             roles[name] = "full"
-            rows.append(_linear_row(name, module, "full", name in first, mp, "module-by-module swap"))
+        if name in roles:
+            note = "" if roles[name] != "full" else f"unpaired ({unpaired.get(name, 'nothing after it pairs')})"
+            rows.append(_linear_row(name, module, roles[name], name in first, mp, note))
+        else:
+            rows.append(LayerPlan(name, "Linear", "replicated", _count(module), _count(module), [], kept[name]))
     if not roles:
-        why = "".join(f"; {name} stays: {note}" for name, note in kept.items())
+        by_reason: dict[str, list[str]] = collections.defaultdict(list)
+        for name, note in kept.items():
+            by_reason[note].append(name)
+        why = "".join(f"; {', '.join(names)} stay{'s' if len(names) == 1 else ''}: {note}"
+                      for note, names in by_reason.items())
         raise NotImplementedError(f"torch.fx cannot trace {type(model).__name__} and no nn.Linear module can be "
                                   f"swapped in its place; tracing stopped at {where}{why}")
     return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first)
+
+
+def _call_form(example: object) -> str:
+    if isinstance(example, tuple):
+        return f"model(*{len(example)} positional arguments)"
+    if isinstance(example, dict):
+        return f"model(**{{{', '.join(map(str, example))}}})"
+    return "model(x)"
 
 
 _HOOKED = "it has hooks (weight_norm's, say), which swapping the module would drop"
@@ -466,17 +499,19 @@ def _inside_torch_layer(model: nn.Module, name: str) -> bool:
     return type(parent).__module__.startswith("torch.nn") and not isinstance(parent, containers)
 
 
-def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None) -> Rewrite:
-    """Trace ``model`` and decide each Linear's split; nothing is changed yet."""
+def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None,
+         example: observe.Example | None = None) -> Rewrite:
+    """Trace ``model`` (or, failing that, record a forward on ``example``) and decide each Linear's split;
+    nothing is changed yet."""
     _check_selection(model, mp_layers)
     selected = _selector(mp_layers)
+    explicit = isinstance(mp_layers, (list, tuple, set))
     try:
         graph = fx.Tracer().trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure means: fall back or explain
-        result = _fallback(model, mp, selected, err)
+        result = _fallback(model, mp, selected, err, example, explicit)
         result.plan.batch_size = batch_size
         return result
-    explicit = isinstance(mp_layers, (list, tuple, set))
     planner = _Planner(model, graph, mp, selected, explicit)
     planner.plan()
     if any(n.op == "call_function" for n in planner.nodes.values()) and _depends_on_training(model, graph):
@@ -575,7 +610,8 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
     return replaced
 
 
-def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None) -> Plan:
+def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None,
+            example: observe.Example | None = None) -> Plan:
     """What ``parallelize(model, mp=mp)`` would do, without running anything or needing a process group.
 
     Args:
@@ -584,6 +620,8 @@ def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: 
         mp_layers: "all", a list of Linear layer names, or a callable (name, module) -> bool.
         batch_size: rows each Linear sees per step, to turn the bytes per row into bytes per step: the
             batch size for (batch, features) inputs, batch x sequence length for (batch, seq, features).
+        example: for a model torch.fx cannot trace, the arguments of one forward (a tuple of positional
+            ones, a dict of keyword ones, or one tensor): the plan is then read from that forward.
 
     Returns:
         A :class:`Plan`; ``print`` it for the table.
@@ -596,7 +634,7 @@ def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: 
         raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"mp must be a positive int, got {mp!r}")
-    return plan(model, mp, mp_layers, batch_size).plan
+    return plan(model, mp, mp_layers, batch_size, example).plan
 
 
 def mp_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:

@@ -17,6 +17,11 @@ def _rows(plan):
     return {row.name: row for row in plan.layers}
 
 
+def _plan(model: nn.Module, features: int = 8, **options):
+    """The plan of a model torch.fx cannot trace: read from one forward on two samples."""
+    return autodist.explain(model, mp=2, example=torch.randn(2, features), **options)
+
+
 def test_torchad_network_is_one_megatron_pair():
     plan = autodist.explain(TorchADNet(), mp=2, batch_size=128)
     rows = _rows(plan)
@@ -75,13 +80,14 @@ class UntraceableNoLinear(nn.Module):
 
 
 def test_untraceable_model_falls_back_to_module_swaps():
-    plan = autodist.explain(Untraceable(), mp=2)
-    assert not plan.traced and [r.split for r in plan.layers] == ["full", "full"]
+    plan = _plan(Untraceable())
+    # fc1 -> tanh -> fc2, seen in the recorded forward: a Megatron pair, module by module
+    assert not plan.traced and [r.split for r in plan.layers] == ["column", "row"]
     assert "module-by-module" in str(plan) and "if x.sum() > 0" in str(plan)  # says where tracing stopped
     rows = _rows(plan)
-    assert rows["fc1"].collectives == [("forward", "all-reduce", 8)]  # fed the input: nothing sent backward
-    assert rows["fc2"].collectives == [("forward", "all-reduce", 2), ("backward", "all-gather", 8)]
-    assert plan.collectives_per_step == 3
+    assert rows["fc1"].collectives == []  # fed the input: nothing sent backward
+    assert rows["fc2"].collectives == [("forward", "all-reduce", 2)]
+    assert plan.collectives_per_step == 1
 
 
 class ReadsItsWeight(nn.Module):
@@ -107,12 +113,12 @@ class OnlyLayerIsRead(nn.Module):
 
 
 def test_fallback_keeps_a_linear_whose_weight_forward_reads_whole():
-    rows = _rows(autodist.explain(ReadsItsWeight(), mp=2))
+    rows = _rows(_plan(ReadsItsWeight()))
     assert rows["fc"].split == "replicated" and rows["out"].split == "full"
     assert re.search(r"reads its parameters.*test_explain.py:\d+: return self.out\(self.fc\(x\)\)", rows["fc"].note)
     assert rows["out"].collectives == [("forward", "all-reduce", 2), ("backward", "all-gather", 8)]
     with pytest.raises(NotImplementedError, match=r"if x.sum\(\) > 0.*fc stays: .*self.fc.weight.pow\(2\)"):
-        autodist.explain(OnlyLayerIsRead(), mp=2)
+        _plan(OnlyLayerIsRead())
 
 
 class Block(nn.Module):
@@ -150,22 +156,26 @@ class Reads(nn.Module):
 
 
 def test_fallback_reads_helpers_loops_and_submodules():
-    rows = _rows(autodist.explain(Reads(), mp=2))
+    rows = _rows(_plan(Reads()))
+    # block.a -> tanh -> block.b pair; layers.0 is fed block.b's output (split already) plus seq's: full
     assert {n: r.split for n, r in rows.items()} == {
-        "seq.1": "full", "block.a": "full", "block.b": "full", "layers.0": "full", "layers.1": "replicated",
+        "seq.1": "full", "block.a": "column", "block.b": "row", "layers.0": "full", "layers.1": "replicated",
         "loop.0": "replicated", "head": "full"}
-    assert "Reads.penalty" in rows["layers.1"].note and "layer.bias" in rows["loop.0"].note
-    first = {n for n, r in rows.items() if r.split == "full" and len(r.collectives) == 1}
-    assert first == {"seq.1", "block.a"}  # fed the model's input, through a Sequential and a block's forward
+    assert "return self.layers[1].weight.sum()" in rows["layers.1"].note  # read in a helper method
+    assert "layer.bias" in rows["loop.0"].note
+    # fed the model's input, through a Sequential and a block's forward: nothing sent backward
+    assert rows["seq.1"].collectives == [("forward", "all-reduce", 8)] and rows["block.a"].collectives == []
 
 
 def test_fallback_follows_helpers_super_and_module_lists_to_the_layers_fed_the_input():
-    rows = _rows(autodist.explain(UntraceableBlocks(), mp=2))
-    assert {n for n, r in rows.items() if len(r.collectives) == 1} == {"side", "stem", "layers.0"}
-    assert {n for n, r in rows.items() if len(r.collectives) == 2} == {"layers.1", "head"}
+    rows = _rows(_plan(UntraceableBlocks(), 12))
+    assert {n: r.split for n, r in rows.items()} == {"stem": "full", "side": "full", "layers.0": "column",
+                                                     "layers.1": "row", "head": "full"}
+    assert {n for n, r in rows.items() if r.split == "full" and len(r.collectives) == 1} == {"side", "stem"}
+    assert rows["layers.0"].collectives == [] and len(rows["head"].collectives) == 2
 
 
-def test_fallback_counts_a_layer_in_a_loop_on_its_own_output_as_needing_a_gradient():
+def test_fallback_keeps_a_layer_called_in_a_loop_whole():
     class Looped(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -178,13 +188,14 @@ def test_fallback_counts_a_layer_in_a_loop_on_its_own_output_as_needing_a_gradie
                 x = self.fc(x)
             return x
 
-    assert autodist.explain(Looped(), mp=2).layers[0].collectives[1:] == [("backward", "all-gather", 8)]
+    with pytest.raises(NotImplementedError, match="fc stays: called 3 times"):
+        _plan(Looped())
 
 
 @pytest.mark.parametrize("reader", sorted(WEIGHT_READERS))
 def test_fallback_finds_weight_reads_outside_forward(reader):
     build, read = WEIGHT_READERS[reader]
-    rows = _rows(autodist.explain(build(), mp=2))
+    rows = _rows(_plan(build()))
     assert rows[read].split == "replicated" and "reads its parameters" in rows[read].note
     assert rows["head"].split == "full"
 
@@ -214,8 +225,8 @@ def test_fallback_reads_the_functions_of_the_model_file_and_skips_what_init_ran(
                 x = -x
             return self.head(self.block(x))
 
-    rows = _rows(autodist.explain(UsesHelper(), mp=2))
-    assert rows["block.fc"].split == "replicated" and "_weight_norm at test_explain.py" in rows["block.fc"].note
+    rows = _rows(_plan(UsesHelper()))
+    assert rows["block.fc"].split == "replicated" and "return layer.weight.norm()" in rows["block.fc"].note
     assert rows["head"].split == "full"
 
 
@@ -234,17 +245,17 @@ class DataclassNet(nn.Module):
 
 
 def test_fallback_swaps_in_a_dataclass_module_whose_generated_methods_have_no_source():
-    assert autodist.explain(DataclassNet(), mp=2).layers[0].split == "full"
+    assert _plan(DataclassNet()).layers[0].split == "full"
 
 
 def test_fallback_counts_a_layer_after_a_checkpointed_method_as_needing_a_gradient():
     # checkpoint(self._body, x) runs fc: its result needs a gradient, so head's backward sends
-    rows = _rows(autodist.explain(ReadInCheckpointedMethod(), mp=2))
-    assert "ReadInCheckpointedMethod._body" in rows["fc"].note and "first layer" not in rows["head"].note
+    rows = _rows(_plan(ReadInCheckpointedMethod()))
+    assert "test_mp.py" in rows["fc"].note and "first layer" not in rows["head"].note
     assert rows["head"].collectives == [("forward", "all-reduce", 3), ("backward", "all-gather", 8)]
 
 
-def test_fallback_counts_every_call_of_a_block_for_the_input_gradient():
+def test_fallback_keeps_a_block_called_twice_whole_and_sees_the_next_input_needs_a_gradient():
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -255,12 +266,13 @@ def test_fallback_counts_every_call_of_a_block_for_the_input_gradient():
                 x = -x
             return self.head(self.block(torch.tanh(self.block(x))))  # the second call's input needs a gradient
 
-    assert [len(r.collectives) for r in autodist.explain(Twice(), mp=2).layers] == [2, 2]
+    rows = _plan(Twice()).layers  # the block runs twice: kept whole; head's input needs a gradient
+    assert [(r.split, len(r.collectives)) for r in rows] == [("replicated", 0), ("full", 2)]
 
 
 def test_untraceable_model_without_linears_names_the_line():
     with pytest.raises(NotImplementedError, match=r"test_explain.py:\d+: if x.sum\(\) > 0"):
-        autodist.explain(UntraceableNoLinear(), mp=2)
+        _plan(UntraceableNoLinear(), 3)
 
 
 def test_explain_checks_arguments():
@@ -316,7 +328,7 @@ def test_a_linear_with_hooks_stays_replicated():
     traced, untraced = deep_stack(), Untraceable()
     for layer in (traced[2], untraced.fc1):
         layer.register_forward_hook(lambda module, inputs, output: 2 * output)  # a swap would drop it
-    for name, plan in (("2", autodist.explain(traced, mp=2)), ("fc1", autodist.explain(untraced, mp=2))):
+    for name, plan in (("2", autodist.explain(traced, mp=2)), ("fc1", _plan(untraced))):
         assert _rows(plan)[name].split == "replicated" and "hooks" in _rows(plan)[name].note
 
 
@@ -354,7 +366,7 @@ class UntraceableMixed(nn.Module):
 
 
 def test_fallback_swaps_only_plain_linears():
-    rows = _rows(autodist.explain(UntraceableMixed(), mp=2))
+    rows = _rows(_plan(UntraceableMixed()))
     assert set(rows) == {"plain"} and rows["plain"].split == "full"
 
 

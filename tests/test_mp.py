@@ -109,7 +109,7 @@ def _compare_training(build, shape, classes: int, opt_name: str, steps: int, mp:
     """Outputs, one-step gradients and multi-step parameters against the model trained alone."""
     x, y = _data(shape, classes=classes)
     ref = w.seeded(build, 0)
-    model, _ = autodist.parallelize(w.seeded(build, 0 if w.rank() == 0 else 9), mp=mp)
+    model, _ = autodist.parallelize(w.seeded(build, 0 if w.rank() == 0 else 9), mp=mp, example=x[:2])
     out = {"output": (model(x).detach(), ref(x).detach())}
     pairs = [(model, w.optimizer(opt_name, model)), (ref, w.optimizer(opt_name, ref))]
     for step in range(steps):
@@ -148,6 +148,11 @@ def test_untraceable_model_falls_back_soundly(ranks):
     _assert_compared(ranks(2, _compare_training, Untraceable, (12,), 3, "adam", 4, 2))
 
 
+def test_untraceable_pair_seen_in_the_recorded_forward_is_exact(ranks):
+    # layers.0 -> tanh -> layers.1 pair up, module by module; stem, side and head are full-in/full-out
+    _assert_compared(ranks(2, _compare_training, UntraceableBlocks, (12,), 3, "adam", 3, 2))
+
+
 def _fallback_warnings() -> list[str]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -155,7 +160,7 @@ def _fallback_warnings() -> list[str]:
     logger = logging.getLogger("autodist")
     logger.addHandler(handler)
     try:
-        autodist.parallelize(w.seeded(Untraceable, 0), mp=2)
+        autodist.parallelize(w.seeded(Untraceable, 0), mp=2, example=torch.ones(2, 12))
     finally:
         logger.removeHandler(handler)
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
@@ -325,7 +330,7 @@ _COUNTED = {
     "F.linear": (FunctionalMLP, (12,), {"w1": "column", "w2": "row"}),
     "untraceable": (Untraceable, (12,), {"fc1": "full", "fc2": "replicated", "fc3": "full"}),
     "untraceable blocks": (UntraceableBlocks, (12,), {"stem": "full", "side": "full", "head": "full",
-                                                      "layers.0": "full", "layers.1": "full"}),
+                                                      "layers.0": "column", "layers.1": "row"}),
     # head's input comes from a checkpointed method: it needs a gradient, so head sends in backward
     "checkpointed": (ReadInCheckpointedMethod, (8,), {"fc": "replicated", "head": "full"}),
 }
@@ -353,8 +358,9 @@ def _params_on_rank(dense: nn.Module, splits: dict[str, str], rank: int, size: i
 def _count_collectives(model_name: str):
     build, shape, splits = _COUNTED[model_name]
     size, rank = dist.get_world_size(), dist.get_rank()
-    model, _ = autodist.parallelize(w.seeded(build, 0), mp=size)
-    plan = autodist.explain(w.seeded(build, 0), mp=size)
+    x, y = _data(shape)
+    model, _ = autodist.parallelize(w.seeded(build, 0), mp=size, example=x[:2])
+    plan = autodist.explain(w.seeded(build, 0), mp=size, example=x[:2])
     counts = {"n": 0}
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor")}
 

@@ -1,0 +1,182 @@
+"""One forward on a sample batch, recorded: which ops ran, in which module, on which tensors.
+
+The model-parallel planner reads this instead of the model's source code
+when torch.fx cannot trace the model. A ``TorchDispatchMode`` sees every
+aten op the forward runs (after autograd, so ``F.linear`` appears as
+``t`` + ``addmm``), and global module hooks keep the stack of modules each op
+runs in. From that the planner knows, for what the forward actually does:
+how often each layer is called, whether its input needs a gradient, whether
+any op outside the layer reads its parameters (a tied head, code reading
+``self.fc.weight``), and which ops lie between two layers (all elementwise?).
+
+What it cannot see: Python reading a tensor's shape (``h.size(-1)``) runs
+no op, and code paths that this batch, in this mode, does not take. The run
+has no side effects: the RNG state is forked and every buffer (BatchNorm's
+statistics) is restored afterwards; the parameters are not changed.
+"""
+from __future__ import annotations
+
+import collections
+import collections.abc
+import linecache
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class Op:
+    """One aten op of the recorded forward."""
+
+    name: str  # e.g. "aten.gelu.default"
+    pointwise: bool  # torch tags it pointwise (elementwise, same shape out as in, up to broadcasting)
+    inputs: list[int]  # ids of the tensors it read
+    outputs: list[int]
+    scope: tuple[int, ...]  # ids of the modules it ran inside, outermost first
+    where: str = ""  # the line of the model's code that ran it ("file.py:12: return self.fc(x)")
+
+
+@dataclass
+class Call:
+    """One call of a module."""
+
+    input: int | None  # id of the first tensor argument
+    output: int | None  # id of the output, if it is one tensor
+    input_needs_grad: bool
+
+
+@dataclass
+class Observation:
+    """What one forward did; tensors are named by ``id`` (all were kept alive while it ran)."""
+
+    ops: list[Op] = field(default_factory=list)
+    calls: dict[int, list[Call]] = field(default_factory=lambda: collections.defaultdict(list))
+    producer: dict[int, int] = field(default_factory=dict)  # tensor id -> index of the op that made it
+    consumers: dict[int, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
+    scalar: set[int] = field(default_factory=set)  # ids of 0-dim tensors
+    outputs: set[int] = field(default_factory=set)  # the ids of the model's output tensors
+
+    def reads_outside(self, module: nn.Module) -> str | None:
+        """Where an op outside ``module``'s own calls reads one of its parameters; None if none does."""
+        params = {id(p) for p in module.parameters()}
+        for op in self.ops:
+            if id(module) not in op.scope and params.intersection(op.inputs):
+                return f"{op.name} at {op.where}" if op.where else op.name
+        return None
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and autodist: the model's line that ran this op."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/" not in path and "/autodist/" not in path:
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return f"{os.path.basename(path)}:{frame.f_lineno}: {line}"
+        frame = frame.f_back
+    return ""
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, seen: Observation, stack: list[int], keep: list[Any]) -> None:
+        super().__init__()
+        self.seen, self.stack, self.keep = seen, stack, keep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        self.keep.append((ins, outs))  # ids stay unique only while the tensors live
+        index = len(self.seen.ops)
+        self.seen.ops.append(Op(str(func), torch.Tag.pointwise in func.tags, [id(t) for t in ins],
+                                [id(t) for t in outs], tuple(self.stack), _caller()))
+        for t in ins:
+            self.seen.consumers[id(t)].append(index)
+            if t.dim() == 0:
+                self.seen.scalar.add(id(t))
+        for t in outs:
+            self.seen.producer.setdefault(id(t), index)
+            if t.dim() == 0:
+                self.seen.scalar.add(id(t))
+        return out
+
+
+def observe(model: nn.Module, run: Callable[[], Any]) -> Observation:
+    """Record ``run()`` (a forward of ``model``) with no lasting effect on the model or the RNG.
+
+    Example:
+        >>> seen = observe(model, lambda: model(x))
+        >>> [op.name for op in seen.ops][:3]
+    """
+    seen, stack, keep = Observation(), [], []
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        stack.append(id(module))
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        if stack and stack[-1] == id(module):
+            stack.pop()
+        first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
+        keep.append((args, output))
+        seen.calls[id(module)].append(Call(None if first is None else id(first),
+                                           id(output) if isinstance(output, torch.Tensor) else None,
+                                           first is not None and first.requires_grad))
+
+    handles = [nn.modules.module.register_module_forward_pre_hook(enter),
+               nn.modules.module.register_module_forward_hook(leave)]
+    devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
+    try:
+        with torch.random.fork_rng(devices=devices), _Recorder(seen, stack, keep):
+            result = run()
+        seen.outputs = {id(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)}
+        keep.append(result)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return seen
+
+
+Example = Any  # a positional-argument tuple, a keyword-argument dict, or one tensor
+
+
+def call(model: nn.Module, example: Example) -> Any:
+    """Run ``model`` on an example the way a training loop would: ``model(*t)``, ``model(**d)`` or ``model(x)``."""
+    if isinstance(example, tuple):
+        return model(*example)
+    if isinstance(example, collections.abc.Mapping):
+        return model(**example)
+    return model(example)
+
+
+def example_of(data: Any, rows: int = 2) -> Example | None:
+    """A small batch from the data given to ``parallelize``, as the forward is usually called with it:
+    a dict batch as keyword arguments, the first element of a tuple batch ``(x, y)``, a tensor as is."""
+    from torch.utils.data import DataLoader, Dataset, default_collate
+
+    if data is None:
+        return None
+    if isinstance(data, DataLoader):
+        batch = data.collate_fn([data.dataset[i] for i in range(min(rows, len(data.dataset)))])  # type: ignore
+    elif isinstance(data, Dataset):
+        batch = default_collate([data[i] for i in range(min(rows, len(data)))])  # type: ignore[arg-type]
+    elif isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        batch = tuple(t[:rows] for t in data)
+    elif isinstance(data, torch.Tensor):
+        batch = data[:rows]
+    else:
+        return None
+    if isinstance(batch, collections.abc.Mapping):
+        return dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return (batch[0],)
+    return batch

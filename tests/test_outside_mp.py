@@ -1,0 +1,59 @@
+"""Model parallelism on model code from outside this project: nanoGPT's GPT (tests/outside/nanogpt.py).
+
+torch.fx cannot trace GPT (``assert t <= block_size`` on a traced value), so the plan is read from one
+recorded forward on two samples of the data: each block's MLP (c_fc -> GELU -> c_proj) is a Megatron pair,
+the attention projections are split full-in/full-out, and lm_head, tied to the token embedding, stays whole.
+"""
+from __future__ import annotations
+
+import torch
+from torch.testing import assert_close
+
+import autodist
+from outside.nanogpt import GPT, GPTConfig
+
+CONFIG = GPTConfig(block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=64, dropout=0.0, bias=True)
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CONFIG.vocab_size, (4, 12), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CONFIG).double()
+
+
+def test_nanogpt_plan_pairs_every_mlp_and_keeps_the_tied_head():
+    x, _ = _tokens()
+    rows = {r.name: r for r in autodist.explain(_gpt(0), mp=2, example=(x[:2],)).layers}
+    for block in range(CONFIG.n_layer):
+        assert rows[f"transformer.h.{block}.mlp.c_fc"].split == "column"
+        assert rows[f"transformer.h.{block}.mlp.c_proj"].split == "row"
+        assert rows[f"transformer.h.{block}.attn.c_attn"].split == "full"
+    assert rows["lm_head"].split == "replicated" and "shared" in rows["lm_head"].note
+
+
+def _train_nanogpt():
+    x, y = _tokens()
+    ref = _gpt(0)
+    model, _ = autodist.parallelize(_gpt(0 if torch.distributed.get_rank() == 0 else 5), (x, y), mp=2)
+    per_rank = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
+    for m in (ref, model):
+        optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
+        for _ in range(3):
+            optimizer.zero_grad()
+            _, loss = m(x, y)
+            loss.backward()
+            optimizer.step()
+    return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), per_rank
+
+
+def test_nanogpt_mp2_trains_as_one_process(ranks):
+    for gathered, expected, per_rank in ranks(2, _train_nanogpt):
+        assert gathered.keys() == expected.keys()
+        for name in expected:
+            assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        assert per_rank < 0.75  # the attention and MLP weights are split; embeddings and head are whole
