@@ -161,10 +161,22 @@ def call(model: nn.Module, example: Example) -> Any:
 def example_of(data: Any, rows: int = 2) -> Example | None:
     """A small batch from the data given to ``parallelize``, as the forward is usually called with it:
     a dict batch as keyword arguments, the first element of a tuple batch ``(x, y)``, a tensor as is."""
-    from torch.utils.data import DataLoader, Dataset, default_collate
-
     if data is None:
         return None
+    try:
+        batch = _first_rows(data, rows)
+    except (TypeError, IndexError, KeyError, NotImplementedError):  # no len() or indexing: example= is needed
+        return None
+    if isinstance(batch, collections.abc.Mapping):
+        return dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return (batch[0],)
+    return batch
+
+
+def _first_rows(data: Any, rows: int) -> Any:
+    from torch.utils.data import DataLoader, Dataset, default_collate
+
     if isinstance(data, DataLoader):
         batch = data.collate_fn([data.dataset[i] for i in range(min(rows, len(data.dataset)))])  # type: ignore
     elif isinstance(data, Dataset):
@@ -175,8 +187,4 @@ def example_of(data: Any, rows: int = 2) -> Example | None:
         batch = data[:rows]
     else:
         return None
-    if isinstance(batch, collections.abc.Mapping):
-        return dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return (batch[0],)
     return batch

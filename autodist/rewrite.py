@@ -406,7 +406,7 @@ class Rewrite:
 
 
 def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException,
-              example: observe.Example | None, explicit: bool) -> Rewrite:
+              example: observe.Example | None) -> Rewrite:
     """torch.fx could not trace: plan from one recorded forward on ``example`` and swap modules one by one.
 
     The recorded forward (:mod:`autodist.observe`) says how often each plain
@@ -509,7 +509,7 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
     try:
         graph = fx.Tracer().trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure means: fall back or explain
-        result = _fallback(model, mp, selected, err, example, explicit)
+        result = _fallback(model, mp, selected, err, example)
         result.plan.batch_size = batch_size
         return result
     planner = _Planner(model, graph, mp, selected, explicit)
