@@ -36,7 +36,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from timing import interleave, make_step, report  # benchmarks/timing.py, next to this file
+from timing import interleave, make_step, report, torchrun  # benchmarks/timing.py, next to this file
 from workload import build_model, random_batch  # benchmarks/workload.py
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -112,8 +112,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace) -> int:
     """Run both parts one after the other, each in processes of its own, so they never share the cores."""
-    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-                   __file__, "--worker", *forwarded(args)]
+    distributed = torchrun(__file__, RANKS, forwarded(args))
     solo = [sys.executable, __file__, "--solo", *forwarded(args)]
     for command in (distributed, solo):
         code = subprocess.run(command).returncode

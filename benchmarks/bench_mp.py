@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import describe, interleave, make_step, report  # benchmarks/timing.py, next to this file
+from timing import describe, interleave, make_step, report, torchrun  # benchmarks/timing.py, next to this file
 from workload import build_model, random_batch  # benchmarks/workload.py
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -177,8 +177,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace) -> int:
     """Run the two ranks through torchrun, in processes of their own."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-               __file__, "--worker", *forwarded(args)]
+    command = torchrun(__file__, RANKS, forwarded(args))
     return subprocess.run(command).returncode
 
 

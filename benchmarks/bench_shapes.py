@@ -59,7 +59,7 @@ import shapes  # benchmarks/shapes.py, next to this file
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import Step, interleave, make_step, report  # benchmarks/timing.py
+from timing import Step, interleave, make_step, report, torchrun  # benchmarks/timing.py
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -193,8 +193,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-               __file__, "--worker", *forwarded(args)]
+    command = torchrun(__file__, RANKS, forwarded(args))
     return subprocess.run(command).returncode
 
 

@@ -12,6 +12,7 @@ ratio of the two blocks' medians in that round) cancels drift further.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -81,3 +82,9 @@ def report(title: str, times: dict[str, list[float]], paired: list[float], goal:
           f"{'met' if ratio <= goal else 'NOT met'})")
     print(f"  paired per-round ratio: median {pmed:.3f}  quartiles {pq1:.3f} .. {pq3:.3f}  ({len(paired)} rounds)",
           flush=True)
+
+
+def torchrun(script: str, ranks: int, args: list[str]) -> list[str]:
+    """The command that runs ``script --worker ARGS`` on ``ranks`` local processes through torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            script, "--worker", *args]
