@@ -111,6 +111,7 @@ class _Snapshot:
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self.flat: dict[Key, torch.Tensor] = {}
         self.sizes: dict[Key, list[int]] = {}
+        self.segment: dict[Key, torch.Tensor] = {}  # per element of flat: the index of its buffer
         self.take(buffers)
 
     def take(self, buffers: list[torch.Tensor]) -> None:
@@ -120,16 +121,18 @@ class _Snapshot:
             by_key.setdefault((b.dtype, b.device), []).append(b)
         for key, group in by_key.items():
             self.flat[key] = torch.cat([b.detach().reshape(-1) for b in group])
-            self.sizes[key] = [b.numel() for b in group]
+            sizes = [b.numel() for b in group]
+            if self.sizes.get(key) != sizes:  # built once per layout, not at every sync
+                self.sizes[key] = sizes
+                self.segment[key] = torch.repeat_interleave(torch.arange(len(sizes), device=key[1]),
+                                                            torch.tensor(sizes, device=key[1]))
 
     def changed(self, key: Key, data: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """One flag (1.0 or 0.0, ``data``'s dtype) per buffer of ``key`` (flattened into ``data``)."""
         if self.sizes.get(key) != sizes:  # never seen, or replaced by buffers of other shapes: all changed
             return torch.ones(len(sizes), dtype=data.dtype, device=data.device)
-        segment = torch.repeat_interleave(torch.arange(len(sizes), device=data.device),
-                                          torch.tensor(sizes, device=data.device))
         differs = torch.zeros(len(sizes), dtype=data.dtype, device=data.device)
-        differs.index_add_(0, segment, torch.ne(data, self.flat[key]).to(data.dtype))
+        differs.index_add_(0, self.segment[key], torch.ne(data, self.flat[key]).to(data.dtype))
         return differs.clamp_(max=1.0)
 
     def changed_each(self, buffers: list[torch.Tensor]) -> torch.Tensor:
