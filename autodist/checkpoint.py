@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.gather import gather_state_dict
-from autodist.layers.comm import all_gather_cat
+from autodist.layers.shard import Shard
 from autodist.rewrite import mp_modules
 from autodist.runtime import World, init
 
@@ -59,16 +59,10 @@ class _Slot:
 
     name: str  # the dense (original model's) name
     shape: tuple[int, ...] | None  # the dense shape (None: not a tensor)
-    dim: int | None = None  # the split dimension of the dense tensor; None: held whole
-    bounds: tuple[int, int] = (0, 0)  # this rank's [lo, hi) along dim
-    sizes: tuple[int, ...] = ()  # every rank's width along dim
-    group: Any = None  # the model-parallel group the shards are spread over
+    part: Shard | None = None  # how the dense tensor is split (None: held whole)
 
     def shard(self, dense: torch.Tensor) -> torch.Tensor:
-        if self.dim is None:
-            return dense
-        lo, hi = self.bounds
-        return dense.narrow(self.dim, lo, hi - lo).clone()
+        return dense if self.part is None else self.part.take(dense)
 
 
 def _layout(model: nn.Module) -> dict[str, _Slot]:
@@ -78,14 +72,10 @@ def _layout(model: nn.Module) -> dict[str, _Slot]:
     for name, layer in mp_modules(model):
         prefix = f"{name}." if name else ""
         original = getattr(layer, "dense_names", {})  # the layer replaced an F.linear call
-        for key in ("weight", "bias"):
-            if getattr(layer, key, None) is None:
-                continue
-            # column: rows of weight and bias; row: columns of weight, bias replicated
-            dim = 0 if layer.split == "column" else (1 if key == "weight" else None)
-            shape = (layer.out_features, layer.in_features) if key == "weight" else (layer.out_features,)
-            slots[prefix + key] = _Slot(original.get(key, prefix + key), shape, dim, tuple(layer.bounds),
-                                        tuple(layer.sizes), layer.group)
+        for key, part in layer.shards.items():
+            if getattr(layer, key, None) is not None:
+                slots[prefix + key] = _Slot(original.get(key, prefix + key), part.shape,
+                                            part if part.dim is not None else None)
     return slots
 
 
@@ -126,8 +116,8 @@ def _dense_value(value: Any, param: nn.Parameter, slot: _Slot) -> Any:
     """A per-parameter optimizer state entry, gathered to the dense parameter's shape when it is a shard."""
     if not isinstance(value, torch.Tensor):
         return value
-    if slot.dim is not None and value.shape == param.shape:
-        return all_gather_cat(value, slot.group, slot.sizes, dim=slot.dim).cpu()
+    if slot.part is not None and value.shape == param.shape:
+        return slot.part.gather(value).cpu()
     return value.detach().to("cpu", copy=True)
 
 

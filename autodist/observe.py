@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import linecache
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -115,7 +116,6 @@ def observe(model: nn.Module, run: Callable[[], Any]) -> Observation:
         >>> [op.name for op in seen.ops][:3]
     """
     seen, stack, keep = Observation(), [], []
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
 
     def enter(module: nn.Module, args: tuple) -> None:
         stack.append(id(module))
@@ -131,19 +131,34 @@ def observe(model: nn.Module, run: Callable[[], Any]) -> Observation:
 
     handles = [nn.modules.module.register_module_forward_pre_hook(enter),
                nn.modules.module.register_module_forward_hook(leave)]
-    devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
     try:
-        with torch.random.fork_rng(devices=devices), _Recorder(seen, stack, keep):
+        with isolated(model), _Recorder(seen, stack, keep):
             result = run()
         seen.outputs = {id(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)}
         keep.append(result)
     finally:
         for handle in handles:
             handle.remove()
+    return seen
+
+
+@contextlib.contextmanager
+def isolated(model: nn.Module) -> Iterator[None]:
+    """Run a sample forward of ``model`` with no lasting effect: the RNG is forked, the buffers restored.
+
+    Example:
+        >>> with isolated(model):
+        ...     model(x)           # BatchNorm's running statistics are as before afterwards
+    """
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-    return seen
 
 
 Example = Any  # a positional-argument tuple, a keyword-argument dict, or one tensor

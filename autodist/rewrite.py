@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autodist import observe, pairs
+from autodist import observe, regions
 
 MPLayers = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
 
@@ -403,6 +403,8 @@ class Rewrite:
     graph: fx.Graph | None = None
     nodes: dict[str, fx.Node] = field(default_factory=dict)
     swaps: dict[str, str] = field(default_factory=dict)  # module name -> MP layer class name
+    regions: list[regions.Region] = field(default_factory=list)  # recorded-forward plans: layers split together
+    orientation: dict[str, str] = field(default_factory=dict)  # layer -> "linear" or "transposed" (HF Conv1D)
 
 
 def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException,
@@ -436,7 +438,7 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
                          ) from run_err
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     linears = {name: module for name, module in model.named_modules()
-               if type(module) is nn.Linear and name and not _inside_torch_layer(model, name)}
+               if _affine_shaped(module) and name and not _inside_torch_layer(model, name)}
     kept = {}
     for name, module in linears.items():
         calls, outside = len(seen.calls.get(id(module), [])), seen.reads_outside(module)
@@ -446,26 +448,38 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
             kept[name] = "weight shared with another layer"
         elif _hooked(module):
             kept[name] = _HOOKED
-        elif min(module.in_features, module.out_features) < mp:
+        elif min(module.weight.shape) < mp:
             kept[name] = f"a dimension smaller than mp={mp}"
         elif calls != 1:
             kept[name] = "not run by the forward on the sample batch" if not calls else f"called {calls} times"
         elif outside is not None:
             kept[name] = f"the model reads its parameters outside the layer ({outside}), which would see a shard"
-    candidates = {name: id(module) for name, module in linears.items() if name not in kept}
-    found, unpaired = pairs.find_pairs(seen, candidates)
-    roles = {name: "column" for pair in found for name in pair.columns} | {pair.row: "row" for pair in found}
-    first = {name for name, module in linears.items() if name in candidates
-             and not seen.calls[id(module)][0].input_needs_grad}
+    candidates = {name: module for name, module in linears.items() if name not in kept}
+    with observe.isolated(model):
+        found = regions.find_regions(model, lambda: observe.call(model, example), candidates, mp)
+    kept.update(found.not_affine)
+    linears = {name: m for name, m in linears.items() if name in found.orientation or name in kept}
+    roles = {name: "column" for r in found.regions for name in r.columns} | \
+        {name: "row" for r in found.regions for name in r.rows}
+    first = {name for name in linears if name in found.orientation
+             and not seen.calls[id(linears[name])][0].input_needs_grad}
+    shared = _shared_inputs(seen, linears, found.regions)
     rows = []
     for name, module in linears.items():
-        if name in candidates and name not in roles:
+        if name in found.orientation and name not in kept and name not in roles:
             roles[name] = "full"
         if name in roles:
-            note = "" if roles[name] != "full" else f"unpaired ({unpaired.get(name, 'nothing after it pairs')})"
-            rows.append(_linear_row(name, module, roles[name], name in first, mp, note))
+            note = "" if roles[name] != "full" else f"unpaired ({found.unpaired.get(name, 'nothing after it pairs')})"
+            row = _linear_row(name, _shape_of(module, found.orientation[name]), roles[name],
+                              name in first or name in shared, mp, note)
+            if name in shared:
+                row.note = f"shares the input's backward all-reduce with {shared[name]}"
+            row.note = "; ".join(n for n in (row.note, _region_note(name, found.regions)) if n)
+            row.op = type(module).__name__
+            rows.append(row)
         else:
-            rows.append(LayerPlan(name, "Linear", "replicated", _count(module), _count(module), [], kept[name]))
+            rows.append(LayerPlan(name, type(module).__name__, "replicated", _count(module), _count(module), [],
+                                  kept[name]))
     if not roles:
         by_reason: dict[str, list[str]] = collections.defaultdict(list)
         for name, note in kept.items():
@@ -474,7 +488,47 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
                       for note, names in by_reason.items())
         raise NotImplementedError(f"torch.fx cannot trace {type(model).__name__} and no nn.Linear module can be "
                                   f"swapped in its place; tracing stopped at {where}{why}")
-    return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first)
+    return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first, regions=found.regions,
+                   orientation=found.orientation)
+
+
+def _affine_shaped(module: nn.Module) -> bool:
+    """A leaf module holding a 2-D ``weight`` and maybe a 1-D ``bias``, nothing else: maybe an affine layer."""
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.pop("weight", None), params.pop("bias", None)
+    return not params and not any(True for _ in module.children()) and weight is not None and weight.dim() == 2 \
+        and (bias is None or bias.dim() == 1) and not any(True for _ in module.buffers(recurse=False))
+
+
+def _shape_of(module: nn.Module, orientation: str) -> nn.Linear:
+    """An nn.Linear on the meta device with ``module``'s sizes (shapes only, for the plan's numbers)."""
+    out_features, in_features = module.weight.shape if orientation == "linear" else module.weight.shape[::-1]
+    return nn.Linear(in_features, out_features, getattr(module, "bias", None) is not None, device="meta")
+
+
+def _shared_inputs(seen: observe.Observation, layers: dict[str, nn.Module],
+                   found: list[regions.Region]) -> dict[str, str]:
+    """Column layers of a region that read the same tensor as an earlier one (q, k, v): name -> that one."""
+    shared = {}
+    for region in found:
+        first_reader: dict[int | None, str] = {}
+        for name in region.columns:
+            tensor = seen.calls[id(layers[name])][0].input
+            if tensor in first_reader:
+                shared[name] = first_reader[tensor]
+            else:
+                first_reader[tensor] = name
+    return shared
+
+
+def _region_note(name: str, found: list[regions.Region]) -> str:
+    for region in found:
+        if name in region.columns or name in region.rows:
+            blocks = region.columns.get(name) or region.rows.get(name)
+            where = f"in {region.module or 'the model'}" + (": ops between follow the split heads" if region.flow
+                                                            else "")
+            return where + (f"; blocks {list(blocks)}" if len(blocks) > 1 else "")  # type: ignore[arg-type]
+    return ""
 
 
 def _call_form(example: object) -> str:
@@ -538,16 +592,31 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _mp_layer(linear: nn.Linear, role: str, group: object | None) -> nn.Module:
+def _mp_layer(linear: nn.Module, role: str, group: object | None, blocks: tuple[int, ...] | None = None,
+              transposed: bool = False) -> nn.Module:
     """The split layer for a role. A first layer needs no special class: its input, needing no gradient, makes
     autograd record no backward communication, and an input that does need one (saliency) still gets it exact."""
     from autodist.layers import ColumnParallelLinear, MPBaseLinear, RowParallelLinear
 
     if role == "column":
-        return ColumnParallelLinear.from_dense(linear, group=group)
+        return ColumnParallelLinear.from_dense(linear, group=group, blocks=blocks, transposed=transposed)
     if role == "row":
-        return RowParallelLinear.from_dense(linear, group=group)
-    return MPBaseLinear.from_dense(linear, group=group)
+        return RowParallelLinear.from_dense(linear, group=group, blocks=blocks, transposed=transposed)
+    return MPBaseLinear.from_dense(linear, group=group, transposed=transposed)
+
+
+def _join_regions(model: nn.Module, found: list[regions.Region], group: object | None) -> None:
+    """Columns of a region share one entry into the group; regions whose ops need it follow the split."""
+    from autodist.layers.comm import group_rank_size
+    from autodist.layers.linear import SharedInput
+
+    parts = group_rank_size(group)[1]
+    for region in found:
+        entry = SharedInput(len(region.columns))
+        for name in region.columns:
+            model.get_submodule(name).entry = entry
+        if region.flow:
+            regions.attach(model, region, parts)
 
 
 def _elementwise_layer(name: str) -> nn.Module:
@@ -588,7 +657,9 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
         if node is None or node.op == "call_module":
             linear = model.get_submodule(name)
             replaced += [(p, f"{name}.{n}") for n, p in linear.named_parameters()]
-            _swap(model, name, _mp_layer(linear, role, group))
+            blocks = next((r.columns.get(name) or r.rows.get(name) for r in rewrite.regions
+                           if name in r.columns or name in r.rows), None)
+            _swap(model, name, _mp_layer(linear, role, group, blocks, rewrite.orientation.get(name) == "transposed"))
             continue
         weight, bias = _linear_args(node)
         w = model.get_parameter(str(weight.target))
@@ -603,6 +674,7 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
         functions = True
     for name, layer in rewrite.swaps.items():
         _swap(model, name, _elementwise_layer(layer))
+    _join_regions(model, rewrite.regions, group)
     if functions:
         rewrite.graph.lint()  # type: ignore[union-attr]
         code = fx.GraphModule(model, rewrite.graph)

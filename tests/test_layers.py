@@ -72,7 +72,7 @@ def test_from_dense_draws_no_random_numbers_and_keeps_dtype():
     torch.manual_seed(0)
     assert_close(after_layer, torch.rand(1), rtol=0, atol=0)  # a swap must not shift later dropout masks
     assert layer.weight.dtype == torch.float64 and isinstance(layer.weight, nn.Parameter)
-    with pytest.raises(TypeError, match="Expect nn.Linear for linear, Conv1d found"):
+    with pytest.raises(TypeError, match=r"Expect nn.Linear \(or a layer with a 2-D weight\) for linear, Conv1d found"):
         MPBaseLinear.from_dense(nn.Conv1d(1, 1, 1))
 
 

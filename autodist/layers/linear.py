@@ -26,14 +26,16 @@ split an existing ``nn.Linear`` and ``dense_state`` to gather it back.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+import weakref
+from typing import Any, ClassVar, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autodist.layers.comm import (all_gather_cat, copy_to_group, group_rank_size, reduce_from_group_,
+from autodist.layers.comm import (copy_to_group, group_rank_size, reduce_from_group_,
                                   shard_range, shard_sizes, split_last_dim)
+from autodist.layers.shard import Shard
 
 _Layer = TypeVar("_Layer", bound="_SplitLinear")
 
@@ -46,6 +48,16 @@ def _checked_sizes(layer: str, dim_name: str, n: int, parts: int) -> list[int]:
                          f"at least one; use {dim_name}={parts} (or another multiple of {parts}), "
                          f"a smaller group, or keep this layer an nn.Linear")
     return shard_sizes(n, parts)
+
+
+def _checked_blocks(layer: str, dim_name: str, n: int, parts: int, blocks: Sequence[int] | None) -> tuple[int, ...]:
+    if blocks is None:
+        return (n,)
+    blocks = tuple(blocks)
+    if sum(blocks) != n or any(not isinstance(b, int) or b < parts for b in blocks):
+        raise ValueError(f"{layer} got blocks={list(blocks)} for {dim_name}={n} over {parts} ranks: the blocks must "
+                         f"add up to {n} and each be at least {parts} wide")
+    return blocks
 
 
 class _GroupHandle:
@@ -68,38 +80,62 @@ class _SplitLinear(nn.Module):
     """
 
     split: ClassVar[str]
+    takes_blocks: ClassVar[bool] = True  # False: the input is a full tensor, split evenly here
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Any = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 blocks: Sequence[int] | None = None, transposed: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self._group = in_features, out_features, _GroupHandle(group)
+        self.transposed = transposed  # the weight is held (in_features, out_features), as HF's Conv1D holds it
         self.rank, parts = group_rank_size(group)
         dim_name = "out_features" if self.split == "column" else "in_features"
-        self.sizes = _checked_sizes(type(self).__name__, dim_name, getattr(self, dim_name), parts)
-        self.bounds = shard_range(self.sizes, self.rank)
+        _checked_sizes(type(self).__name__, dim_name, getattr(self, dim_name), parts)
+        self.blocks = _checked_blocks(type(self).__name__, dim_name, getattr(self, dim_name), parts, blocks)
+        if len(self.blocks) > 1 and not self.takes_blocks:
+            raise ValueError(f"{type(self).__name__} splits its full input evenly: it takes no blocks")
+        weight_shape = (in_features, out_features) if transposed else (out_features, in_features)
+        # the split dimension of the weight: output features for a column split, input features for a row one
+        dim = (1 if transposed else 0) if self.split == "column" else (0 if transposed else 1)
+        self.shards = {"weight": Shard.even(weight_shape, dim, self.blocks, parts, self.rank, group),
+                       "bias": Shard.even((out_features,), 0 if self.split == "column" else None, self.blocks,
+                                          parts, self.rank, group)}
+        self.sizes = self.shards["weight"].widths()
+        self.bounds = shard_range(self.sizes, self.rank)  # meaningful for one block only
         # The whole dense layer is drawn, as nn.Linear would, so that seeding gives the same weights
         # as the single-process model; only this rank's shard is kept.
-        self._take_shard(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
+        dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._take_shard(dense.weight.t() if transposed else dense.weight, dense.bias)
 
     @classmethod
-    def from_dense(cls: type[_Layer], linear: nn.Linear, *, group: Any = None) -> _Layer:
+    def from_dense(cls: type[_Layer], linear: nn.Module, *, group: Any = None, blocks: Sequence[int] | None = None,
+                   transposed: bool = False) -> _Layer:
         """This rank's shard of ``linear``: the layer computes exactly what ``linear`` does.
 
         Args:
-            linear: the dense layer; it is not changed (its shards are copied).
+            linear: the dense layer, an ``nn.Linear`` or any layer computing ``x @ weight.T + bias`` (or, with
+                ``transposed=True``, ``x @ weight + bias``, like Hugging Face's ``Conv1D``); it is not changed.
             group: the process group to split over (None: every rank).
+            blocks: the split dimension's blocks, each split on its own (default: one), e.g. ``(C, C, C)`` for
+                a fused QKV projection, so that each rank holds its heads of q, k and v.
+            transposed: the weight is held ``(in_features, out_features)``; the shard is held the same way.
 
         Returns:
-            The new layer, on ``linear``'s device and dtype.
+            The new layer, on ``linear``'s device and dtype, with parameters ``weight`` and ``bias``.
 
         Example:
             >>> layer = MPBaseLinear.from_dense(nn.Linear(1024, 10), group=mp_group)
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"Expect nn.Linear for linear, {type(linear).__name__} found")
+        weight = getattr(linear, "weight", None)
+        if not isinstance(linear, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(f"Expect nn.Linear (or a layer with a 2-D weight) for linear, "
+                            f"{type(linear).__name__} found")
+        bias = getattr(linear, "bias", None)
+        in_features, out_features = weight.shape if transposed else weight.shape[::-1]
         with torch.device("meta"):  # no random draws, no dense allocation: the values come from `linear`
-            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group)
-        layer._take_shard(linear)
+            layer = cls(in_features, out_features, bias is not None, group=group, blocks=blocks,
+                        transposed=transposed)
+        layer._take_shard(weight, bias)
         return layer
 
     @property
@@ -107,18 +143,18 @@ class _SplitLinear(nn.Module):
         """The process group the layer is split over (None: the default group, every rank)."""
         return self._group.group
 
-    def _take_shard(self, dense: nn.Linear) -> None:
-        lo, hi = self.bounds
-        weight = dense.weight.detach()
-        weight = weight[lo:hi] if self.split == "column" else weight[:, lo:hi]
-        self.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format),
-                                   requires_grad=dense.weight.requires_grad)
-        if dense.bias is None:
+    def _take_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keep this rank's shard of the dense ``weight`` (held as this layer holds it) and ``bias``."""
+        self.weight = nn.Parameter(self.shards["weight"].take(weight.detach()), requires_grad=weight.requires_grad)
+        if bias is None:
             self.register_parameter("bias", None)
             return
-        bias = dense.bias.detach()
-        bias = bias[lo:hi] if self.split == "column" else bias  # a row split keeps the whole bias
-        self.bias = nn.Parameter(bias.clone(), requires_grad=dense.bias.requires_grad)
+        # a row split keeps the whole bias
+        self.bias = nn.Parameter(self.shards["bias"].take(bias.detach()), requires_grad=bias.requires_grad)
+
+    def _weight(self) -> torch.Tensor:
+        """The local weight as F.linear takes it, (out, in)."""
+        return self.weight.t() if self.transposed else self.weight
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """The dense ``weight`` and ``bias`` (if any), gathered from every rank of the group.
@@ -133,13 +169,8 @@ class _SplitLinear(nn.Module):
         Note:
             Communicates: every rank of the group must call it.
         """
-        dim = 0 if self.split == "column" else 1
-        state = {"weight": all_gather_cat(self.weight, self.group, self.sizes, dim=dim)}
-        if self.bias is not None:
-            column = self.split == "column"
-            state["bias"] = all_gather_cat(self.bias, self.group, self.sizes, 0) if column else \
-                self.bias.detach().clone()
-        return state
+        return {key: self.shards[key].gather(value) for key, value in (("weight", self.weight), ("bias", self.bias))
+                if value is not None}
 
     def _check_group(self) -> None:
         now = group_rank_size(self.group)
@@ -155,13 +186,42 @@ class _SplitLinear(nn.Module):
 
     def _row_output(self, x_local: torch.Tensor) -> torch.Tensor:
         # The bias joins after the sum over ranks: added once, not once per rank.
-        out = reduce_from_group_(F.linear(x_local, self.weight), self.group)  # the product is a temporary
+        out = reduce_from_group_(F.linear(x_local, self._weight()), self.group)  # the product is a temporary
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, split={self.split}, local_weight={tuple(self.weight.shape)}, "
+                + (f"blocks={list(self.blocks)}, " if len(self.blocks) > 1 else "")
+                + ("transposed=True, " if self.transposed else "") +
                 f"rank={self.rank} of {len(self.sizes)}")
+
+
+class SharedInput:
+    """Column layers that read the same tensor (q, k and v projections) enter the group through one copy,
+    so that backward all-reduces the input's gradient once for all of them instead of once per layer.
+
+    Example:
+        >>> entry = SharedInput(3)
+        >>> for layer in (q_proj, k_proj, v_proj):
+        ...     layer.entry = entry
+    """
+
+    def __init__(self, users: int) -> None:
+        self.users = users
+        self._last: tuple[Any, torch.Tensor, int] | None = None  # (weak ref to the input, its copy, uses left)
+
+    def copy(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        last = self._last
+        if last is not None and last[0]() is x and last[2] > 0:
+            self._last = (last[0], last[1], last[2] - 1)
+            return last[1]
+        copied = copy_to_group(x, group)
+        self._last = (weakref.ref(x), copied, self.users - 1) if self.users > 1 else None
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> "SharedInput":
+        return SharedInput(self.users)
 
 
 class ColumnParallelLinear(_SplitLinear):
@@ -194,7 +254,9 @@ class ColumnParallelLinear(_SplitLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_group()
         self._check_width(x, self.in_features, "the full input")
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        entry = getattr(self, "entry", None)
+        x = entry.copy(x, self.group) if entry is not None else copy_to_group(x, self.group)
+        return F.linear(x, self._weight(), self.bias)
 
 
 class RowParallelLinear(_SplitLinear):
@@ -240,6 +302,7 @@ class MPBaseLinear(_SplitLinear):
     """
 
     split = "row"
+    takes_blocks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_group()
@@ -265,6 +328,7 @@ class MPInitialLinear(_SplitLinear):
     """
 
     split = "row"
+    takes_blocks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_group()
