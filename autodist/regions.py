@@ -58,7 +58,8 @@ def _affine(module: nn.Module, x: torch.Tensor, out: Any) -> str | None:
     if type(module) is nn.Linear:
         return "linear"
     weight, bias = module.weight, getattr(module, "bias", None)
-    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor):
+    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or not x.is_floating_point() \
+            or x.dtype != weight.dtype:
         return None
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for kind, w in (("linear", weight), ("transposed", weight.t())):
@@ -109,7 +110,8 @@ def find_regions(model: nn.Module, run: Callable[[], Any], candidates: dict[str,
         flow.opaque -= 1
         kind = _affine(module, inputs.pop(name, None), out)  # type: ignore[arg-type]
         if kind is None:
-            not_affine[name] = "its forward is not x @ weight.T + bias (nor x @ weight + bias) on the sample batch"
+            not_affine[name] = ("not a Linear-like layer (on the sample batch its output is not x @ weight.T + bias, "
+                                "nor x @ weight + bias): kept whole on every rank")
             return
         orientation[name] = kind
         flow.tag(out, Split(out.dim() - 1, None), frozenset({name}))

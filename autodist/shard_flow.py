@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autodist.split_ops import RULES, Split, Unsupported, broadcast_split
+from autodist.split_ops import PASSING, RULES, Split, Unsupported, broadcast_split
 
 __all__ = ["Flow", "Split", "Unsupported"]
 
@@ -147,8 +147,9 @@ class Flow(TorchFunctionMode):
         try:
             if rule is None:
                 return self._elementwise_call(func, name, args, kwargs, flat, split_in)
-            self.structural |= self._sources_of(split_in)
             local_args, local_kwargs, splits, call = rule(self, func, args, kwargs)
+            if rule not in PASSING:  # it moves or resizes the split dimension: running must follow it
+                self.structural |= self._sources_of(split_in)
             if self.local:  # planning runs the model's own op on the whole tensors
                 args, kwargs, func = local_args, local_kwargs, call or func
         except Unsupported as err:

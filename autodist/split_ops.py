@@ -444,7 +444,8 @@ def _linear(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
 
 
 def _cat(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
-    tensors = list(kwargs.get("tensors", args[0]))
+    # an empty 1-D tensor joins nothing (torch.cat skips it): a cache that starts empty
+    tensors = [x for x in kwargs.get("tensors", args[0]) if not (x.dim() == 1 and x.numel() == 0)]
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     if any(x not in flow.splits for x in tensors):
         raise Unsupported("joins split and unsplit tensors")
@@ -491,6 +492,9 @@ for _n in ("Tensor.split", "torch.split", "Tensor.split_with_sizes", "torch.spli
 for _n in ("Tensor.chunk", "torch.chunk"):
     RULES[_n] = _chunk
 RULES["Tensor.__getitem__"] = _getitem
+# rules that leave the split dimension where it is, at its size: with only these (and elementwise ops) between
+# the split layers, running needs no Flow at all
+PASSING = {_identity, _dropout}
 for _n in ("torch.matmul", "Tensor.matmul", "Tensor.__matmul__", "torch.bmm", "Tensor.bmm"):
     RULES[_n] = _matmul
 RULES["torch.scaled_dot_product_attention"] = _attention

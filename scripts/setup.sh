@@ -7,7 +7,7 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, sklearn, pytest, tqdm, matplotlib, autodist" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, sklearn, pytest, tqdm, matplotlib, transformers, autodist" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
     .venv/bin/python -m pip install --quiet -e ".[test,examples]"

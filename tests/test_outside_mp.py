@@ -64,3 +64,57 @@ def test_nanogpt_mp2_trains_as_one_process(ranks):
         for name in expected:
             assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
         assert per_rank <= 0.6  # the attention and MLP weights are split; embeddings and head are whole
+
+
+def _count_collectives():
+    x, y = _tokens()
+    model, _ = autodist.parallelize(_gpt(0), (x, y), mp=2)
+    counted = []
+    originals = {name: getattr(torch.distributed, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counted.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(torch.distributed, name, counting(name))
+    try:
+        _, loss = model(x, y)
+        loss.backward()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
+    return counted
+
+
+def test_nanogpt_mp2_step_runs_the_plans_collectives(ranks):
+    x, _ = _tokens()
+    planned = autodist.explain(_gpt(0), mp=2, example=(x[:2],)).collectives_per_step
+    for counted in ranks(2, _count_collectives):
+        assert len(counted) == planned == 4 * CONFIG.n_layer, counted
+
+
+def _train_nanogpt_dp2_mp2():
+    x, y = _tokens()
+    ref = _gpt(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model, data = autodist.parallelize(_gpt(0), loader, mp=2)
+    reference = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        for xb, yb in data:  # one global batch of 4: 2 rows on each data-parallel rank
+            optimizer.zero_grad()
+            model(xb, yb)[1].backward()
+            optimizer.step()
+        reference.zero_grad()
+        ref(x, y)[1].backward()
+        reference.step()
+    return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict()
+
+
+def test_nanogpt_dp2_mp2_trains_as_one_process(ranks):
+    for gathered, expected in ranks(4, _train_nanogpt_dp2_mp2):
+        for name in expected:
+            assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
