@@ -86,6 +86,7 @@ def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layer
                   rank: int, example: observe.Example | None) -> None:
     """Plan and swap in the MP layers; remember the parameters they replaced."""
     planned = rewrite.plan(model, dims.mp, mp_layers, example=example)
+    _check_split_pays(model, planned.plan, rank)
     retire(rewrite.apply(model, planned, groups.mp))
     log.debug("model-parallel plan:\n%s", planned.plan)
     if not planned.plan.traced and rank == 0:
@@ -94,6 +95,23 @@ def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layer
                     "forward on a sample batch and swaps modules one by one (%s); see "
                     "autodist.explain(model, mp=%d, example=...) for the plan",
                     type(model).__name__, planned.plan.untraced, swapped or "none", dims.mp)
+
+
+def _check_split_pays(model: nn.Module, plan: rewrite.Plan, rank: int) -> None:
+    """mp > 1 that splits nothing raises; one that splits little of the model warns, naming what stays whole."""
+    total = sum(p.numel() for p in model.parameters())
+    split = [r for r in plan.layers if r.split in ("column", "row", "full")]
+    saved = sum(r.dense_params - r.params_per_rank for r in split)
+    whole = sorted((r for r in plan.layers if r.split == "replicated"), key=lambda r: -r.dense_params)
+    why = "; ".join(f"{r.name} ({r.dense_params:,} parameters): {r.note}" for r in whole[:3]) or \
+        "it has no Linear-like layer (x @ W + b)"
+    if not split:
+        raise ValueError(f"mp={plan.mp} splits none of {type(model).__name__}'s layers, so every rank of a "
+                         f"model-parallel group would do the same work: {why}. Use mp=1 (data parallelism), or see "
+                         f"autodist.explain(model, mp={plan.mp}) for the plan")
+    if total and saved < 0.2 * total * (1 - 1 / plan.mp) and rank == 0:
+        log.warning("mp=%d splits only %.0f%% of %s's parameters; the largest layers kept whole: %s",
+                    plan.mp, 100 * sum(r.dense_params for r in split) / total, type(model).__name__, why)
 
 
 def parallelize(

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -556,3 +558,31 @@ def _swapped_modules():
 def test_module_forms_become_mp_layers(ranks):
     for names in ranks(2, _swapped_modules):
         assert names == ["MPInitialReshape", "ColumnParallelLinear", "MPTanh", "RowParallelLinear"]
+
+
+class _TiedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(50, 16), nn.LSTM(16, 16)
+        self.head = nn.Linear(16, 50)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.rnn(self.embed(x))[0])
+
+
+def _splits_nothing(kind: str) -> str:
+    if kind == "conv":
+        model, data = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)), torch.randn(4, 3, 8, 8)
+    else:
+        model, data = _TiedLSTM(), torch.randint(0, 50, (4, 6))
+    with pytest.raises(ValueError) as err:
+        autodist.parallelize(model, data, mp=2)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("kind,why", [("conv", r"2 \(292 parameters\): only Linear layers are split"),
+                                      ("lstm", "head .*weight is shared")])
+def test_mp_that_splits_nothing_raises_and_says_why(ranks, kind, why):
+    for message in ranks(2, _splits_nothing, kind):
+        assert re.search(f"mp=2 splits none of .*{why}", message), message
