@@ -411,17 +411,18 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
               example: observe.Example | None) -> Rewrite:
     """torch.fx could not trace: plan from one recorded forward on ``example`` and swap modules one by one.
 
-    The recorded forward (:mod:`autodist.observe`) says how often each plain
-    nn.Linear ran, whether its input needed a gradient, and whether any op
-    outside it read its parameters (a rank's shard would then be read instead).
-    Layers fed through elementwise ops only form Megatron pairs
-    (:mod:`autodist.pairs`): column layers, the ops between on the local
-    slice, a row layer. Every other selected Linear becomes a full-in/full-out
-    ``MPBaseLinear``, exact whatever the forward does with its output. What
-    stays whole: weights shared with another layer,
-    nn.Linear subclasses (their own forward may differ), Linears inside torch's
-    own layers (which read the weight themselves, e.g. MultiheadAttention's
-    out_proj), and Linears the recorded forward did not run or ran twice.
+    The recorded forward (:mod:`autodist.observe`) says how often each
+    candidate (a leaf module with a 2-D weight) ran, whether its input needed
+    a gradient, and whether any op outside it read its parameters (a rank's
+    shard would then be read instead). A second forward follows each
+    candidate's output split along its features (:mod:`autodist.regions`):
+    it checks that the candidate computes ``x @ W.T + b`` or ``x @ W + b``
+    and finds the Megatron regions, attention included. Every other affine
+    candidate becomes a full-in/full-out ``MPBaseLinear``, exact whatever the
+    forward does with its output. What stays whole: weights shared with
+    another layer, layers with hooks, layers inside torch's own layers
+    (MultiheadAttention reads its out_proj weight itself), and layers the
+    recorded forward did not run or ran twice.
     """
     where = _where_tracing_stopped(err)
     if example is None:
