@@ -407,7 +407,7 @@ class Rewrite:
     orientation: dict[str, str] = field(default_factory=dict)  # layer -> "linear" or "transposed" (HF Conv1D)
 
 
-def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException,
+def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException | None,
               example: observe.Example | None) -> Rewrite:
     """torch.fx could not trace: plan from one recorded forward on ``example`` and swap modules one by one.
 
@@ -424,7 +424,7 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
     (MultiheadAttention reads its out_proj weight itself), and layers the
     recorded forward did not run or ran twice.
     """
-    where = _where_tracing_stopped(err)
+    where = _where_tracing_stopped(err) if err is not None else ""
     if example is None:
         raise ValueError(f"torch.fx cannot trace {type(model).__name__} (tracing stopped at {where}), and autodist "
                          f"then plans model parallelism from one forward on a sample batch: pass data to "
@@ -573,8 +573,21 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
         why = "F.linear in a forward that depends on model.training: rewriting it would freeze the mode"
         planner = _Planner(model, graph, mp, selected, explicit, functions=why)
         planner.plan()
-    return Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
-                   graph, planner.nodes, planner.swaps)
+    traced = Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
+                     graph, planner.nodes, planner.swaps)
+    if example is not None and "full" in planner.role.values() and not planner.swaps \
+            and not any(n.op == "call_function" for n in planner.nodes.values()):
+        # The graph pairs only Linears joined by elementwise ops; following the split through a forward
+        # also pairs attention (heads) - take that plan when it splits more layers in pairs.
+        try:
+            recorded = _fallback(model, mp, selected, None, example)
+        except (ValueError, NotImplementedError):
+            return traced
+        paired = sum(role in ("column", "row") for role in recorded.roles.values())
+        if paired > sum(role in ("column", "row") for role in planner.role.values()):
+            recorded.plan.batch_size, recorded.plan.traced = batch_size, True
+            return recorded
+    return traced
 
 
 def _depends_on_training(model: nn.Module, graph: fx.Graph) -> bool:

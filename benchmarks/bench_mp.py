@@ -40,6 +40,9 @@ How to run
     python benchmarks/bench_mp.py --quick    # smoke run, well under a minute
     python benchmarks/bench_mp.py --tp-plan rowwise-last   # skip the choice of torch's plan
     python benchmarks/bench_mp.py --mp-layers 0,2          # autodist splits only these Linears
+    python benchmarks/bench_mp.py --model gpt --batch 16   # the transformer case: a nanoGPT-style decoder,
+                                                           # 4 layers, width 256, 16 x 128 tokens, against
+                                                           # torch TP with torchtitan's plan (goal <= 1.00)
 
 How to read it
     Each line gives min / first quartile / median / third quartile of the step
@@ -73,6 +76,7 @@ import autodist
 
 RANKS = 2  # world = mp: pure model parallelism
 GOAL = 0.90
+GPT_GOAL = 1.00
 
 # torch's tensor-parallel plans, by the name printed and accepted by --tp-plan. Layers "0" and "2" are
 # Megatron's pair in all of them; they differ in what happens to the last Linear ("4", 2048 -> 10).
@@ -133,12 +137,42 @@ def final_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
         return F.cross_entropy(plain(model(x)), y)
 
 
+def run_gpt_worker(args: argparse.Namespace, world: autodist.World, mesh: DeviceMesh) -> None:
+    """The transformer case: autodist's automatic plan against torch TP with torchtitan's hand-written one."""
+    import gpt_block  # benchmarks/gpt_block.py
+
+    torch.manual_seed(0)
+    dense = gpt_block.GPT(layers=args.layers, seq=args.seq)
+    x, y = gpt_block.batch(args.batch, args.seq)
+    if world.rank == 0:
+        print(f"autodist's plan, autodist.explain(model, mp={RANKS}, example=(x[:2],)):")
+        print(autodist.explain(copy.deepcopy(dense), mp=RANKS, example=(x[:2],), batch_size=args.batch * args.seq),
+              end="\n\n", flush=True)
+    reference = parallelize_module(copy.deepcopy(dense), mesh, gpt_block.tp_plan(args.layers))
+    gpt_block.local_heads(reference, RANKS)
+    contender, _ = autodist.parallelize(copy.deepcopy(dense), mp=RANKS, example=(x[:2],))
+    models = {"torch-tp": reference, "autodist": contender}
+    check_first_batch(dense, models, x, y)
+    times, paired = interleave({name: make_step(m, x, y) for name, m in models.items()},
+                               args.steps, args.rounds, args.warmup, before_block=dist.barrier)
+    losses = {name: final_loss(m, x, y) for name, m in models.items()}
+    torch.testing.assert_close(losses["autodist"], losses["torch-tp"], rtol=1e-4, atol=1e-5)
+    if world.rank == 0:
+        report(f"2 ranks (gloo, {args.threads} thread(s) each), mp=2, nanoGPT-style {args.layers} layers x width "
+               f"256, batch {args.batch} x {args.seq} tokens on both, torch TP with torchtitan's plan:",
+               times, paired, GPT_GOAL)
+    dist.destroy_process_group()
+
+
 def run_worker(args: argparse.Namespace) -> None:
     """One of the two torchrun ranks: torch TP and autodist side by side on the same process group."""
     torch.set_num_threads(args.threads)
     world = autodist.init()  # starts the gloo group that the device mesh then shares
     assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
     mesh = init_device_mesh("cpu", (RANKS,))
+    if args.model == "gpt":
+        run_gpt_worker(args, world, mesh)
+        return
     dense = build_model(seed=0)
     # One fixed batch, the same full batch on both ranks (pure model parallelism), reused:
     # data loading stays out of the timed step.
@@ -172,7 +206,7 @@ def run_worker(args: argparse.Namespace) -> None:
 def forwarded(args: argparse.Namespace) -> list[str]:
     return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch", str(args.batch),
             "--threads", str(args.threads), "--warmup", str(args.warmup), "--tp-plan", args.tp_plan,
-            "--mp-layers", args.mp_layers, "--select-steps", str(args.select_steps), "--select-rounds", str(args.select_rounds)]
+            "--mp-layers", args.mp_layers, "--model", args.model, "--layers", str(args.layers), "--seq", str(args.seq), "--select-steps", str(args.select_steps), "--select-rounds", str(args.select_rounds)]
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -194,6 +228,10 @@ def parse_args() -> argparse.Namespace:
                         help="autodist's mp_layers: all (the default plan) or comma-separated Linear names, e.g. 0,2")
     parser.add_argument("--select-steps", type=int, default=5, help="steps per block when choosing torch's plan")
     parser.add_argument("--select-rounds", type=int, default=6, help="rounds when choosing torch's plan")
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
+                        help="mlp: the 3072-2048-2048-10 MLP; gpt: a nanoGPT-style decoder (width 256, 4 heads)")
+    parser.add_argument("--layers", type=int, default=4, help="gpt: transformer blocks")
+    parser.add_argument("--seq", type=int, default=128, help="gpt: tokens per row (--batch rows)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
