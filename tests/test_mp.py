@@ -62,7 +62,8 @@ class FunctionalMLP(nn.Module):
 
 
 class FullInside(nn.Module):
-    """A reshape after a Megatron pair leaves the next Linear unpaired: a full-in/full-out MPBaseLinear."""
+    """A reshape after a Megatron pair leaves the next Linear unpaired: a full-in/full-out MPBaseLinear. (c's
+    output, transposed as an 8 x 8 grid and flattened, mixes every rank's slice: no pair with d either way.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class FullInside(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c(self.b(torch.tanh(self.a(x))).view(-1, 8, 8).flatten(1))
-        return self.d(h.view(-1, 2, 32).flatten(1))
+        return self.d(h.view(-1, 8, 8).transpose(1, 2).flatten(1))
 
 
 class Untraceable(nn.Module):
