@@ -72,9 +72,10 @@ class Observation:
         return None
 
 
-def _caller() -> str:
-    """The innermost frame outside torch and autodist: the model's line that ran this op."""
-    frame = sys._getframe(2)
+def model_line() -> str:
+    """The innermost frame outside torch and autodist: the model's line that ran the current op,
+    as ``"file.py:12: return self.fc(x)"`` ("" when there is none)."""
+    frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         if "/torch/" not in path and "/autodist/" not in path:
@@ -96,7 +97,7 @@ class _Recorder(TorchDispatchMode):
         self.keep.append((ins, outs))  # ids stay unique only while the tensors live
         index = len(self.seen.ops)
         self.seen.ops.append(Op(str(func), torch.Tag.pointwise in func.tags, [id(t) for t in ins],
-                                [id(t) for t in outs], tuple(self.stack), _caller()))
+                                [id(t) for t in outs], tuple(self.stack), model_line()))
         for t in ins:
             self.seen.consumers[id(t)].append(index)
             if t.dim() == 0:

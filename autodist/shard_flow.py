@@ -28,16 +28,15 @@ reinterpretation.
 """
 from __future__ import annotations
 
-import linecache
-import os
-import sys
 from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autodist.observe import model_line
 from autodist.split_ops import PASSING, RULES, Split, Unsupported, broadcast_split
 
 __all__ = ["Flow", "Split", "Unsupported"]
@@ -58,17 +57,6 @@ def _name(func: Callable) -> str:
     if head == "_VariableFunctionsClass" or module.startswith("torch._C") or module in ("torch", "torch.functional"):
         return f"torch.{tail}"
     return f"{module}.{qual}"
-
-
-def _caller() -> str:
-    frame = sys._getframe(3)
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/" not in path and "/autodist/" not in path:
-            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            return f"{os.path.basename(path)}:{frame.f_lineno}: {line}"
-        frame = frame.f_back
-    return ""
 
 
 class Flow(TorchFunctionMode):
@@ -153,7 +141,7 @@ class Flow(TorchFunctionMode):
             if self.local:  # planning runs the model's own op on the whole tensors
                 args, kwargs, func = local_args, local_kwargs, call or func
         except Unsupported as err:
-            where = _caller()
+            where = model_line()
             why = f"{name} {err}" + (f" at {where}" if where else "")
             if self.local:
                 raise RuntimeError(f"model parallelism: {why}; the plan was made from a forward that did not run "
@@ -200,29 +188,19 @@ _NOT_TENSORS = {"Tensor.size", "Tensor.dim", "Tensor.numel", "Tensor.shape", "Te
                 "Tensor.is_leaf", "Tensor.grad", "Tensor.names", "Tensor.is_complex", "Tensor.get_device"}
 
 
-class _AtenTags:
-    """Whether every aten op run inside is tagged pointwise (or only copies/aliases)."""
+class _AtenTags(TorchDispatchMode):
+    """Whether every aten op run inside is tagged pointwise (or only copies/aliases): ``pointwise``."""
 
     _ALLOWED = {"aten.detach.default", "aten.alias.default", "aten.clone.default", "aten._to_copy.default",
                 "aten.expand.default", "aten.view.default", "aten._unsafe_view.default", "aten.lift_fresh.default"}
 
-    def __enter__(self) -> "_AtenTags":
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        outer = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if torch.Tag.pointwise not in func.tags and str(func) not in _AtenTags._ALLOWED:
-                    outer.pointwise = False
-                return func(*args, **(kwargs or {}))
-
+    def __init__(self) -> None:
+        super().__init__()
         self.pointwise = True
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch.Tag.pointwise not in func.tags and str(func) not in self._ALLOWED:
+            self.pointwise = False
+        return func(*args, **(kwargs or {}))
 
 

@@ -137,6 +137,19 @@ def final_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
         return F.cross_entropy(plain(model(x)), y)
 
 
+def race(dense: nn.Module, reference: nn.Module, contender: nn.Module, x: torch.Tensor, y: torch.Tensor,
+         args: argparse.Namespace) -> tuple[dict[str, list[float]], list[float], dict[str, torch.Tensor]]:
+    """Both models checked against the dense one, then timed in interleaved blocks; their final losses agree."""
+    models = {"torch-tp": reference, "autodist": contender}
+    check_first_batch(dense, models, x, y)
+    # The barrier lines the ranks up, so one rank's lag does not land in the next block's first step.
+    times, paired = interleave({name: make_step(m, x, y) for name, m in models.items()},
+                               args.steps, args.rounds, args.warmup, before_block=dist.barrier)
+    losses = {name: final_loss(m, x, y) for name, m in models.items()}
+    torch.testing.assert_close(losses["autodist"], losses["torch-tp"], rtol=1e-4, atol=1e-5)
+    return times, paired, losses
+
+
 def run_gpt_worker(args: argparse.Namespace, world: autodist.World, mesh: DeviceMesh) -> None:
     """The transformer case: autodist's automatic plan against torch TP with torchtitan's hand-written one."""
     import gpt_block  # benchmarks/gpt_block.py
@@ -151,12 +164,7 @@ def run_gpt_worker(args: argparse.Namespace, world: autodist.World, mesh: Device
     reference = parallelize_module(copy.deepcopy(dense), mesh, gpt_block.tp_plan(args.layers))
     gpt_block.local_heads(reference, RANKS)
     contender, _ = autodist.parallelize(copy.deepcopy(dense), mp=RANKS, example=(x[:2],))
-    models = {"torch-tp": reference, "autodist": contender}
-    check_first_batch(dense, models, x, y)
-    times, paired = interleave({name: make_step(m, x, y) for name, m in models.items()},
-                               args.steps, args.rounds, args.warmup, before_block=dist.barrier)
-    losses = {name: final_loss(m, x, y) for name, m in models.items()}
-    torch.testing.assert_close(losses["autodist"], losses["torch-tp"], rtol=1e-4, atol=1e-5)
+    times, paired, _ = race(dense, reference, contender, x, y, args)
     if world.rank == 0:
         report(f"2 ranks (gloo, {args.threads} thread(s) each), mp=2, nanoGPT-style {args.layers} layers x width "
                f"256, batch {args.batch} x {args.seq} tokens on both, torch TP with torchtitan's plan:",
@@ -186,13 +194,7 @@ def run_worker(args: argparse.Namespace) -> None:
     plan = choose_tp_plan(dense, mesh, x, y, args, world.rank)
     reference = torch_tp(dense, mesh, plan)
     contender, _ = autodist.parallelize(copy.deepcopy(dense), mp=RANKS, mp_layers=mp_layers)
-    models = {"torch-tp": reference, "autodist": contender}
-    check_first_batch(dense, models, x, y)
-    # The barrier lines the ranks up, so one rank's lag does not land in the next block's first step.
-    times, paired = interleave({name: make_step(m, x, y) for name, m in models.items()},
-                               args.steps, args.rounds, args.warmup, before_block=dist.barrier)
-    losses = {name: final_loss(m, x, y) for name, m in models.items()}
-    torch.testing.assert_close(losses["autodist"], losses["torch-tp"], rtol=1e-4, atol=1e-5)
+    times, paired, losses = race(dense, reference, contender, x, y, args)
     if world.rank == 0:
         option = "" if mp_layers == "all" else f", autodist mp_layers={mp_layers}"
         report(f"2 ranks (gloo, {args.threads} thread(s) each), mp=2, the same batch of {args.batch} on both, "

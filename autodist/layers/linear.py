@@ -250,12 +250,12 @@ class ColumnParallelLinear(_SplitLinear):
     """
 
     split = "column"
+    entry: SharedInput | None = None  # shared with the other column layers reading the same input, if any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_group()
         self._check_width(x, self.in_features, "the full input")
-        entry = getattr(self, "entry", None)
-        x = entry.copy(x, self.group) if entry is not None else copy_to_group(x, self.group)
+        x = self.entry.copy(x, self.group) if self.entry is not None else copy_to_group(x, self.group)
         return F.linear(x, self._weight(), self.bias)
 
 
