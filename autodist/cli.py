@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rest or rest[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if rest else 2
+    # Restarted workers must not reuse the dead attempt's store (torch's shared rendezvous TCP store hands
+    # them stale peer addresses: "connectFullMesh ... Connection refused" or a hang in init_process_group).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun in place of this process: its exit status, signals and output are the user's.
     launch = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(rest)]
     os.execv(sys.executable, launch)
