@@ -3,7 +3,10 @@
 GPT-2's layers are ``Conv1D`` (``x @ W + b``, the weight held transposed), found affine on the sample batch;
 its fused ``c_attn`` is split in three blocks (each rank's heads of q, k and v), the head views, transposes
 and attention (SDPA or the eager softmax(q k^T) v) run on those heads. BERT's separate query/key/value layers
-share one backward all-reduce. Both train with mp=2 exactly as one process (float64, Adam).
+share one backward all-reduce. Llama (a tiny config) brings grouped-query attention (2 kv heads for 4 query
+heads: each rank takes one kv head and its two query heads), rotary embeddings applied on the local heads,
+RMSNorm and the gated SwiGLU MLP (``down(silu(gate(x)) * up(x))``). All train with mp=2 exactly as one
+process (float64, Adam).
 """
 from __future__ import annotations
 
@@ -30,16 +33,24 @@ def _bert(impl: str) -> torch.nn.Module:
     return transformers.BertForSequenceClassification(config).double()
 
 
+def _llama(impl: str) -> torch.nn.Module:
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=64, intermediate_size=128, vocab_size=96,
+                                      max_position_embeddings=32, attn_implementation=impl)
+    return transformers.LlamaForCausalLM(config).double()
+
+
 def _batch(kind: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 96, (4, 10), generator=g)
-    return {"input_ids": ids, "labels": ids if kind == "gpt2" else torch.tensor([0, 1, 1, 0])}
+    return {"input_ids": ids, "labels": ids if kind != "bert" else torch.tensor([0, 1, 1, 0])}
 
 
-BUILD = {"gpt2": _gpt2, "bert": _bert}
+BUILD = {"gpt2": _gpt2, "bert": _bert, "llama": _llama}
 
 
-@pytest.mark.parametrize("kind,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa"), ("bert", "eager")])
+@pytest.mark.parametrize("kind,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa"), ("bert", "eager"),
+                                       ("llama", "sdpa"), ("llama", "eager")])
 def test_plan_splits_every_attention_and_mlp(kind, impl):
     batch = _batch(kind)
     torch.manual_seed(0)
@@ -49,6 +60,11 @@ def test_plan_splits_every_attention_and_mlp(kind, impl):
         if kind == "gpt2":
             names = {f"transformer.h.{block}.attn.c_attn": "column", f"transformer.h.{block}.attn.c_proj": "row",
                      f"transformer.h.{block}.mlp.c_fc": "column", f"transformer.h.{block}.mlp.c_proj": "row"}
+        elif kind == "llama":
+            layer = f"model.layers.{block}"
+            names = {f"{layer}.self_attn.{n}_proj": "column" for n in "qkv"} | {f"{layer}.self_attn.o_proj": "row"}
+            names |= {f"{layer}.mlp.gate_proj": "column", f"{layer}.mlp.up_proj": "column",
+                      f"{layer}.mlp.down_proj": "row"}
         else:
             layer = f"bert.encoder.layer.{block}"
             names = {f"{layer}.attention.self.{n}": "column" for n in ("query", "key", "value")}
@@ -56,8 +72,9 @@ def test_plan_splits_every_attention_and_mlp(kind, impl):
                       f"{layer}.output.dense": "row"}
         assert {n: splits[n] for n in names} == names
     # Megatron's minimum per block: one all-reduce forward and one backward for attention and for the MLP
-    # (BERT adds its pooler -> classifier pair)
-    assert plan.collectives_per_step == 4 * 2 + (2 if kind == "bert" else 0)
+    # (BERT adds its pooler -> classifier pair, Llama its untied LM head split inside: one all-reduce forward,
+    # one all-gather backward)
+    assert plan.collectives_per_step == 4 * 2 + (2 if kind in ("bert", "llama") else 0)
 
 
 def _train(kind: str, impl: str):
@@ -76,7 +93,7 @@ def _train(kind: str, impl: str):
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), per_rank
 
 
-@pytest.mark.parametrize("kind,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa")])
+@pytest.mark.parametrize("kind,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa"), ("llama", "sdpa")])
 def test_mp2_trains_as_one_process(ranks, kind, impl):
     for gathered, expected, per_rank in ranks(2, _train, kind, impl):
         assert gathered.keys() == expected.keys()
