@@ -12,9 +12,11 @@ split by output features (a fused QKV projection in blocks, so each rank
 holds whole heads of q, k and v), the second by input features, and the ops
 between run on each rank's heads. A region costs one all-reduce forward per
 row layer and one backward for its input. A mark that reaches the model's
-output, an unsplit tensor of the same width, a reduction or softmax over
-the split dimension, or dropout with p > 0, keeps the layers behind it whole
-and names the op and line.
+output, an unsplit tensor of the same width, or a reduction or softmax over
+the split dimension keeps the layers behind it whole and names the op and
+line. Dropout on a slice (also attention's ``dropout_p``) drops what one
+process drops: each rank takes its slice of the mask drawn for the whole
+tensor.
 
 Candidates are leaf modules whose forward computes ``x @ W.T + b``
 (``nn.Linear``) or ``x @ W + b`` (Hugging Face's ``Conv1D``), checked on the
@@ -226,16 +228,16 @@ def _common_prefix(names: list[str]) -> str:
     return ".".join(common)
 
 
-def attach(model: nn.Module, region: Region, parts: int) -> None:
+def attach(model: nn.Module, region: Region, parts: int, rank: int) -> None:
     """Make the split model run ``region``'s ops on each rank's slice: a :class:`Flow` (running) is active
     during the region module's forward, the column layers' outputs are marked split, and the row layers check
     that their input is the slice they hold.
 
     Example:
         >>> attach(model, Region("h.0.attn", {"h.0.attn.c_attn": (64, 64, 64)}, {"h.0.attn.c_proj": (64,)},
-        ...                      flow=True), parts=2)
+        ...                      flow=True), parts=2, rank=0)
     """
-    flow = Flow(parts, local=True)
+    flow = Flow(parts, local=True, rank=rank)
     flow.elementwise = set(region.elementwise)
     owner = model.get_submodule(region.module)
     def enter(module: nn.Module, args: tuple) -> None:

@@ -624,13 +624,13 @@ def _join_regions(model: nn.Module, found: list[regions.Region], group: object |
     from autodist.layers.comm import group_rank_size
     from autodist.layers.linear import SharedInput
 
-    parts = group_rank_size(group)[1]
+    rank, parts = group_rank_size(group)
     for region in found:
         entry = SharedInput(len(region.columns))
         for name in region.columns:
             model.get_submodule(name).entry = entry
         if region.flow:
-            regions.attach(model, region, parts)
+            regions.attach(model, region, parts, rank)
 
 
 def _elementwise_layer(name: str) -> nn.Module:

@@ -13,14 +13,15 @@ is split through those ops, and does two jobs:
   through ops that work on a slice - elementwise ops, reshapes that keep the
   split dimension outermost, transposes, attention over a split head
   dimension, softmax over another dimension - can be split; anything else
-  (a reduction or softmax over the split dimension, dropout drawing a mask,
-  a mix with an unsplit tensor of the same width, the model's output) names
+  (a reduction or softmax over the split dimension, a mix with an unsplit tensor of the same width, the model's output) names
   the op and line that keeps it whole.
 - **running** (``local=True``): on each rank, it rewrites the size arguments
   of those ops from the model's sizes to the slice's (``view(B, T, 12, 64)``
   becomes ``view(B, T, 6, 64)``, ``split(768)`` becomes ``split(384)``); code
   that computes sizes from the tensor itself (``view(B, T, -1, hd)``) needs
-  nothing.
+  nothing. Dropout on a slice multiplies by the slice of the mask one
+  process would draw for the whole tensor (drawn from the RNG the group
+  shares), so the split run drops what one process drops.
 
 It works above autograd, so backward sees the rewritten ops. What it cannot
 follow raises (running) or keeps the layers whole (planning), never a silent
@@ -68,9 +69,9 @@ class Flow(TorchFunctionMode):
         ...     y = model(x)        # after flow.tag(...) on candidate outputs, from module hooks
     """
 
-    def __init__(self, parts: int, local: bool) -> None:
+    def __init__(self, parts: int, local: bool, rank: int = 0) -> None:
         super().__init__()
-        self.parts, self.local = parts, local
+        self.parts, self.local, self.rank = parts, local, rank
         self.splits: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> Split
         self.sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset of layer names (planning)
         self.failed: dict[str, str] = {}  # layer name -> why its output cannot stay split (planning)
@@ -136,7 +137,8 @@ class Flow(TorchFunctionMode):
             if rule is None:
                 return self._elementwise_call(func, name, args, kwargs, flat, split_in)
             local_args, local_kwargs, splits, call = rule(self, func, args, kwargs)
-            if rule not in PASSING:  # it moves or resizes the split dimension: running must follow it
+            if rule not in PASSING or call is not None:  # it moves or resizes the split dimension, or runs
+                # another function on the slice: running must follow it
                 self.structural |= self._sources_of(split_in)
             if self.local:  # planning runs the model's own op on the whole tensors
                 args, kwargs, func = local_args, local_kwargs, call or func

@@ -70,14 +70,36 @@ def _identity(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
     return args, kwargs, split, None
 
 
+def _dropout_mask(flow: Flow, t: torch.Tensor, split: Split, p: float) -> torch.Tensor:
+    """This rank's slice of the mask one process draws for the whole of ``t`` (scaled by 1 / (1 - p)): the full
+    mask is drawn from the RNG the model-parallel group shares, as one process would draw it, and sliced.
+    On CPU, the same mask bit for bit; the RNG moves on as in one process."""
+    from autodist.layers.shard import Shard
+
+    if split.blocks is None:
+        raise Unsupported("runs on a slice whose layout is not known")
+    full = flow.full_shape(t, split)
+    keep = torch.dropout(torch.ones(full, dtype=t.dtype, device=t.device), p, True)
+    return Shard.even(full, split.dim, split.blocks, flow.parts, flow.rank).take(keep)
+
+
 def _dropout(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
+    """Dropout on a slice: the slice of one process's mask (:func:`_dropout_mask`), so the split run draws the
+    same mask as one process, not one per rank."""
     t, split = _self_split(flow, args)
     p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-    training = kwargs.get("training", args[2] if len(args) > 2 else True)
-    if training and p > 0:
-        raise Unsupported(f"with p={p} on a split tensor would draw another mask than one process does; "
-                          f"set its p to 0 for model parallelism")
-    return args, kwargs, split, None
+    training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+    if not p:
+        return args, kwargs, split, None
+
+    def run(*_: Any, **__: Any) -> torch.Tensor:
+        if not training:
+            return func(*args, **kwargs)
+        keep = _dropout_mask(flow, t, split, p)
+        return t.mul_(keep) if inplace else t * keep
+
+    return args, kwargs, split, run
 
 
 def _along(dim_arg: int, default: int | None = None) -> Callable:
@@ -420,9 +442,6 @@ def _attention(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     bound = dict(zip(names, args)) | kwargs
     q, k, v = bound["query"], bound["key"], bound["value"]
-    if bound.get("dropout_p", 0.0):
-        raise Unsupported(f"with dropout_p={bound['dropout_p']} would draw another mask than one process does; "
-                          f"set the attention dropout to 0 for model parallelism")
     split_in = [x for x in (q, k, v, bound.get("attn_mask")) if isinstance(x, torch.Tensor) and x in flow.splits]
     if any(x not in flow.splits for x in (q, k, v)):
         raise Unsupported("mixes split and unsplit query, key and value")
@@ -431,7 +450,31 @@ def _attention(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
             raise Unsupported("runs along the split dimension (heads must be split, not sequence or features)")
     tensors = [q, k, v, bound.get("attn_mask")]
     split = _broadcast_batch(flow, tensors, split_in, q.dim(), 2)
-    return args, kwargs, Split(split.dim, flow.splits[q].blocks), None
+    out = Split(split.dim, flow.splits[q].blocks)
+    if not bound.get("dropout_p", 0.0):
+        return args, kwargs, out, None
+    if bound.get("enable_gqa") or q.shape[:-2] != k.shape[:-2]:
+        raise Unsupported("with dropout and grouped key/value heads: set the attention dropout to 0 or repeat "
+                          "the key/value heads before the call")
+    return args, kwargs, out, lambda *_, **__: _attention_dropout(flow, out, bound)
+
+
+def _attention_dropout(flow: Flow, split: Split, bound: dict[str, Any]) -> torch.Tensor:
+    """Attention with dropout on the local heads, as torch's math kernel computes it (softmax(q k^T scale +
+    mask), dropout, @ v), the dropout mask being this rank's heads of one process's mask: on CPU, where one
+    process runs this kernel too, the same result; on GPU, whose fused kernels draw their masks otherwise,
+    the same distribution."""
+    q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
+    scale = bound.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    scores = (q * math.sqrt(scale)) @ (k.transpose(-2, -1) * math.sqrt(scale))
+    if bound.get("is_causal"):
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, float("-inf"))
+        scores = scores + mask
+    probs = getattr(torch, "_safe_softmax", torch.softmax)(scores, -1)
+    return (probs * _dropout_mask(flow, probs, split, bound["dropout_p"])) @ v
 
 
 def _linear(flow, func, args, kwargs):  # type: ignore[no-untyped-def]

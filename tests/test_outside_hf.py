@@ -19,9 +19,10 @@ import autodist
 transformers = pytest.importorskip("transformers")
 
 
-def _gpt2(impl: str) -> torch.nn.Module:
+def _gpt2(impl: str, dropout: float = 0.0) -> torch.nn.Module:
     config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=96, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=impl)
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                     attn_implementation=impl)
     return transformers.GPT2LMHeadModel(config).double()
 
 
@@ -77,14 +78,15 @@ def test_plan_splits_every_attention_and_mlp(kind, impl):
     assert plan.collectives_per_step == 4 * 2 + (2 if kind in ("bert", "llama") else 0)
 
 
-def _train(kind: str, impl: str):
+def _train(kind: str, impl: str, *options: float):
     batch = _batch(kind)
     torch.manual_seed(0)
-    ref = BUILD[kind](impl)
+    ref = BUILD[kind](impl, *options)
     torch.manual_seed(0 if torch.distributed.get_rank() == 0 else 7)  # rank 0's weights are the ones kept
-    model, _ = autodist.parallelize(BUILD[kind](impl), mp=2, example={k: v[:2] for k, v in batch.items()})
+    model, _ = autodist.parallelize(BUILD[kind](impl, *options), mp=2, example={k: v[:2] for k, v in batch.items()})
     per_rank = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
     for m in (ref, model):
+        torch.manual_seed(11)  # both draw their dropout masks from here
         optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
         for _ in range(3):
             optimizer.zero_grad()
@@ -93,9 +95,13 @@ def _train(kind: str, impl: str):
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), per_rank
 
 
-@pytest.mark.parametrize("kind,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa"), ("llama", "sdpa")])
-def test_mp2_trains_as_one_process(ranks, kind, impl):
-    for gathered, expected, per_rank in ranks(2, _train, kind, impl):
+@pytest.mark.parametrize("kind,impl,options", [("gpt2", "sdpa", ()), ("gpt2", "eager", ()), ("bert", "sdpa", ()),
+                                               ("llama", "sdpa", ()), ("gpt2", "eager", (0.1,)),
+                                               ("gpt2", "sdpa", (0.1,))])
+def test_mp2_trains_as_one_process(ranks, kind, impl, options):
+    # with dropout (0.1 on embeddings, attention probabilities and residuals): the attention's dropout runs on
+    # each rank's heads, with its heads' part of the mask one process draws
+    for gathered, expected, per_rank in ranks(2, _train, kind, impl, *options):
         assert gathered.keys() == expected.keys()
         for name in expected:
             assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")

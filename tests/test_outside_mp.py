@@ -8,6 +8,9 @@ lm_head, tied to the token embedding, stays whole.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -23,9 +26,9 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, 1)
 
 
-def _gpt(seed: int) -> GPT:
+def _gpt(seed: int, dropout: float = 0.0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(CONFIG).double()
+    return GPT(dataclasses.replace(CONFIG, dropout=dropout)).double()
 
 
 def test_nanogpt_plan_splits_every_attention_and_mlp_and_keeps_the_tied_head():
@@ -43,12 +46,13 @@ def test_nanogpt_plan_splits_every_attention_and_mlp_and_keeps_the_tied_head():
     assert rows["lm_head"].split == "replicated" and "shared" in rows["lm_head"].note
 
 
-def _train_nanogpt():
+def _train_nanogpt(dropout: float = 0.0):
     x, y = _tokens()
-    ref = _gpt(0)
-    model, _ = autodist.parallelize(_gpt(0 if torch.distributed.get_rank() == 0 else 5), (x, y), mp=2)
+    ref = _gpt(0, dropout)
+    model, _ = autodist.parallelize(_gpt(0 if torch.distributed.get_rank() == 0 else 5, dropout), (x, y), mp=2)
     per_rank = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
     for m in (ref, model):
+        torch.manual_seed(11)  # both draw their dropout masks from here
         optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
         for _ in range(3):
             optimizer.zero_grad()
@@ -58,8 +62,10 @@ def _train_nanogpt():
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), per_rank
 
 
-def test_nanogpt_mp2_trains_as_one_process(ranks):
-    for gathered, expected, per_rank in ranks(2, _train_nanogpt):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_nanogpt_mp2_trains_as_one_process(ranks, dropout):
+    # with dropout, attention's dropout_p runs on each rank's heads with its heads' part of one process's mask
+    for gathered, expected, per_rank in ranks(2, _train_nanogpt, dropout):
         assert gathered.keys() == expected.keys()
         for name in expected:
             assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
