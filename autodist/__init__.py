@@ -6,12 +6,12 @@ Example:
     >>> model, loader = autodist.parallelize(model, loader, mp=2)    # 2-way model parallel x data parallel
 """
 from autodist.api import parallelize
-from autodist.checkpoint import load, save
+from autodist.checkpoint import load, resume, save
 from autodist.gather import gather_state_dict
 from autodist.grad_sync import no_sync, synchronize_model
 from autodist.rewrite import Plan, explain
 from autodist.runtime import World, init
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
-           "save", "load"]
+           "save", "load", "resume"]
 __version__ = "0.1.0"

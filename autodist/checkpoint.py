@@ -20,21 +20,35 @@ dicts only); its top-level keys are
 ``extra``       the keyword arguments given to ``save`` (epoch, step, a loader's generator state)
 ``rng``         rank 0's random generators: ``torch`` (CPU), ``cuda`` (the current device's,
                 or None), ``python`` and ``numpy``
+``checksum``    ``{"algorithm": "crc32", "structure": int, "tensors": [int, ...]}``: a CRC-32 of
+                every tensor's bytes (in the order the entries above are walked) and one of
+                everything else (names, dtypes, shapes, numbers, strings); ``load`` recomputes
+                them and refuses a file that differs. Files written before checksums existed
+                have no such key: they load, with a warning that nothing was verified.
 ==============  ==========================================================================
 
 Rank 0 writes the file: to a temporary file beside it, flushed and fsynced,
 then ``os.replace``d over the final name and the directory fsynced, so the
-final name only ever holds a complete checkpoint. Loading needs no
+final name only ever holds a complete checkpoint. A writer killed mid-write
+(SIGKILL, power loss) leaves its temporary behind; the temporary's name says
+which process on which machine wrote it, and the next ``save`` of the same
+checkpoint removes those whose writer is gone. Loading needs no
 communication: every rank reads the file and keeps its slice of each split
-layer.
+layer. ``resume`` is ``load`` when the checkpoint exists and the given
+defaults when it does not, so one script both starts and restarts a run.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 import secrets
+import socket
+import time
+import zlib
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 import numpy as np
 import torch
@@ -44,13 +58,66 @@ from torch import nn
 from autodist.gather import gather_state_dict
 from autodist.layers.shard import Shard
 from autodist.rewrite import mp_modules
-from autodist.runtime import World, init
+from autodist.runtime import World, init, log
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 FORMAT = "autodist.checkpoint"
 VERSION = 1
 _LOADABLE_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
+_CHECKSUM = "crc32"  # ~6 GB/s here: a 200 MB checkpoint costs 30 ms to sum; corruption is not an adversary
+_ZIP_TAIL = 22 + 65535  # the end-of-directory record and its longest comment
+_STALE_AFTER_S = 3600.0  # a temporary whose writer cannot be checked is stale once untouched this long
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: damaged, truncated, or not written by ``autodist.save``."""
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+def _checked_path(path: Any, *, writing: bool) -> str:
+    """``path`` as an absolute file name, or a TypeError / ValueError saying what is wrong with it."""
+    name = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+    if isinstance(name, bytes):
+        raise TypeError(f"Expect a str file name for path, bytes {name!r} found; decode it first (os.fsdecode)")
+    if name is None:
+        raise TypeError(f"Expect a file name (str or os.PathLike) for path, {type(path).__name__} found; "
+                        f"e.g. autodist.save('ckpt/last.pt', model, optimizer)")
+    if not name:
+        raise ValueError("path is empty; give the checkpoint's file name, e.g. 'ckpt/last.pt'")
+    full = os.path.abspath(name)
+    if name.endswith(("/", os.sep)) or os.path.isdir(full):
+        raise ValueError(f"path {name!r} names a directory; give a file in it, e.g. "
+                         f"{os.path.join(name, 'last.pt')!r}")
+    if writing:
+        parent = os.path.dirname(full)
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(f"cannot write the checkpoint {full!r}: {parent!r} is a file, not a directory; "
+                             f"choose another path")
+    return full
+
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(f"Expect an nn.Module instance for model, the class {model.__name__} found; pass the "
+                        f"model you train, e.g. {model.__name__}(...) as built in your script")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(f"Expect torch.optim.Optimizer or None for optimizer, the LR scheduler "
+                        f"{type(optimizer).__name__} found; pass its optimizer, and the scheduler's state as an "
+                        f"extra: save(path, model, optimizer, scheduler=scheduler.state_dict())")
+    raise TypeError(f"Expect torch.optim.Optimizer or None for optimizer, {type(optimizer).__name__} "
+                    f"{optimizer!r:.40} found; pass the optimizer object itself, built after parallelize, e.g. "
+                    f"torch.optim.SGD(model.parameters(), lr=0.1)")
 
 
 @dataclass(frozen=True)
@@ -161,7 +228,141 @@ def _set_rng_state(state: dict[str, Any]) -> None:
                          npy["cached_gaussian"]))
 
 
-# -- the atomic write ----------------------------------------------------------------------------
+# -- checksums -----------------------------------------------------------------------------------
+
+def _leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Every leaf of a payload with where it sits (``model['0.weight']``), dicts in their (pickled) order."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        yield f"{where}:{type(value).__name__}{len(value)}", None  # a list and a tuple of the same items differ
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{where}[{i}]")
+    else:
+        yield where, value
+
+
+def _tensor_crc(tensor: torch.Tensor) -> int:
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return zlib.crc32(t.view(torch.uint8).numpy())
+
+
+def _checksums(payload: dict[str, Any]) -> tuple[int, list[tuple[str, int]]]:
+    """A CRC-32 of everything but the tensors' bytes, and one per tensor (with where it sits)."""
+    structure, tensors = 0, []
+    for where, leaf in _leaves(payload, ""):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append((where, _tensor_crc(leaf)))
+            text = f"{where}=tensor:{leaf.dtype}:{tuple(leaf.shape)}"
+        else:
+            text = f"{where}={type(leaf).__name__}:{leaf!r}"
+        structure = zlib.crc32(text.encode("utf-8", "surrogatepass") + b"\n", structure)
+    return structure, tensors
+
+
+def _with_checksum(payload: dict[str, Any]) -> dict[str, Any]:
+    structure, tensors = _checksums(payload)
+    return {**payload, "checksum": {"algorithm": _CHECKSUM, "structure": structure,
+                                    "tensors": [crc for _, crc in tensors]}}
+
+
+def _damaged(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"the checkpoint {path!r} is damaged: {what}. The file changed after autodist.save "
+                           f"wrote it (a disk, copy or transfer error); resume from an earlier checkpoint, or "
+                           f"delete this one to start over")
+
+
+def _verify(checkpoint: dict[str, Any], path: str) -> None:
+    """Recompute the checksums of a loaded checkpoint (its ``checksum`` entry popped) and raise on a mismatch."""
+    stored = checkpoint.pop("checksum", None)
+    if stored is None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("the checkpoint %s has no checksums (written by an autodist before they were added): "
+                        "loaded without verifying it; the next autodist.save writes them", path)
+        return
+    if not isinstance(stored, dict) or stored.get("algorithm") != _CHECKSUM:
+        raise _damaged(path, f"its checksum entry is not a {_CHECKSUM} record ({str(stored)[:60]!r})")
+    structure, tensors = _checksums(checkpoint)
+    if structure != stored.get("structure") or len(tensors) != len(stored.get("tensors", ())):
+        raise _damaged(path, "its names, shapes or numbers do not match the checksum saved with them")
+    bad = [where for (where, crc), saved in zip(tensors, stored["tensors"]) if crc != saved]
+    if bad:
+        raise _damaged(path, f"{len(bad)} of {len(tensors)} tensors do not match the checksums saved with them "
+                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
+# -- the file: atomic write, stale temporaries, verified read -----------------------------------
+
+def _machine_id() -> str:
+    """8 hex digits naming this machine, boot and PID namespace: where a PID in a temporary's name means
+    this process table's PID (a reboot or another container gives another id)."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.endswith("ns/pid") else open(source).read().strip())
+        except OSError:
+            parts.append("")
+    return f"{zlib.crc32('|'.join(parts).encode()):08x}"
+
+
+_MACHINE = _machine_id()
+
+
+def _temporary_name(path: str) -> str:
+    return os.path.join(os.path.dirname(path),
+                        f".{os.path.basename(path)}.{_MACHINE}-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Delete the temporaries of ``path`` left by saves that were killed mid-write.
+
+    A temporary from this machine is stale once its writer's PID is gone; one
+    from another machine (a shared file system) or without a writer in its
+    name (older autodist) once untouched for an hour: a live writer is
+    writing to it. A live writer's file is never touched.
+    """
+    directory, base = os.path.split(path)
+    pattern = re.compile(rf"\.{re.escape(base)}\.(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{12}}\.tmp")
+    removed = []
+    for entry in os.scandir(directory):
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        machine, pid = match.group(1), match.group(2)
+        try:
+            if machine == _MACHINE:
+                stale = int(pid) != os.getpid() and not _alive(int(pid))
+            else:
+                stale = time.time() - entry.stat().st_mtime > _STALE_AFTER_S
+            if stale:
+                size = entry.stat().st_size
+                os.unlink(entry.path)
+                removed.append(f"{entry.name} ({size / 2**20:.1f} MiB)")
+        except FileNotFoundError:
+            continue  # its writer finished, or another cleaner got there first
+    if removed:
+        log.warning("removed %d temporary file(s) of %s left by a save that was killed mid-write: %s",
+                    len(removed), path, ", ".join(removed))
+
 
 def _fsync_directory(directory: str) -> None:
     """Make the rename itself durable (POSIX; elsewhere a directory cannot be opened)."""
@@ -178,7 +379,8 @@ def _atomic_save(payload: dict[str, Any], path: str) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    _remove_stale_temporaries(path)  # before writing: a full disk may be full of them
+    temporary = _temporary_name(path)
     try:
         with open(temporary, "xb") as f:
             torch.save(payload, f)
@@ -190,6 +392,45 @@ def _atomic_save(payload: dict[str, Any], path: str) -> None:
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
+
+
+def _why_unreadable(path: str, err: Exception) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(0, os.fstat(f.fileno()).st_size - _ZIP_TAIL))
+        tail = f.read()
+    said = (str(err).strip().splitlines() or [""])[0][:160]
+    if not head:
+        return "the file is empty"
+    if head != b"PK\x03\x04":  # torch.save's zip archive
+        return "it is not a file written by torch.save or autodist.save (it does not start as a zip archive)"
+    if b"PK\x05\x06" not in tail:  # a zip archive ends with its directory
+        return "it is truncated (it ends before its zip archive's directory: a write or copy that did not finish)"
+    if isinstance(err, pickle.UnpicklingError):
+        return ("it holds objects that torch.load(weights_only=True) refuses, so it was not written by "
+                "autodist.save, or it is damaged")
+    return f"it is damaged ({type(err).__name__}: {said})"
+
+
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}; write one with autodist.save(path, model, optimizer)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (PermissionError, MemoryError):
+        raise
+    except Exception as err:  # noqa: BLE001 - torch's many ways of failing on a bad file become one error
+        raise CheckpointError(f"cannot read the checkpoint {path!r}: {_why_unreadable(path, err)}. Resume from "
+                              f"an earlier checkpoint, or delete this one to start over") from err
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        keys = sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(f"{path!r} is not an autodist checkpoint (expected format {FORMAT!r}, found "
+                              f"{keys}); load a plain state dict with model.load_state_dict(torch.load(path))")
+    if checkpoint.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path!r} has checkpoint format version {checkpoint['version']}, newer than this "
+                              f"autodist reads ({VERSION}); upgrade autodist")
+    _verify(checkpoint, path)
+    return checkpoint
 
 
 def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> None:
@@ -242,10 +483,10 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         rank. A run whose ranks draw different random numbers (dropout seeded
         per rank) should reseed per rank after loading.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    path = _checked_path(path, writing=True)
+    _check_model(model)
+    _check_optimizer(optimizer)
     _check_loadable(extra, "extra")
-    path = os.path.abspath(os.fspath(path))
     world = init()
     rng = _rng_state()  # before anything below could draw
     layout = _layout(model)
@@ -253,26 +494,12 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     state = gather_state_dict(model)
     payload = None
     if world.rank == 0:
-        payload = {"format": FORMAT, "version": VERSION, "model": state, "optimizer": optim, "extra": extra,
-                   "rng": rng}
+        payload = _with_checksum({"format": FORMAT, "version": VERSION, "model": state, "optimizer": optim,
+                                  "extra": extra, "rng": rng})
     _write_on_rank0(payload, path, world)
 
 
 # -- loading -------------------------------------------------------------------------------------
-
-def _read(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}; write one with autodist.save(path, model, optimizer)")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        keys = sorted(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"{path!r} is not an autodist checkpoint (expected format {FORMAT!r}, found {keys}); "
-                         f"load a plain state dict with model.load_state_dict(torch.load(path))")
-    if checkpoint.get("version", 0) > VERSION:
-        raise ValueError(f"{path!r} has checkpoint format version {checkpoint['version']}, newer than this "
-                         f"autodist reads ({VERSION}); upgrade autodist")
-    return checkpoint
-
 
 def _listed(names: list[str], limit: int = 10) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
@@ -357,6 +584,11 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     Returns:
         The ``extra`` keyword arguments given to ``save`` (e.g. ``{"epoch": 3}``).
 
+    Raises:
+        CheckpointError: (a ValueError) the file is damaged (a checksum
+            differs), truncated, or not an autodist checkpoint; the message
+            names the file. Resume from an earlier one, or delete it.
+
     Example:
         >>> model, loader = autodist.parallelize(build_model(), loader, mp=2)
         >>> optimizer = torch.optim.Adam(model.parameters())
@@ -366,9 +598,9 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         Restores rank 0's random generators (as saved) on every rank. Call it
         after building an LR scheduler: building one resets the learning rates.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
-    path = os.path.abspath(os.fspath(path))
+    path = _checked_path(path, writing=False)
+    _check_model(model)
+    _check_optimizer(optimizer)
     checkpoint = _read(path)
     layout = _layout(model)
     _load_model(checkpoint["model"], model, layout, path)
@@ -379,3 +611,74 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
     _set_rng_state(checkpoint["rng"])
     return dict(checkpoint["extra"])
+
+
+def _found_on_every_rank(path: str, world: World) -> bool:
+    """Whether ``path`` is a file, as every rank sees it; raises if the ranks disagree."""
+    found = os.path.isfile(path)
+    if world.size == 1:
+        return found
+    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    seen = torch.zeros(world.size, device=device)
+    seen[world.rank] = float(found)
+    dist.all_reduce(seen)
+    missing = [r for r, s in enumerate(seen.tolist()) if not s]
+    if 0 < len(missing) < world.size:
+        raise RuntimeError(f"ranks {missing} see no checkpoint at {path!r} where the other ranks see one; every "
+                           f"rank must read the same checkpoint: put it on a file system every node shares")
+    return found
+
+
+def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+           **defaults: Any) -> dict[str, Any]:
+    """Restart from the checkpoint at ``path`` if there is one; start afresh if not.
+
+    One script then both starts a run and restarts it after a failure (under
+    ``autodist run --max-restarts N``, or when a job is requeued): the first
+    attempt finds no checkpoint and gets ``defaults``; a later one loads
+    model, optimizer and random generators as ``load`` does and gets the
+    extras saved with them. Every rank must call it: they check together
+    that all of them see the same file.
+
+    Args:
+        path: the checkpoint file the script writes with ``autodist.save``.
+        model: the model to fill, parallelized (as it will be trained) or plain.
+        optimizer: its optimizer, built over ``model.parameters()`` after
+            ``parallelize``, or None.
+        **defaults: what to return when there is no checkpoint yet (e.g.
+            ``epoch=0``); a saved extra of the same name replaces its default.
+
+    Returns:
+        ``defaults`` updated with the extras saved in the checkpoint.
+
+    Raises:
+        CheckpointError: the checkpoint exists but is damaged or truncated
+            (never silently ignored: that would restart the run from scratch).
+
+    Example:
+        >>> model, loader = autodist.parallelize(build_model(), loader)
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> start = autodist.resume("ckpt/last.pt", model, optimizer, epoch=0)["epoch"]
+        >>> for epoch in range(start, epochs):
+        ...     train_one_epoch(model, loader, optimizer)
+        ...     autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch + 1)
+
+    Note:
+        A restart repeats the steps since the last save; save as often as
+        you accept to repeat. A loader that shuffles with the global RNG
+        resumes its order (``load`` restores the RNG); one with its own
+        ``generator`` needs that generator's state saved as an extra
+        (``loader_rng=generator.get_state()``) and set back after resuming.
+    """
+    path = _checked_path(path, writing=False)
+    _check_model(model)
+    _check_optimizer(optimizer)
+    world = init()
+    if not _found_on_every_rank(path, world):
+        if world.rank == 0:
+            log.info("no checkpoint at %s yet: starting from the beginning", path)
+        return dict(defaults)
+    extra = load(path, model, optimizer)
+    if world.rank == 0:
+        log.info("resumed from %s (%s)", path, ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()) or "no extras")
+    return {**defaults, **extra}
