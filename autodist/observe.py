@@ -50,6 +50,7 @@ class Call:
     input: int | None  # id of the first tensor argument
     output: int | None  # id of the output, if it is one tensor
     input_needs_grad: bool
+    grad_inputs: int = 0  # distinct positional tensor arguments that need a gradient
 
 
 @dataclass
@@ -124,11 +125,13 @@ def observe(model: nn.Module, run: Callable[[], Any]) -> Observation:
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         if stack and stack[-1] == id(module):
             stack.pop()
-        first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
+        tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+        first = tensors[0] if tensors else None
         keep.append((args, output))
         seen.calls[id(module)].append(Call(None if first is None else id(first),
                                            id(output) if isinstance(output, torch.Tensor) else None,
-                                           first is not None and first.requires_grad))
+                                           first is not None and first.requires_grad,
+                                           len({id(t) for t in tensors if t.requires_grad})))
 
     handles = [nn.modules.module.register_module_forward_pre_hook(enter),
                nn.modules.module.register_module_forward_hook(leave)]

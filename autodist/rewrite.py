@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autodist import observe, regions
+from autodist import observe, regions, torch_layers
 
 MPLayers = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
 
@@ -56,7 +56,7 @@ class LayerPlan:
 
     name: str
     op: str
-    split: str  # "column", "row", "full", "replicated" or "local" (elementwise on a slice)
+    split: str  # "column", "row", "full", "heads", "replicated" or "local" (elementwise on a slice)
     dense_params: int = 0
     params_per_rank: int = 0
     # (phase, collective, elements per row of the batch) for each collective in one training step
@@ -361,7 +361,10 @@ def _plan_rows(planner: _Planner, graph: fx.Graph) -> list[LayerPlan]:
             rows.append(row)
         elif module is not None and any(True for _ in module.parameters()):
             n = sum(p.numel() for p in module.parameters())
+            holds_attention = any(isinstance(m, nn.MultiheadAttention) for m in module.modules())
             rows.append(LayerPlan(str(node.target), type(module).__name__, "replicated", n, n, [],
+                                  "holds nn.MultiheadAttention, which is split by heads from a forward on a sample "
+                                  "batch: pass data (or example=) to parallelize" if holds_attention else
                                   "only Linear layers are split"))
         elif node in local:
             rows.append(LayerPlan(_node_name(node), _op_name(node, module, planner.swaps), "local",
@@ -398,7 +401,7 @@ class Rewrite:
     """A plan and what applying it needs: each planned layer's role and, when traced, its graph node."""
 
     plan: Plan
-    roles: dict[str, str]  # layer name -> "column" | "row" | "full"
+    roles: dict[str, str]  # layer name -> "column" | "row" | "full" | "heads" (nn.MultiheadAttention)
     first: set[str]  # layers whose input needs no gradient
     graph: fx.Graph | None = None
     nodes: dict[str, fx.Node] = field(default_factory=dict)
@@ -438,12 +441,16 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
                          f"training loop gives the model (a tuple of positional ones, or a dict of keyword ones)"
                          ) from run_err
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    linears = {name: module for name, module in model.named_modules()
-               if _affine_shaped(module) and name and not _inside_torch_layer(model, name)}
-    kept = {}
+    attentions = torch_layers.attention_modules(model)
+    heads, kept = torch_layers.plan_attention(model, mp, selected, seen)
+    linears = {name: module for name, module in model.named_modules() if _affine_shaped(module) and name
+               and not any(name.startswith(a + ".") for a in attentions)}  # their attention's row covers them
     for name, module in linears.items():
         calls, outside = len(seen.calls.get(id(module), [])), seen.reads_outside(module)
-        if not selected(name, module):
+        inside = torch_layers.linear_kept(model, name, heads)
+        if inside is not None:
+            kept[name] = inside
+        elif not selected(name, module):
             kept[name] = "not selected by mp_layers"
         elif owners[id(module.weight)] > 1:
             kept[name] = "weight shared with another layer"
@@ -461,12 +468,19 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
     kept.update(found.not_affine)
     linears = {name: m for name, m in linears.items() if name in found.orientation or name in kept}
     roles = {name: "column" for r in found.regions for name in r.columns} | \
-        {name: "row" for r in found.regions for name in r.rows}
+        {name: "row" for r in found.regions for name in r.rows} | {name: "heads" for name in heads}
     first = {name for name in linears if name in found.orientation
              and not seen.calls[id(linears[name])][0].input_needs_grad}
     shared = _shared_inputs(seen, linears, found.regions)
     rows = []
-    for name, module in linears.items():
+    for name, module in model.named_modules():
+        if name in attentions:
+            rows.append(_attention_row(name, module, mp, seen) if name in heads else
+                        LayerPlan(name, type(module).__name__, "replicated", _count(module), _count(module), [],
+                                  kept[name]))
+            continue
+        if name not in linears:
+            continue
         if name in found.orientation and name not in kept and name not in roles:
             roles[name] = "full"
         if name in roles:
@@ -491,6 +505,17 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
                                   f"swapped in its place; tracing stopped at {where}{why}")
     return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first, regions=found.regions,
                    orientation=found.orientation)
+
+
+def _attention_row(name: str, module: nn.MultiheadAttention, mp: int, seen: observe.Observation) -> LayerPlan:
+    e, heads = module.embed_dim, module.num_heads
+    bias = module.in_proj_bias is not None
+    per_rank = (3 * e * e + 3 * e * bias) // mp + e * e // mp + (e if module.out_proj.bias is not None else 0)
+    note = (f"split by heads: {heads // mp} of {heads} per rank (its rows of q, k and v; out_proj by input "
+            f"features); pass need_weights=False where the weights are unused (as torch's Transformer layers do): "
+            f"returning them costs one more all-reduce")
+    return LayerPlan(name, "MultiheadAttention", "heads", _count(module), per_rank,
+                     torch_layers.attention_collectives(module, seen), note)
 
 
 def _affine_shaped(module: nn.Module) -> bool:
@@ -526,8 +551,8 @@ def _region_note(name: str, found: list[regions.Region]) -> str:
     for region in found:
         if name in region.columns or name in region.rows:
             blocks = region.columns.get(name) or region.rows.get(name)
-            where = f"in {region.module or 'the model'}" + (": ops between follow the split heads" if region.flow
-                                                            else "")
+            where = f"in {region.module or 'the model'}" + (": the ops between run on each rank's slice"
+                                                            if region.flow else "")
             return where + (f"; blocks {list(blocks)}" if len(blocks) > 1 else "")  # type: ignore[arg-type]
     return ""
 
@@ -546,12 +571,6 @@ _HOOKED = "it has hooks (weight_norm's, say), which swapping the module would dr
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
                 or module._backward_hooks)
-
-
-def _inside_torch_layer(model: nn.Module, name: str) -> bool:
-    parent = model.get_submodule(name.rpartition(".")[0])
-    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    return type(parent).__module__.startswith("torch.nn") and not isinstance(parent, containers)
 
 
 def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None,
@@ -575,16 +594,19 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
         planner.plan()
     traced = Rewrite(Plan(mp, _plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
                      graph, planner.nodes, planner.swaps)
-    if example is not None and "full" in planner.role.values() and not planner.swaps \
+    attention = bool(torch_layers.attention_modules(model))
+    if example is not None and ("full" in planner.role.values() or attention) and not planner.swaps \
             and not any(n.op == "call_function" for n in planner.nodes.values()):
-        # The graph pairs only Linears joined by elementwise ops; following the split through a forward
-        # also pairs attention (heads) - take that plan when it splits more layers in pairs.
+        # The graph pairs only Linears joined by elementwise ops, and sees torch's own layers as leaves;
+        # following the split through a forward also pairs attention (heads) and splits nn.MultiheadAttention
+        # - take that plan when it splits more layers in pairs.
         try:
             recorded = _fallback(model, mp, selected, None, example)
         except (ValueError, NotImplementedError):
             return traced
-        paired = sum(role in ("column", "row") for role in recorded.roles.values())
-        if paired > sum(role in ("column", "row") for role in planner.role.values()):
+        paired = sum(role in ("column", "row", "heads") for role in recorded.roles.values())
+        traced_paired = sum(role in ("column", "row") for role in planner.role.values())
+        if paired > traced_paired or (attention and paired == traced_paired):  # its rows say why attention stays
             recorded.plan.batch_size, recorded.plan.traced = batch_size, True
             return recorded
     return traced
@@ -667,6 +689,10 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
     replaced: list[tuple[nn.Parameter, str]] = []
     functions = False
     for name, role in rewrite.roles.items():
+        if role == "heads":
+            replaced += [(p, f"{name}.{n}") for n, p in model.get_submodule(name).named_parameters()]
+            torch_layers.swap_attention(model, name, group)
+            continue
         node = rewrite.nodes.get(name)
         if node is None or node.op == "call_module":
             linear = model.get_submodule(name)

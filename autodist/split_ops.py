@@ -71,16 +71,14 @@ def _identity(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
 
 
 def _dropout_mask(flow: Flow, t: torch.Tensor, split: Split, p: float) -> torch.Tensor:
-    """This rank's slice of the mask one process draws for the whole of ``t`` (scaled by 1 / (1 - p)): the full
-    mask is drawn from the RNG the model-parallel group shares, as one process would draw it, and sliced.
-    On CPU, the same mask bit for bit; the RNG moves on as in one process."""
+    """This rank's slice of the mask one process draws for the whole of ``t`` (see :func:`dropout_mask`)."""
+    from autodist.layers.dropout import dropout_mask
     from autodist.layers.shard import Shard
 
     if split.blocks is None:
         raise Unsupported("runs on a slice whose layout is not known")
     full = flow.full_shape(t, split)
-    keep = torch.dropout(torch.ones(full, dtype=t.dtype, device=t.device), p, True)
-    return Shard.even(full, split.dim, split.blocks, flow.parts, flow.rank).take(keep)
+    return dropout_mask(Shard.even(full, split.dim, split.blocks, flow.parts, flow.rank), p, like=t)
 
 
 def _dropout(flow, func, args, kwargs):  # type: ignore[no-untyped-def]

@@ -367,6 +367,8 @@ class UntraceableMixed(nn.Module):
 
 def test_fallback_swaps_only_plain_linears():
     rows = _rows(_plan(UntraceableMixed()))
-    assert set(rows) == {"plain"} and rows["plain"].split == "full"
+    assert set(rows) == {"plain", "attn"} and rows["plain"].split == "full"
+    # torch's attention is split whole, by heads - but only when the forward runs it
+    assert rows["attn"].split == "replicated" and "not run by the forward" in rows["attn"].note
 
 

@@ -5,7 +5,7 @@ and ``MPTanh`` are TorchAD-NN's layers, done right: each takes a full tensor
 and returns a full tensor, so they compose in any ``nn.Sequential``; the bias
 is added once and gradients are exact. ``ColumnParallelLinear`` and
 ``RowParallelLinear`` are Megatron's pair, which ``parallelize(mp=K)`` swaps in
-where it can. Every split layer defaults to the whole world as its group.
+where it can; ``MPMultiheadAttention`` is ``nn.MultiheadAttention`` split by heads. Every split layer defaults to the whole world as its group.
 
 Example:
     TorchAD-NN's README network, by hand (run under ``autodist run -n 2``):
@@ -23,8 +23,9 @@ Note:
     directly, a layer draws the dense ``nn.Linear`` weights and keeps its slice.
 """
 from autodist.layers.activation import MPTanh
+from autodist.layers.attention import MPMultiheadAttention
 from autodist.layers.linear import ColumnParallelLinear, MPBaseLinear, MPInitialLinear, RowParallelLinear
 from autodist.layers.reshape import MPBaseReshape, MPInitialReshape
 
 __all__ = ["MPInitialReshape", "MPInitialLinear", "MPBaseReshape", "MPBaseLinear", "MPTanh",
-           "ColumnParallelLinear", "RowParallelLinear"]
+           "ColumnParallelLinear", "RowParallelLinear", "MPMultiheadAttention"]
