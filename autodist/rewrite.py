@@ -121,11 +121,11 @@ def _selector(mp_layers: MPLayers) -> Callable[[str, nn.Module], bool]:
 
 def _check_selection(model: nn.Module, mp_layers: MPLayers) -> None:
     if isinstance(mp_layers, (list, tuple, set)):
-        linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        linears = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.MultiheadAttention))}
         unknown = sorted(set(mp_layers) - linears)
         if unknown:
-            raise ValueError(f"mp_layers names {unknown} that are not nn.Linear layers of the model; "
-                             f"its Linear layers are {sorted(linears)}")
+            raise ValueError(f"mp_layers names {unknown} that are not nn.Linear (or nn.MultiheadAttention) layers "
+                             f"of the model; its Linear layers are {sorted(linears)}")
 
 
 def _split_sizes(n: int, parts: int) -> list[int]:

@@ -83,7 +83,7 @@ def test_plan_splits_attention_by_heads_and_feed_forward_in_pairs(kind):
     assert linear1 and all(splits[n] == "column" and splits[n[:-1] + "2"] == "row" for n in linear1)
 
 
-def _train(kind: str):
+def _train(kind: str, directory: str):
     tokens = _tokens()
     ref = _model(kind, 0)
     model, _ = autodist.parallelize(_model(kind, 0 if torch.distributed.get_rank() == 0 else 9), mp=2,
@@ -103,12 +103,20 @@ def _train(kind: str):
         with torch.no_grad():  # torch's fused fast path would read the dense weights here
             evaluated.append(m(tokens))
     per_rank = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
-    return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), evaluated, per_rank
+    # a checkpoint of the split attention loads into the plain model
+    path = f"{directory}/ckpt.pt"
+    autodist.save(path, model, optimizer)
+    plain = _model(kind, 3)
+    autodist.load(path, plain)
+    return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), evaluated, per_rank, \
+        plain.state_dict()
 
 
 @pytest.mark.parametrize("kind", list(BUILD))
-def test_mp2_trains_as_one_process(ranks, kind):
-    for gathered, expected, (ref_out, out), per_rank in ranks(2, _train, kind):
+def test_mp2_trains_as_one_process(ranks, kind, tmp_path):
+    for gathered, expected, (ref_out, out), per_rank, loaded in ranks(2, _train, kind, str(tmp_path)):
+        for name in expected:
+            assert_close(loaded[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
         assert gathered.keys() == expected.keys()
         for name in expected:
             assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
