@@ -233,10 +233,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
     """Every leaf of a payload with where it sits (``model['0.weight']``), dicts in their (pickled) order."""
     if isinstance(value, dict):
+        yield f"{where}:dict{len(value)}", None  # containers count too: an emptied one, a list made a tuple
         for key, item in value.items():
             yield from _leaves(item, f"{where}[{key!r}]")
     elif isinstance(value, (list, tuple)):
-        yield f"{where}:{type(value).__name__}{len(value)}", None  # a list and a tuple of the same items differ
+        yield f"{where}:{type(value).__name__}{len(value)}", None
         for i, item in enumerate(value):
             yield from _leaves(item, f"{where}[{i}]")
     else:
@@ -463,7 +464,9 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
 
     Args:
         path: the file to write; missing parent directories are created, an
-            existing file is replaced only once the new one is complete.
+            existing file is replaced only once the new one is complete, and
+            temporaries of earlier saves of it that were killed mid-write
+            are removed.
         model: the model (parallelized or not).
         optimizer: its optimizer, built over ``model.parameters()`` after
             ``parallelize``; None to save the model alone.
@@ -472,7 +475,8 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
             lists/tuples/dicts of them. ``load`` returns them.
 
     Returns:
-        None.
+        None. The file holds a CRC-32 of every tensor and of the rest, which
+        ``load`` checks.
 
     Example:
         >>> autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch, loader_rng=generator.get_state())
