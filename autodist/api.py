@@ -8,13 +8,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist import data as data_mod
-from autodist import observe, rewrite
-from autodist.grad_sync import GradSync, Registration, attach, is_parallelized
+from autodist import observe, rewrite, watchdog
+from autodist import sync as sync_mod
+from autodist.grad_sync import Registration, attach, is_parallelized
 from autodist.guards import retire
 from autodist.mesh import Groups, ParallelDims, build_groups
 from autodist.replicate import broadcast_state, check_same_model, model_tensors
 from autodist.rng import share_rng_state
-from autodist.runtime import World, init, log
+from autodist.runtime import World, hang_timeout, init, log
 from autodist.shares import SampleCounter, SampleFn
 
 
@@ -37,10 +38,7 @@ def _check_counting(batch_dim: int, samples: SampleFn | None) -> None:
                         f"sample count, got {type(samples).__name__}")
 
 
-def _check_options(sync: str, mp: int, bucket_mb: float, first_bucket_mb: float) -> None:
-    if sync not in ("backward", "manual"):
-        raise ValueError(f"sync must be 'backward' (synchronize during backward) or 'manual' "
-                         f"(call autodist.synchronize_model yourself), got {sync!r}")
+def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float) -> None:
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"mp must be a positive int, got {mp!r}")
     if not (bucket_mb > 0 and first_bucket_mb > 0):
@@ -120,7 +118,7 @@ def parallelize(
     *,
     mp: int = 1,
     mp_layers: rewrite.MPLayers = "all",
-    sync: Literal["backward", "manual"] = "backward",
+    sync: Literal["backward", "manual"] | sync_mod.Strategy = "backward",
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     sync_buffers: bool = True,
@@ -148,7 +146,10 @@ def parallelize(
         mp_layers: which Linear layers to split: "all", a list of qualified
             names, or a callable ``(name, module) -> bool``.
         sync: "backward" installs the hooks; "manual" installs none and you
-            call ``autodist.synchronize_model(model)`` yourself.
+            call ``autodist.synchronize_model(model)`` yourself; or a
+            low-communication strategy, ``autodist.LocalSGD(every=16)``,
+            ``autodist.DiLoCo(every=64)`` or ``autodist.Gossip()``, which
+            trade exactness for less traffic (each says what it promises).
         bucket_mb / first_bucket_mb: bucket sizes for the gradient all-reduce.
         sync_buffers: average floating-point buffers (BatchNorm running stats)
             over data-parallel ranks, weighted by samples, at every gradient sync.
@@ -195,12 +196,14 @@ def parallelize(
         replaced (an optimizer holding the old ones refuses to step).
     """
     _check_model(model)
-    _check_options(sync, mp, bucket_mb, first_bucket_mb)
+    _check_options(mp, bucket_mb, first_bucket_mb)
+    strategy = sync_mod.choose(sync)
     _check_counting(batch_dim, samples)
     world = init(backend)
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
         data_mod.check(data, 1)
         return model, data
+    watchdog.start(world.rank, world.size, hang_timeout())  # from here on a hang becomes a named error
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp)
     groups = build_groups(dims, world.rank)
@@ -217,12 +220,13 @@ def parallelize(
         share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
     sync_state = None
     if dims.dp > 1:
-        sync_state = GradSync(model, groups.dp, hooks=(sync == "backward"), first_bucket_mb=first_bucket_mb,
-                              bucket_mb=bucket_mb, sync_buffers=sync_buffers,
-                              counter=SampleCounter(batch_dim, samples))
+        dp_ranks = tuple(d * dims.mp + dims.mp_rank(world.rank) for d in range(dims.dp))
+        sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
+            groups.dp, dp_ranks, dims.dp_rank(world.rank), SampleCounter(batch_dim, samples), bucket_mb,
+            first_bucket_mb, sync_buffers))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s", type(model).__name__, world.size, world.launcher, world.backend,
-                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, sync)
+                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy)
     return model, shard

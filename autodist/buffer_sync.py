@@ -24,6 +24,7 @@ from torch import nn
 
 from autodist.buckets import average_
 from autodist.runtime import log
+from autodist.watchdog import waiting
 
 Key = tuple[torch.dtype, torch.device]
 
@@ -95,7 +96,8 @@ class BufferSync:
         """The buffers that did not ride in a bucket (``rode``: the carried ones did): a blocking all-reduce."""
         rest = [b for b in self.buffers() if not (rode and (b.dtype, b.device) == self.carried)]
         if rest:
-            average_(rest, weight, group, self.snapshot.changed_each(rest))
+            with waiting("buffers"):
+                average_(rest, weight, group, self.snapshot.changed_each(rest))
             self.snapshot.take(rest)
 
     def _carried_now(self) -> list[torch.Tensor] | None:

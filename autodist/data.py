@@ -13,6 +13,7 @@ Two rules make a parallel run see the same global batches as one process:
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, Subset
 
-from autodist import provenance
+from autodist import progress, provenance, watchdog
 from autodist.provenance import BatchShare
 
 DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
@@ -139,19 +140,36 @@ class ShardedLoader(DataLoader):
     look like.
     """
 
+    watch_key = "loader"  # names this loader in the watchdog's store: the same on every rank (creation order)
+    epochs = 0  # epochs started
+
     def __iter__(self) -> Iterator[Any]:
         batches = super().__iter__()
-        return self._handed_over(batches, self.batch_sampler.latest_shares)  # type: ignore[union-attr]
+        epoch, self.epochs = self.epochs, self.epochs + 1
+        try:
+            steps = len(self.batch_sampler)  # type: ignore[arg-type]
+        except TypeError:  # a batch sampler without len(): nothing to compare
+            steps = -1
+        samples = len(self.dataset)  # type: ignore[arg-type]
+        watchdog.epoch_begins(self.watch_key, epoch, steps, samples)
+        return self._handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
+                                 (self.watch_key, epoch, steps, samples))
 
     @staticmethod
-    def _handed_over(batches: Iterator[Any], shares: deque[BatchShare]) -> Iterator[Any]:
+    def _handed_over(batches: Iterator[Any], shares: deque[BatchShare],
+                     epoch: tuple[str, int, int, int]) -> Iterator[Any]:
         outer = provenance.current()  # an evaluation loop inside a training loop gives the training batch back
+        key, number, steps, samples = epoch
+        step = 0
         try:
             for batch in batches:
                 share = shares.popleft()
                 provenance.register_batch(batch, share)
                 provenance.announce(share)
+                step += 1
+                progress.record.batch(share.batch, (number, step, steps))
                 yield batch
+            watchdog.data_ended(key, number, step, samples)  # raises if another rank has more steps
         finally:
             provenance.announce(outer)
 
@@ -186,6 +204,8 @@ class EmptySafeCollate:
         return self.collate_fn(samples)
 
 
+_loader_numbers = itertools.count()  # every rank shards its loaders in the same order
+
 _KEPT_LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
                         "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 
@@ -202,10 +222,11 @@ def broadcast_order(order: Iterable[int], device: torch.device) -> list[int]:
     """
     drawn = torch.tensor(list(order), dtype=torch.int64, device=device)
     length = torch.tensor([drawn.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
-    if dist.get_rank() != 0:
-        drawn = torch.empty(int(length.item()), dtype=torch.int64, device=device)
-    dist.broadcast(drawn, src=0)
+    with watchdog.waiting("order"):
+        dist.broadcast(length, src=0)
+        if dist.get_rank() != 0:
+            drawn = torch.empty(int(length.item()), dtype=torch.int64, device=device)
+        dist.broadcast(drawn, src=0)
     return drawn.tolist()
 
 
@@ -264,8 +285,10 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder) ->
         raise ValueError("the DataLoader was built with in_order=False: autodist matches each batch with its "
                          "share of the global batch by order, so pass a loader with in_order=True (the default)")
     batches = RankSliceBatchSampler(_agreeing(loader.batch_sampler, share), rank, size)
-    return ShardedLoader(loader.dataset, batch_sampler=batches,
-                         collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
+    sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
+                            collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
+    sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
+    return sharded
 
 
 def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> DataLike:

@@ -29,7 +29,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator, Literal
+from typing import Any, ContextManager, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,13 @@ from torch import nn
 
 from autodist import provenance
 from autodist.buckets import MB, Bucket, assign_buckets, average_
+from autodist import watchdog
 from autodist.buffer_sync import BufferSync
+from autodist.replicate import first_difference, model_tensors, signature
 from autodist.runtime import log
 from autodist.shares import Counted, SampleCounter, combine
 from autodist.tree import tensor_leaves
+from autodist.watchdog import waiting
 from autodist.weights import Pack, Window
 
 
@@ -142,7 +145,8 @@ class GradSync:
         """N of a micro-batch whose N this rank cannot know: one all-reduce of the counts."""
         device = self.params[0].device if self.params else torch.device("cpu")
         total = torch.tensor([counted.count], dtype=torch.float64, device=device)
-        dist.all_reduce(total, group=self.group)
+        with waiting("count"):
+            dist.all_reduce(total, group=self.group)
         n = float(total)
         if math.isnan(n):
             self._raise_uncounted(counted.error)
@@ -237,8 +241,9 @@ class GradSync:
             self.window.add(self._fallback_count())
         for bucket in self.buckets[self.next_bucket:]:
             self._start(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()  # type: ignore[union-attr]
+        with waiting("sync"):  # the watchdog names the ranks that never arrive
+            for bucket in self.buckets:
+                bucket.work.wait()  # type: ignore[union-attr]
         packing = self.packing
         assert packing is not None or not self.buckets
         total = self.buckets[0].total() if self.buckets else packing.count if packing else 0.0
@@ -319,8 +324,13 @@ def state_of(model: nn.Module) -> GradSync | None:
     return registration.sync if registration is not None else None
 
 
-@contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def _check_model_arg(model: Any, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found ({model!r:.60}): "
+                        f"autodist.{function} takes the model passed to autodist.parallelize")
+
+
+def no_sync(model: nn.Module) -> ContextManager[None]:
     """Accumulate gradients locally: backward passes inside the block send no gradients.
 
     The next backward outside the block (or ``synchronize_model``) sends
@@ -340,6 +350,12 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         Exact with one forward per backward, the usual loop. A world of one, or
         a model that was not parallelized, makes this a no-op.
     """
+    _check_model_arg(model, "no_sync")
+    return _no_sync(model)
+
+
+@contextmanager
+def _no_sync(model: nn.Module) -> Iterator[None]:
     sync = state_of(model)
     if sync is None:
         yield
@@ -375,24 +391,46 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
     """
     from autodist.runtime import init
 
+    _check_model_arg(model, "synchronize_model")
+    if not isinstance(what, str):
+        raise TypeError(f"autodist.synchronize_model: what must be the string 'gradients' or 'parameters', "
+                        f"got {type(what).__name__} {what!r:.60}")
     if what not in ("gradients", "parameters"):
-        raise ValueError(f"what must be 'gradients' or 'parameters', got {what!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+        raise ValueError(f"autodist.synchronize_model: what must be 'gradients' or 'parameters', got {what!r}")
     world = init()
     if world.size == 1:
         return
-    registration = _registry.get(model) or _unparallelized.get(model)
-    if registration is not None and registration.dp == 1:
+    registration = _registry.get(model) or _unparallelized_registration(model, world)
+    if registration.dp == 1:
         return
     if what == "parameters":
         params = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
-        with torch.no_grad():
-            average_([p.data for p in params], 1.0, registration.dp_group if registration else None)
+        with torch.no_grad(), waiting("parameters"):
+            average_([p.data for p in params], 1.0, registration.dp_group)
         return
-    if registration is None:  # not parallelized: the user keeps it identical on all ranks
-        # kept apart from _registry, so that parallelize(model) later is still allowed
-        registration = Registration(world.size, world.rank, None, GradSync(model, None, hooks=False))
+    if registration.sync is None:
+        registration.sync = GradSync(model, None, hooks=False)
         registration.sync.forget_buffers()  # the forward before this call may have changed them already
-        _unparallelized[model] = registration
-    registration.sync.flush()  # type: ignore[union-attr]
+    registration.sync.flush()
+
+
+def _unparallelized_registration(model: nn.Module, world: Any) -> Registration:
+    """A model synchronized without parallelize: the user keeps it identical on all ranks, which is checked
+    once (a model that differs would make the ranks' messages differ, and gloo abort). Kept apart from
+    _registry, so that parallelize(model) later is still allowed."""
+    from autodist.runtime import hang_timeout
+
+    registration = _unparallelized.get(model)
+    if registration is None:
+        watchdog.start(world.rank, world.size, hang_timeout())
+        mine = signature(model_tensors(model))
+        gathered: list = [None] * world.size
+        with waiting("autodist.synchronize_model's check that the ranks hold the same model"):
+            dist.all_gather_object(gathered, mine)
+        why = next((d for r, sig in enumerate(gathered) if (d := first_difference(gathered[0], sig, r))), None)
+        if why is not None:
+            raise ValueError(f"autodist.synchronize_model: the ranks hold different models ({why}), so their "
+                             f"gradients cannot be averaged. Build the same model on every rank, or pass it "
+                             f"through autodist.parallelize, which also starts every rank from rank 0's weights")
+        registration = _unparallelized[model] = Registration(world.size, world.rank, None, None)
+    return registration

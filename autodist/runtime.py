@@ -177,6 +177,24 @@ def pin_device(local_rank: int, gpus_on_node: int) -> torch.device:
     return device
 
 
+def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a rank may wait in a collective for the others before the watchdog stops every rank:
+    ``AUTODIST_TIMEOUT``, 60 by default.
+
+    Example:
+        >>> hang_timeout({"AUTODIST_TIMEOUT": "5"})
+        5.0
+    """
+    text = env.get("AUTODIST_TIMEOUT", "60")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"AUTODIST_TIMEOUT={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"AUTODIST_TIMEOUT={text!r}: give a positive number of seconds")
+    return value
+
+
 def _setup_logging(rank: int) -> None:
     level = os.environ.get("AUTODIST_LOG_LEVEL", "INFO").upper()
     log.setLevel(level)

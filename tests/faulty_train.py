@@ -1,0 +1,71 @@
+"""A training script with one fault injected, run on real ranks by tests/test_watchdog.py.
+
+Usage: python faulty_train.py FAULT [checkpoint path]. Each fault happens on rank 1 at step 3
+(unless it is about the data): "none", "sleep", "raise", "kill", "uneven_loader", "uneven_shards",
+"save_on_rank0".
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _inject(fault: str, rank: int, step: int) -> None:
+    if rank != 1 or step != 3 or fault not in ("sleep", "raise", "kill"):
+        return
+    print(f"fault at {time.time():.3f}", flush=True)
+    if fault == "sleep":
+        time.sleep(1000)  # user code stuck (a deadlock, stuck I/O)
+    if fault == "raise":
+        raise ValueError("boom in rank 1's loss")
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(fault: str, path: str | None) -> None:
+    world = autodist.init()
+    model = _model()
+    if fault == "uneven_loader":  # every rank loads "its own" data: 320 vs 256 samples, 5 vs 4 global batches
+        loader = DataLoader(TensorDataset(*_data(320 if world.rank == 0 else 256)), batch_size=64)
+        model, loader = autodist.parallelize(model, loader)
+        batches = loader
+    elif fault == "uneven_shards":  # 101 samples in strided shards of 51 and 50, batches of 10: 6 vs 5 steps
+        model, (x, y) = autodist.parallelize(model, _data(101))
+        batches = [(x[i:i + 10], y[i:i + 10]) for i in range(0, len(x), 10)]
+    else:
+        model, loader = autodist.parallelize(model, DataLoader(TensorDataset(*_data(96)), batch_size=16))
+        batches = loader
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches, 1):
+        _inject(fault, world.rank, step)
+        _step(model, opt, x, y)
+    print(f"loop done at {time.time():.3f}", flush=True)
+    if fault == "save_on_rank0" and world.rank == 0:
+        autodist.save(path, model, opt)  # a collective the other ranks never join
+    print(f"rank {world.rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

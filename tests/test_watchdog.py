@@ -1,0 +1,273 @@
+"""The watchdog: every hang and every lost rank becomes one named error on every rank, within a bounded time.
+
+Each fault is injected for real into tests/faulty_train.py on two processes launched the way mpirun
+launches them (and once through `autodist run`), with AUTODIST_TIMEOUT=5; the tests assert the message
+each rank prints, their exit status and the seconds from the fault to the last exit.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import autodist
+from autodist.progress import Status, judge, wait_words, where
+from autodist.runtime import hang_timeout
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "faulty_train.py")
+TIMEOUT = 5  # AUTODIST_TIMEOUT in these runs
+
+
+# -- pure: what the messages say ---------------------------------------------------------------------
+
+def test_timeout_names_the_rank_that_did_not_arrive_and_its_stack():
+    me = Status(rank=0, wait=wait_words("sync", 411, (2, 412, 500)), wait_s=61.0)
+    stalled = Status(rank=1, syncs=411, position=[2, 412, 500], stuck_s=60.0,
+                     stack='  File "train.py", line 9, in main\n    time.sleep(1000)\n')
+    assert judge(me, {1: stalled}, {1: 0.5}, timeout=60, settle=1) == (
+        "rank 0 has waited 61 s in the gradient sync of step 412 of epoch 2 for the other ranks: rank 1 is in its "
+        "own code after step 412 of epoch 2 (411 gradient syncs done), at the same Python line for 60 s "
+        "(AUTODIST_TIMEOUT=60 s; raise it if a rank is legitimately busy this long)\n"
+        "rank 1's Python stack (most recent call last):\n"
+        '  File "train.py", line 9, in main\n    time.sleep(1000)')
+    assert judge(Status(rank=0, wait="x", wait_s=59.0), {1: stalled}, {1: 0.5}, timeout=60, settle=1) is None
+
+
+def test_a_failed_or_ended_rank_is_an_error_at_once():
+    me = Status(rank=2, wait=wait_words("sync", 4, None), wait_s=1.2)
+    failed = Status(rank=0, state="failed", note="ValueError: boom")
+    assert judge(me, {0: failed, 1: Status(rank=1)}, {}, timeout=60, settle=1) == \
+        "rank 0 failed (ValueError: boom) while rank 2 waits in gradient sync #5"
+    ended = Status(rank=1, state="exited", syncs=4, data_end=[0, 4])
+    assert judge(me, {1: ended}, {}, timeout=60, settle=1).startswith(
+        "rank 1 reached the end of its script (4 gradient syncs done; its data ended after step 4 of epoch 0) "
+        "while rank 2 waits in gradient sync #5: the ranks did not run the same collectives")
+    # an end seen before the status could be current is not judged yet
+    assert judge(Status(rank=2, wait="x", wait_s=0.5), {1: ended}, {}, timeout=60, settle=1) is None
+
+
+def test_a_silent_rank_is_named_as_such():
+    me = Status(rank=0, wait="the gradient sync of step 3 of epoch 0", wait_s=6.0)
+    message = judge(me, {1: Status(rank=1, position=[0, 2, 6], syncs=2)}, {1: 5.5}, timeout=5, settle=1)
+    assert "rank 1 sent no heartbeat for 6 s (killed, frozen, or its host is unreachable; last seen it is in " \
+           "its own code after step 2 of epoch 0" in message
+    assert where(Status(rank=1, wait="gradient sync #3", wait_s=4.2)) == "waits in gradient sync #3 for 4 s"
+
+
+@pytest.mark.parametrize("value, expected", [(None, 60.0), ("5", 5.0), ("0.5", 0.5)])
+def test_timeout_comes_from_the_environment(value, expected):
+    assert hang_timeout({} if value is None else {"AUTODIST_TIMEOUT": value}) == expected
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3"])
+def test_a_bad_timeout_says_what_to_give(value):
+    with pytest.raises(ValueError, match="AUTODIST_TIMEOUT"):
+        hang_timeout({"AUTODIST_TIMEOUT": value})
+
+
+# -- bad arguments --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: autodist.no_sync("x"), TypeError, "Expect nn.Module for model, str found"),
+    (lambda: autodist.no_sync(None), TypeError, "Expect nn.Module for model, NoneType found"),
+    (lambda: autodist.no_sync(torch.zeros(2)), TypeError, "Expect nn.Module for model, Tensor found"),
+    (lambda: autodist.synchronize_model("model"), TypeError, "autodist.synchronize_model takes the model"),
+    (lambda: autodist.synchronize_model(nn.Linear(2, 2), what=5), TypeError, "what must be the string"),
+    (lambda: autodist.synchronize_model(nn.Linear(2, 2), what="grads"), ValueError,
+     "'gradients' or 'parameters', got 'grads'"),
+    (lambda: autodist.synchronize_model(nn.Linear(2, 2), "buffers"), ValueError, "got 'buffers'"),
+])
+def test_bad_arguments_are_named(call, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        call()
+
+
+def _synchronize_models_that_differ(what):
+    import torch.distributed as dist
+
+    model = nn.Linear(4, 2 + dist.get_rank())  # never parallelized, and not the same on every rank
+    model(torch.ones(3, 4)).sum().backward()
+    try:
+        autodist.synchronize_model(model, what=what)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["gradients", "parameters"])
+def test_synchronize_model_on_models_that_differ_raises_on_every_rank(ranks, what):
+    for message in ranks(2, _synchronize_models_that_differ, what, timeout=60):
+        assert "autodist.synchronize_model: the ranks hold different models (parameter 'weight': shape " \
+               "(2, 4) on rank 0, (3, 4) on rank 1)" in message
+
+
+# -- real faults on real processes ----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_",
+                                                                      "LOCAL_", "AUTODIST_"))}
+    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env["AUTODIST_TIMEOUT"] = str(TIMEOUT)
+    return env
+
+
+class Job:
+    """The two ranks of one run: exit statuses, outputs, and the seconds from the fault to the last exit."""
+
+    def __init__(self, codes: list[int], outputs: list[str], ends: list[float]) -> None:
+        self.codes, self.outputs = codes, outputs
+        marks = [float(t) for out in outputs for t in re.findall(r"(?:fault at|loop done at) ([\d.]+)", out)]
+        self.seconds = max(ends) - min(marks + ends)
+
+    def lines(self, rank: int) -> list[str]:
+        """What autodist printed on ``rank``, apart from parallelize's summary and the uneven-shards warning."""
+        return [line for line in self.outputs[rank].splitlines() if line.startswith(f"[autodist rank {rank}]")
+                and "parallelized" not in line and "do not split evenly" not in line]
+
+
+def _run(fault: str, tmp_path) -> Job:
+    for _ in range(3):  # the free port may be taken before rank 0 binds it: try another
+        port, procs, logs = _free_port(), [], []
+        for rank in range(2):
+            env = _child_env() | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                                  "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                                  "MASTER_PORT": str(port)}
+            logs.append(open(tmp_path / f"rank{rank}.txt", "w+"))
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, fault, str(tmp_path / "ckpt.pt")], env=env,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+        ends: list[float | None] = [None, None]
+        deadline = time.time() + 120
+        while None in ends and time.time() < deadline:
+            for i, p in enumerate(procs):
+                if ends[i] is None and p.poll() is not None:
+                    ends[i] = time.time()
+            time.sleep(0.02)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+        if not any("address already in use" in o.lower() for o in outputs):
+            break
+    assert None not in ends, "a rank was still running after 120 s:\n" + "\n".join(outputs)
+    return Job([p.returncode for p in procs], outputs, ends)  # type: ignore[arg-type]
+
+
+@pytest.mark.e2e
+def test_a_normal_end_says_nothing(tmp_path):
+    job = _run("none", tmp_path)
+    assert job.codes == [0, 0], job.outputs
+    for rank in range(2):
+        assert job.lines(rank) == []
+        assert "Traceback" not in job.outputs[rank] and "TCPStore" not in job.outputs[rank], job.outputs[rank]
+
+
+@pytest.mark.e2e
+def test_a_rank_stalled_in_user_code_is_named_with_its_stack(tmp_path):
+    job = _run("sleep", tmp_path)
+    print(f"sleep in rank 1: all ranks exited {job.seconds:.1f} s after it fell asleep")
+    assert job.codes == [1, 1], job.outputs
+    first = job.lines(0)[0]
+    assert re.search(r"rank 0 has waited \d+ s in the gradient sync of step 3 of epoch 0 for the other ranks: "
+                     r"rank 1 is in its own code after step 3 of epoch 0 \(2 gradient syncs done\)", first), first
+    assert "time.sleep(1000)" in job.outputs[0]  # rank 1's Python stack
+    assert job.lines(1) == [f"[autodist rank 1] stopped because rank 0 found: {first[len('[autodist rank 0] '):]}"]
+    assert TIMEOUT <= job.seconds <= TIMEOUT + 6
+
+
+@pytest.mark.e2e
+def test_a_rank_that_raises_is_named_once_by_the_others(tmp_path):
+    job = _run("raise", tmp_path)
+    print(f"exception in rank 1: all ranks exited {job.seconds:.1f} s after it")
+    assert job.codes == [1, 1], job.outputs
+    assert job.lines(0) == ["[autodist rank 0] rank 1 failed (ValueError: boom in rank 1's loss) while rank 0 "
+                            "waits in the gradient sync of step 3 of epoch 0"]
+    assert "Connection" not in job.outputs[0] and "Traceback" not in job.outputs[0], job.outputs[0]
+    assert "ValueError: boom in rank 1's loss" in job.outputs[1]  # its own traceback, as usual
+    assert job.seconds <= 6
+
+
+@pytest.mark.e2e
+def test_a_killed_rank_is_named_once_by_the_others(tmp_path):
+    job = _run("kill", tmp_path)
+    print(f"SIGKILL of rank 1: rank 0 exited {job.seconds:.1f} s after it")
+    assert job.codes == [1, -9], job.outputs
+    assert job.lines(0) == ["[autodist rank 0] rank 1 died without a word (killed by a signal, out of memory, or "
+                            "aborted in C++: see its own output) while rank 0 waits in the gradient sync of step 3 "
+                            "of epoch 0"]
+    assert "Connection" not in job.outputs[0] and "Traceback" not in job.outputs[0], job.outputs[0]
+    assert job.seconds <= 6
+
+
+@pytest.mark.e2e
+def test_loaders_of_different_lengths_fail_when_the_first_one_ends(tmp_path):
+    job = _run("uneven_loader", tmp_path)
+    print(f"320 vs 256 samples: all ranks exited {job.seconds:.1f} s after the first")
+    assert job.codes == [1, 1], job.outputs
+    why = ("rank 1's data ended after step 4 of epoch 0, but rank 0's has 5 steps (its DataLoader's dataset holds "
+           "320 samples, this rank's 256)")
+    assert f"ValueError: {why}" in job.outputs[1]
+    assert job.lines(0) == [f"[autodist rank 0] rank 1 failed (ValueError: {why}, so rank 0 would wait forever in "
+                            f"the gradient sync of step 5: every rank must pass the same data to autodist.parallelize, "
+                            f"which splits it between them) while rank 0 waits in the gradient sync of step 5 of "
+                            f"epoch 0"]
+    assert job.seconds <= 6
+
+
+@pytest.mark.e2e
+def test_uneven_strided_shards_fail_when_the_short_rank_ends(tmp_path):
+    job = _run("uneven_shards", tmp_path)  # 101 samples, batches of 10: 6 steps on rank 0, 5 on rank 1
+    print(f"101 samples over 2 strided shards: all ranks exited {job.seconds:.1f} s after the first loop ended")
+    assert job.codes == [1, 1], job.outputs
+    message = ("rank 1 reached the end of its script (5 gradient syncs done) while rank 0 waits in gradient sync "
+               "#6: the ranks did not run the same collectives")
+    assert job.lines(0)[0].startswith(f"[autodist rank 0] {message}")
+    assert job.lines(1)[0].startswith(f"[autodist rank 1] stopped because rank 0 found: {message}")
+    assert job.seconds <= 6
+
+
+@pytest.mark.e2e
+def test_save_on_rank_0_only_names_the_collective_and_the_line(tmp_path):
+    job = _run("save_on_rank0", tmp_path)
+    print(f"autodist.save on rank 0 only: all ranks exited {job.seconds:.1f} s after rank 0 called it")
+    assert job.codes == [1, 1], job.outputs
+    line = job.lines(0)[0]
+    assert "rank 1 reached the end of its script (6 gradient syncs done; its data ended after step 6 of epoch 0) " \
+           "while rank 0 waits in torch.distributed.all_reduce called at checkpoint.py" in line, line
+    assert "in save <- faulty_train.py" in line, line
+    assert job.lines(1)[0].startswith("[autodist rank 1] stopped because rank 0 found: rank 1 reached the end")
+    assert job.seconds <= 6
+
+
+@pytest.mark.e2e
+def test_a_stall_under_autodist_run_ends_the_job(tmp_path):
+    env = _child_env()
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "autodist.cli", "run", "-n", "2", SCRIPT, "sleep"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    fell_asleep = float(re.search(r"fault at ([\d.]+)", out).group(1))
+    print(f"sleep in rank 1 under autodist run: the job ended {time.time() - fell_asleep:.1f} s after it "
+          f"({time.time() - start:.1f} s in all)")
+    assert proc.returncode != 0
+    assert "rank 0 has waited" in out and "time.sleep(1000)" in out, out
+    assert time.time() - fell_asleep <= TIMEOUT + 8
