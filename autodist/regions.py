@@ -45,6 +45,7 @@ class Region:
     rows: dict[str, tuple[int, ...]]  # layer -> blocks of its input features
     flow: bool  # the ops between need their size arguments rewritten (attention), not only elementwise ones
     elementwise: frozenset[str] = field(default_factory=frozenset)  # functions found elementwise on a slice
+    cuts: int = 0  # per-head tensors held whole (T5's position bias) that each rank cuts: one all-gather backward
 
 
 @dataclass
@@ -141,7 +142,8 @@ def _assemble(flow: Flow, candidates: dict[str, nn.Module], rows: dict, order: l
         row_blocks = {r: rows[r][1] or (_width(candidates[r], orientation[r], out=False),) for r in row_names}
         module = _common_prefix(sorted(layers, key=order.index))
         regions.append(Region(module, _ordered(col_blocks, order), _ordered(row_blocks, order),
-                              bool(columns & flow.structural), frozenset(flow.elementwise)))
+                              bool(columns & flow.structural), frozenset(flow.elementwise),
+                              sum(bool(columns & sources) for sources in flow.cuts)))
     taken = {name for r in regions for name in (*r.columns, *r.rows)}
     for name in candidates:
         if name not in taken and name not in unpaired:
@@ -228,7 +230,7 @@ def _common_prefix(names: list[str]) -> str:
     return ".".join(common)
 
 
-def attach(model: nn.Module, region: Region, parts: int, rank: int) -> None:
+def attach(model: nn.Module, region: Region, parts: int, rank: int, group: Any = None) -> None:
     """Make the split model run ``region``'s ops on each rank's slice: a :class:`Flow` (running) is active
     during the region module's forward, the column layers' outputs are marked split, and the row layers check
     that their input is the slice they hold.
@@ -237,7 +239,7 @@ def attach(model: nn.Module, region: Region, parts: int, rank: int) -> None:
         >>> attach(model, Region("h.0.attn", {"h.0.attn.c_attn": (64, 64, 64)}, {"h.0.attn.c_proj": (64,)},
         ...                      flow=True), parts=2, rank=0)
     """
-    flow = Flow(parts, local=True, rank=rank)
+    flow = Flow(parts, local=True, rank=rank, group=group)
     flow.elementwise = set(region.elementwise)
     owner = model.get_submodule(region.module)
     def enter(module: nn.Module, args: tuple) -> None:

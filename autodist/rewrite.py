@@ -490,6 +490,11 @@ def _fallback(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bo
             if name in shared:
                 row.note = f"shares the input's backward all-reduce with {shared[name]}"
             row.note = "; ".join(n for n in (row.note, _region_note(name, found.regions)) if n)
+            cuts = sum(r.cuts for r in found.regions if name == next(iter(r.rows)))
+            if cuts:  # counted on the region's first row layer
+                row.collectives += [("backward", "all-gather", 0)] * cuts
+                row.note += (f"; each rank takes its heads of {cuts} per-head tensor(s) held whole (an attention "
+                             f"bias): one all-gather of their gradient backward each, bytes not counted")
             row.op = type(module).__name__
             rows.append(row)
         else:
@@ -652,7 +657,7 @@ def _join_regions(model: nn.Module, found: list[regions.Region], group: object |
         for name in region.columns:
             model.get_submodule(name).entry = entry
         if region.flow:
-            regions.attach(model, region, parts, rank)
+            regions.attach(model, region, parts, rank, group)
 
 
 def _elementwise_layer(name: str) -> nn.Module:

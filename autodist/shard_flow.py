@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autodist.observe import model_line
@@ -69,9 +69,9 @@ class Flow(TorchFunctionMode):
         ...     y = model(x)        # after flow.tag(...) on candidate outputs, from module hooks
     """
 
-    def __init__(self, parts: int, local: bool, rank: int = 0) -> None:
+    def __init__(self, parts: int, local: bool, rank: int = 0, group: Any = None) -> None:
         super().__init__()
-        self.parts, self.local, self.rank = parts, local, rank
+        self.parts, self.local, self.rank, self.group = parts, local, rank, group
         self.splits: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> Split
         self.sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset of layer names (planning)
         self.failed: dict[str, str] = {}  # layer name -> why its output cannot stay split (planning)
@@ -79,6 +79,9 @@ class Flow(TorchFunctionMode):
         self.structural: set[str] = set()  # layers whose output met an op other than an elementwise one
         self.opaque = 0  # > 0 inside a split layer: its own ops are its business
         self.elementwise: set[str] = set()  # functions found elementwise (planning) / allowed as such (running)
+        # planning: the layers behind each op that cut a per-head tensor needing a gradient (its backward
+        # all-gathers the parts' gradients)
+        self.cuts: list[frozenset[str]] = []
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
@@ -106,6 +109,24 @@ class Flow(TorchFunctionMode):
             if self.decided.setdefault(name, blocks) != blocks:
                 raise Unsupported(f"its output is split into blocks {list(blocks)} here and "
                                   f"{list(self.decided[name])} elsewhere")
+
+    def cut(self, args: tuple, kwargs: dict, cut: list[tuple[torch.Tensor, int]], split: Split,
+            split_in: list[torch.Tensor]) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with each unsplit tensor of ``cut`` (a per-head tensor held whole) replaced by
+        this rank's part along its dimension (running); planning notes that the op cuts one."""
+        if not cut:
+            return args, kwargs
+        self.structural |= self._sources_of(split_in)  # running must make the cut
+        if not self.local:
+            if any(t.requires_grad for t, _ in cut):
+                self.cuts.append(self._sources_of(split_in))
+            return args, kwargs
+        from autodist.layers.shard import Shard, take_replicated
+
+        parts = {id(t): take_replicated(t, Shard.even(tuple(t.shape), own, split.blocks, self.parts, self.rank,
+                                                      self.group)) for t, own in cut}
+        swap = lambda x: parts.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return tree_map(swap, args), tree_map(swap, kwargs)
 
     def full_size(self, t: torch.Tensor, split: Split) -> int:
         """The single-process size of the split dimension."""
@@ -166,7 +187,8 @@ class Flow(TorchFunctionMode):
         if self.local and name not in self.elementwise:
             raise Unsupported("is not an op the plan saw on a split tensor")
         out_ndim = max(t.dim() for t in flat)
-        split = broadcast_split(self, flat, split_in, out_ndim)
+        split, cut = broadcast_split(self, flat, split_in, out_ndim)
+        args, kwargs = self.cut(args, kwargs, cut, split, split_in)
         if self.local:
             out = func(*args, **kwargs)
         else:

@@ -33,9 +33,24 @@ def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def broadcast_split(flow: Flow, flat: list[torch.Tensor], split_in: list[torch.Tensor], out_ndim: int) -> Split:
-    """The output's split for tensors combined with broadcasting; raises where an unsplit operand has the
-    split dimension's full width (each rank would combine its slice with all of it)."""
+def _unsplit_operand(flow: Flow, x: torch.Tensor, own: int, dim_is_last: bool, full: int) -> bool:
+    """For an unsplit operand whose dimension ``own`` lines up with the split one: False when it is broadcast
+    along it (size 1, or no such dimension), True when each rank must take its part of it - a per-head tensor
+    held whole, such as T5's relative position bias, combined along a head dimension (never the features: a
+    residual of the full width ends the region) - and raises otherwise."""
+    if own < 0 or x.shape[own] == 1:
+        return False
+    if not dim_is_last and x.shape[own] == full:
+        return True
+    raise Unsupported(f"combines a split tensor with an unsplit one of shape {tuple(x.shape)} that is not "
+                      f"broadcast along the split dimension")
+
+
+def broadcast_split(flow: Flow, flat: list[torch.Tensor], split_in: list[torch.Tensor],
+                    out_ndim: int) -> tuple[Split, list[tuple[torch.Tensor, int]]]:
+    """The output's split for tensors combined with broadcasting, and the unsplit operands each rank must
+    take its part of (with their dimension to cut); raises where an unsplit operand has the split dimension's
+    full width along the features (each rank would combine its slice with all of it)."""
     aligned = {(s.dim + out_ndim - t.dim()) for t in split_in for s in [flow.splits[t]]}
     if len(aligned) != 1:
         raise Unsupported("combines tensors split along different dimensions")
@@ -43,14 +58,14 @@ def broadcast_split(flow: Flow, flat: list[torch.Tensor], split_in: list[torch.T
     blocks = {flow.splits[t].blocks for t in split_in} - {None}
     if len(blocks) > 1:
         raise Unsupported("combines tensors split in different blocks")
+    first = split_in[0]
+    full = flow.full_size(first, flow.splits[first])
+    cut = []
     for t in flat:
-        if t in flow.splits:
-            continue
         own = dim - (out_ndim - t.dim())
-        if own >= 0 and t.shape[own] != 1:
-            raise Unsupported(f"combines a split tensor with an unsplit one of shape {tuple(t.shape)} that is not "
-                              f"broadcast along the split dimension")
-    return Split(dim, blocks.pop() if blocks else None)
+        if t not in flow.splits and _unsplit_operand(flow, t, own, dim == out_ndim - 1, full):
+            cut.append((t, own))
+    return Split(dim, blocks.pop() if blocks else None), cut
 
 
 # -- rules -----------------------------------------------------------------------------------------------
@@ -415,25 +430,29 @@ def _matmul(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
     for x in batch:
         if flow.splits[x].dim >= x.dim() - 2:
             raise Unsupported("multiplies along the split dimension")
-    split = _broadcast_batch(flow, [a, b], batch, out_ndim, 2)
+    split, cut = _broadcast_batch(flow, [a, b], batch, out_ndim, 2)
+    args, kwargs = flow.cut(args, kwargs, cut, split, batch)
     return args, kwargs, split, None
 
 
 def _broadcast_batch(flow: Flow, tensors: list[Any], split_in: list[torch.Tensor], out_ndim: int,
-                     matrix_dims: int) -> Split:
+                     matrix_dims: int) -> tuple[Split, list[tuple[torch.Tensor, int]]]:
     """The split of a batched op's output: the split dimension must be a batch one in every split input,
-    and an unsplit input must be broadcast along it."""
+    and an unsplit input broadcast along it or a per-head tensor held whole (returned, to be cut)."""
     dims = {flow.splits[x].dim + out_ndim - x.dim() for x in split_in}
     if len(dims) != 1:
         raise Unsupported("combines tensors split along different dimensions")
     dim = dims.pop()
+    first = split_in[0]
+    full = flow.full_size(first, flow.splits[first])
+    cut = []
     for x in tensors:
         if isinstance(x, torch.Tensor) and x not in flow.splits:
             own = dim - (out_ndim - x.dim())
-            if 0 <= own < x.dim() - matrix_dims and x.shape[own] != 1:
-                raise Unsupported(f"combines a split tensor with an unsplit one of shape {tuple(x.shape)}")
+            if own < x.dim() - matrix_dims and _unsplit_operand(flow, x, own, False, full):
+                cut.append((x, own))
     blocks = {flow.splits[x].blocks for x in split_in} - {None}
-    return Split(dim, blocks.pop() if len(blocks) == 1 else None)
+    return Split(dim, blocks.pop() if len(blocks) == 1 else None), cut
 
 
 def _attention(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
@@ -447,8 +466,10 @@ def _attention(flow, func, args, kwargs):  # type: ignore[no-untyped-def]
         if flow.splits[x].dim >= x.dim() - 2:
             raise Unsupported("runs along the split dimension (heads must be split, not sequence or features)")
     tensors = [q, k, v, bound.get("attn_mask")]
-    split = _broadcast_batch(flow, tensors, split_in, q.dim(), 2)
+    split, cut = _broadcast_batch(flow, tensors, split_in, q.dim(), 2)
     out = Split(split.dim, flow.splits[q].blocks)
+    args, kwargs = flow.cut(args, kwargs, cut, out, split_in)
+    bound = dict(zip(names, args)) | kwargs
     if not bound.get("dropout_p", 0.0):
         return args, kwargs, out, None
     if bound.get("enable_gqa") or q.shape[:-2] != k.shape[:-2]:

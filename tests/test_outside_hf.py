@@ -5,7 +5,9 @@ its fused ``c_attn`` is split in three blocks (each rank's heads of q, k and v),
 and attention (SDPA or the eager softmax(q k^T) v) run on those heads. BERT's separate query/key/value layers
 share one backward all-reduce. Llama (a tiny config) brings grouped-query attention (2 kv heads for 4 query
 heads: each rank takes one kv head and its two query heads), rotary embeddings applied on the local heads,
-RMSNorm and the gated SwiGLU MLP (``down(silu(gate(x)) * up(x))``). All train with mp=2 exactly as one
+RMSNorm and the gated SwiGLU MLP (``down(silu(gate(x)) * up(x))``). T5 adds a relative position bias per head,
+computed once and held whole on every rank: each rank adds its heads' part of it (and backward gathers its
+gradient), and cross-attention on the encoder's output. All train with mp=2 exactly as one
 process (float64, Adam).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch.testing import assert_close
 
 import autodist
+from collectives import counted
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,17 +44,24 @@ def _llama(impl: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
+def _t5(impl: str) -> torch.nn.Module:
+    config = transformers.T5Config(num_layers=2, num_decoder_layers=2, num_heads=4, d_model=64, d_kv=16, d_ff=128,
+                                   vocab_size=96, decoder_start_token_id=0, dropout_rate=0.0,
+                                   attn_implementation=impl)
+    return transformers.T5ForConditionalGeneration(config).double()
+
+
 def _batch(kind: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 96, (4, 10), generator=g)
     return {"input_ids": ids, "labels": ids if kind != "bert" else torch.tensor([0, 1, 1, 0])}
 
 
-BUILD = {"gpt2": _gpt2, "bert": _bert, "llama": _llama}
+BUILD = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "t5": _t5}
 
 
 @pytest.mark.parametrize("kind,impl", [("gpt2", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa"), ("bert", "eager"),
-                                       ("llama", "sdpa"), ("llama", "eager")])
+                                       ("llama", "sdpa"), ("llama", "eager"), ("t5", "sdpa")])
 def test_plan_splits_every_attention_and_mlp(kind, impl):
     batch = _batch(kind)
     torch.manual_seed(0)
@@ -61,6 +71,15 @@ def test_plan_splits_every_attention_and_mlp(kind, impl):
         if kind == "gpt2":
             names = {f"transformer.h.{block}.attn.c_attn": "column", f"transformer.h.{block}.attn.c_proj": "row",
                      f"transformer.h.{block}.mlp.c_fc": "column", f"transformer.h.{block}.mlp.c_proj": "row"}
+        elif kind == "t5":
+            names = {}
+            for stack, attentions in (("encoder", ("0.SelfAttention",)),
+                                      ("decoder", ("0.SelfAttention", "1.EncDecAttention"))):
+                for attention in attentions:
+                    at = f"{stack}.block.{block}.layer.{attention}"
+                    names |= {f"{at}.{n}": "column" for n in "qkv"} | {f"{at}.o": "row"}
+                ff = f"{stack}.block.{block}.layer.{len(attentions)}.DenseReluDense"
+                names |= {f"{ff}.wi": "column", f"{ff}.wo": "row"}
         elif kind == "llama":
             layer = f"model.layers.{block}"
             names = {f"{layer}.self_attn.{n}_proj": "column" for n in "qkv"} | {f"{layer}.self_attn.o_proj": "row"}
@@ -75,7 +94,11 @@ def test_plan_splits_every_attention_and_mlp(kind, impl):
     # Megatron's minimum per block: one all-reduce forward and one backward for attention and for the MLP
     # (BERT adds its pooler -> classifier pair, Llama its untied LM head split inside: one all-reduce forward,
     # one all-gather backward)
-    assert plan.collectives_per_step == 4 * 2 + (2 if kind in ("bert", "llama") else 0)
+    if kind == "t5":  # per block: encoder 4; decoder 7 (cross-attention's query and memory enter separately);
+        # and each self-attention cuts its heads of the position bias (one all-gather backward)
+        assert plan.collectives_per_step == 2 * 4 + 2 * 7 + 4
+    else:
+        assert plan.collectives_per_step == 4 * 2 + (2 if kind in ("bert", "llama") else 0)
 
 
 def _train(kind: str, impl: str, *options: float):
@@ -97,7 +120,7 @@ def _train(kind: str, impl: str, *options: float):
 
 @pytest.mark.parametrize("kind,impl,options", [("gpt2", "sdpa", ()), ("gpt2", "eager", ()), ("bert", "sdpa", ()),
                                                ("llama", "sdpa", ()), ("gpt2", "eager", (0.1,)),
-                                               ("gpt2", "sdpa", (0.1,))])
+                                               ("gpt2", "sdpa", (0.1,)), ("t5", "sdpa", ()), ("t5", "eager", ())])
 def test_mp2_trains_as_one_process(ranks, kind, impl, options):
     # with dropout (0.1 on embeddings, attention probabilities and residuals): the attention's dropout runs on
     # each rank's heads, with its heads' part of the mask one process draws
@@ -106,3 +129,18 @@ def test_mp2_trains_as_one_process(ranks, kind, impl, options):
         for name in expected:
             assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
         assert per_rank < 0.75
+
+
+def _count_t5_collectives():
+    batch = _batch("t5")
+    model, _ = autodist.parallelize(_t5("sdpa"), mp=2, example={k: v[:2] for k, v in batch.items()})
+    return counted(lambda: model(**batch).loss.backward())
+
+
+def test_t5_step_runs_the_plans_collectives(ranks):
+    batch = _batch("t5")
+    planned = autodist.explain(_t5("sdpa"), mp=2, example={k: v[:2] for k, v in batch.items()})
+    for calls in ranks(2, _count_t5_collectives):
+        assert len(calls) == planned.collectives_per_step, calls
+        # the four self-attentions' position-bias cuts (the tied LM head stays whole)
+        assert calls.count("all_gather") + calls.count("all_gather_into_tensor") == 4

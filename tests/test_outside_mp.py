@@ -15,6 +15,7 @@ import torch
 from torch.testing import assert_close
 
 import autodist
+from collectives import counted
 from outside.nanogpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=64, dropout=0.0, bias=True)
@@ -75,24 +76,7 @@ def test_nanogpt_mp2_trains_as_one_process(ranks, dropout):
 def _count_collectives():
     x, y = _tokens()
     model, _ = autodist.parallelize(_gpt(0), (x, y), mp=2)
-    counted = []
-    originals = {name: getattr(torch.distributed, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor")}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            counted.append(name)
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in originals:
-        setattr(torch.distributed, name, counting(name))
-    try:
-        _, loss = model(x, y)
-        loss.backward()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.distributed, name, original)
-    return counted
+    return counted(lambda: model(x, y)[1].backward())
 
 
 def test_nanogpt_mp2_step_runs_the_plans_collectives(ranks):

@@ -102,3 +102,29 @@ class Shard:
             return "whole"
         sizes = [sum(b) for b in self.blocks]
         return f"dim {self.dim}" + (f" in {len(sizes)} blocks of {sizes}" if len(sizes) > 1 else "")
+
+
+class _TakeReplicated(torch.autograd.Function):
+    """Forward: this rank's part of a tensor every rank holds whole; backward: the parts' gradients gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shard: Shard) -> torch.Tensor:  # type: ignore[override]
+        ctx.shard = shard
+        return shard.take(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return ctx.shard.gather(grad.contiguous()), None
+
+
+def take_replicated(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """This rank's part of ``x``, a tensor every rank of ``shard.group`` holds whole (a per-head attention bias),
+    differentiably: each rank's gradient covers only its part, so backward all-gathers the parts into the
+    whole gradient, the same on every rank - only when ``x`` needs a gradient.
+
+    Example:
+        >>> bias_here = take_replicated(position_bias, Shard.even(position_bias.shape, 1, None, 2, rank, group))
+    """
+    if not x.requires_grad:
+        return shard.take(x)
+    return _TakeReplicated.apply(x, shard)
