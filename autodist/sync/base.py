@@ -1,0 +1,88 @@
+"""What every data-parallel strategy gets from ``parallelize`` and what it offers back."""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autodist import comm
+from autodist.shares import SampleCounter
+
+
+@dataclass(frozen=True)
+class SyncContext:
+    """The data-parallel layout and options a strategy is set up with (``parallelize`` builds it once)."""
+
+    group: object | None  # the data-parallel process group; None: the whole world
+    dp_ranks: tuple[int, ...]  # world ranks of this rank's data-parallel group, in data-parallel order
+    dp_rank: int  # this rank's index among them
+    counter: SampleCounter
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    sync_buffers: bool = True
+
+
+class Strategy:
+    """A way to keep data-parallel replicas together; bound to one model by :meth:`setup`.
+
+    Subclasses set ``name`` and implement ``_start(model, ctx)``, returning the
+    exact-sync state (a ``GradSync``) that ``autodist.no_sync`` and
+    ``autodist.synchronize_model`` use, or None when gradients are not synced.
+    """
+
+    name = "strategy"
+
+    def __init__(self) -> None:
+        self._model: weakref.ref | None = None
+        self._comm: comm.Communicator | None = None
+        self._sent = 0.0
+
+    def setup(self, model: nn.Module, ctx: SyncContext) -> object | None:
+        """Bind to ``model`` (once) and install what the strategy needs."""
+        if self._model is not None:
+            raise RuntimeError(f"this {type(self).__name__} is already used by another model; pass a new "
+                               f"{type(self).__name__}(...) to each parallelize call")
+        self._model = weakref.ref(model)
+        self._comm = comm.of_group(ctx.group, "data-parallel ranks")
+        return self._start(model, ctx)
+
+    def _start(self, model: nn.Module, ctx: SyncContext) -> object | None:
+        raise NotImplementedError
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise RuntimeError(f"this {type(self).__name__} is not in use: pass it to autodist.parallelize(model, "
+                               f"data, sync=...) first (in a world of one nothing is set up)")
+        return model
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this rank has sent for the strategy so far (ring estimate, see ``autodist.comm``)."""
+        return self._sent
+
+    def _counted(self, before: float) -> None:
+        assert self._comm is not None
+        self._sent += self._comm.bytes_sent - before
+
+    def spread(self) -> float:
+        """How far the replicas have drifted apart: max over ranks of ||theta_r - mean|| / ||mean||.
+
+        A collective (every data-parallel rank must call it); its traffic is not counted in ``bytes_sent``.
+        0.0 right after an exact average; in a world of one, 0.0.
+        """
+        if self._comm is None or self._comm.size == 1:
+            return 0.0
+        with torch.no_grad():
+            mine = torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
+            mean = comm.all_reduce(mine, "mean", comm=self._comm, inplace=False)
+            gap = torch.stack([(mine - mean).norm(), mean.norm()])
+            gaps = comm.all_gather(gap, comm=self._comm)
+        return max(float(g[0]) / float(g[1]) if float(g[1]) > 0 else math.inf * float(g[0] > 0) for g in gaps)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,88 @@
+"""Watching a model's training without the user's help: its optimizer steps and the samples behind them.
+
+The optimizer is built after ``parallelize`` (model parallelism replaces
+parameters), so autodist cannot wrap it. Instead one global optimizer-step
+post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) sees
+every ``optimizer.step()`` in the process and passes on those of optimizers
+holding at least one of the model's parameters; the answer is remembered per
+optimizer, so the filter costs a dictionary look-up per step.
+
+Samples are counted as exact sync counts them (:class:`autodist.shares.SampleCounter`:
+from the sharded DataLoader's batch shares, else from the forward's tensors), and only for
+forwards a backward goes through: a forward's outputs get a hook that adds its count when a
+backward reaches them, once per global batch.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from autodist.shares import Counted, SampleCounter
+from autodist.tree import tensor_leaves
+
+
+class StepWatch:
+    """Calls ``on_step()`` after every step of an optimizer holding any of ``params``."""
+
+    def __init__(self, params: list[torch.Tensor], on_step: Callable[[], None]) -> None:
+        self.ids = {id(p) for p in params}
+        self.mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self.on_step = weakref.WeakMethod(on_step)  # type: ignore[arg-type]
+        self.handle = register_optimizer_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        holds = self.mine.get(optimizer)
+        if holds is None:
+            holds = self.mine[optimizer] = any(id(p) in self.ids for g in optimizer.param_groups for p in g["params"])
+        if holds:
+            callback = self.on_step()
+            if callback is None:  # the strategy is gone
+                self.remove()
+            else:
+                callback()
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class SampleTally:
+    """The samples this rank trained on since the last :meth:`reset` (the weight of its replica)."""
+
+    def __init__(self, model: nn.Module, counter: SampleCounter) -> None:
+        self.counter = counter
+        self.reset()
+        self.handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def reset(self) -> None:
+        self.count = 0.0
+        self.error: str | None = None
+        self.seen: set[Any] = set()
+        self.kept: list[Counted] = []  # alive until reset, so that ids stay unique
+
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        counted = None
+        for _, t in tensor_leaves(output):
+            if t.requires_grad:
+                counted = counted or self.counter(args, kwargs)
+                t.register_hook(partial(self._reached, counted))
+
+    def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
+        key = counted.batch if counted.batch is not None else ("forward", id(counted))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.kept.append(counted)
+        self.count += counted.count
+        if math.isnan(counted.count):
+            self.error = self.error or counted.error
+
+    def remove(self) -> None:
+        self.handle.remove()
