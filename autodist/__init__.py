@@ -11,7 +11,8 @@ from autodist.gather import gather_state_dict
 from autodist.grad_sync import no_sync, synchronize_model
 from autodist.rewrite import Plan, explain
 from autodist.runtime import World, init
+from autodist.sync import DiLoCo, Gossip, LocalSGD
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
-           "save", "load", "resume"]
+           "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip"]
 __version__ = "0.1.0"

@@ -33,8 +33,9 @@ class DiLoCo(Periodic):
         * with ``outer_lr=1`` and ``momentum=0`` it is :class:`LocalSGD` (the outer step lands on the
           weighted average of the replicas);
         * one model's worth of bytes per ``every`` steps (``bytes_sent``).
-        The outer optimizer's state (theta and its momentum) is saved by ``autodist.save`` and restored
-        by ``autodist.load`` / ``autodist.resume``.
+        A restart needs the outer state (theta, its momentum, the step count): save it as an extra,
+        ``autodist.save(path, model, optimizer, diloco=diloco.state_dict())``, and give it back with
+        ``diloco.load_state_dict(autodist.load(path, model, optimizer)["diloco"])``.
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, sync=autodist.DiLoCo(every=64))

@@ -27,28 +27,40 @@ from autodist.shares import Counted, SampleCounter
 from autodist.tree import tensor_leaves
 
 
+_watches: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()
+_hook: Any = None
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The one global hook: it never changes torch's hook table (which torch is iterating over right now)."""
+    for watch in list(_watches):
+        watch.after_step(optimizer)
+
+
 class StepWatch:
-    """Calls ``on_step()`` after every step of an optimizer holding any of ``params``."""
+    """Calls ``on_step()`` after every step of an optimizer holding any of ``params``; lives as long as the
+    strategy owning ``on_step`` (a bound method, held weakly)."""
 
     def __init__(self, params: list[torch.Tensor], on_step: Callable[[], None]) -> None:
+        global _hook
         self.ids = {id(p) for p in params}
         self.mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.on_step = weakref.WeakMethod(on_step)  # type: ignore[arg-type]
-        self.handle = register_optimizer_step_post_hook(self._after_step)
+        if _hook is None:
+            _hook = register_optimizer_step_post_hook(_after_any_step)
+        _watches.add(self)
+        weakref.finalize(on_step.__self__, _watches.discard, self)  # type: ignore[attr-defined]
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         holds = self.mine.get(optimizer)
         if holds is None:
             holds = self.mine[optimizer] = any(id(p) in self.ids for g in optimizer.param_groups for p in g["params"])
-        if holds:
-            callback = self.on_step()
-            if callback is None:  # the strategy is gone
-                self.remove()
-            else:
-                callback()
+        callback = self.on_step() if holds else None
+        if callback is not None:
+            callback()
 
     def remove(self) -> None:
-        self.handle.remove()
+        _watches.discard(self)
 
 
 class SampleTally:
