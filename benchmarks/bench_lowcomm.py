@@ -1,0 +1,139 @@
+"""Low-communication modes against exact sync and torch's PostLocalSGDOptimizer on one task.
+
+What it measures
+    Two ranks (torchrun, gloo, CPU) train the same MLP 64-128-128-10 on
+    scikit-learn's digits (1,437 train / 360 test images, standardized), global
+    batch 32, SGD lr 0.05 momentum 0.9, ``--epochs`` epochs, once per mode:
+    exact sync (autodist's default), ``autodist.LocalSGD(every=16)``,
+    ``autodist.DiLoCo(every=16)`` and ``autodist.DiLoCo()`` (every=64), and
+    torch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager(period=16)``
+    over autodist's sharded loader (``sync="manual"``, never synchronized
+    otherwise). Every mode ends with one model (local modes: a final parameter
+    average, counted) evaluated on the test set.
+
+How to run
+    python benchmarks/bench_lowcomm.py              # about a minute on 2 cores
+    python benchmarks/bench_lowcomm.py --epochs 3   # smoke run
+
+How to read it
+    accuracy: test accuracy of the final model (%). MB/rank: megabytes each
+    rank sent, as ring all-reduce volume 2(P-1)/P x tensor bytes: autodist's
+    modes report it (``strategy.bytes_sent``); for exact sync and torch's
+    averager it is computed from what they all-reduce (every gradient every
+    step; the parameters every period). seconds: wall time of the training
+    loop on rank 0. Timings on a shared 2-core machine with a loopback link:
+    the point of these modes is a slow link, which this run does not have.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+from timing import torchrun  # benchmarks/timing.py, next to this file
+
+BATCH, LR, MOMENTUM, PERIOD = 32, 0.05, 0.9, 16
+
+
+def digits() -> tuple[TensorDataset, TensorDataset]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    split = int(0.8 * len(x))
+    mean, std = x[:split].mean(0), x[:split].std(0) + 1e-3
+    x = (x - mean) / std
+    return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def ring_bytes(tensors: list[torch.Tensor], size: int) -> float:
+    return 2 * (size - 1) / size * sum(t.numel() * t.element_size() for t in tensors)
+
+
+def accuracy(model: nn.Module, test: TensorDataset) -> float:
+    with torch.no_grad():
+        x, y = test.tensors
+        return 100.0 * float((model(x).argmax(1) == y).float().mean())
+
+
+def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int) -> tuple[float, float, float]:
+    size = autodist.init().size
+    strategies = {"exact sync": "backward", "LocalSGD(every=16)": autodist.LocalSGD(every=PERIOD),
+                  "DiLoCo(every=16)": autodist.DiLoCo(every=PERIOD), "DiLoCo(every=64)": autodist.DiLoCo(),
+                  "torch PostLocalSGD(16)": "manual"}
+    strategy = strategies[mode]
+    loader = DataLoader(train, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+    model, data = autodist.parallelize(mlp(), loader, sync=strategy)
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if mode.startswith("torch"):
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=PERIOD, warmup_steps=0))
+    steps = 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in data:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+    params = list(model.parameters())
+    if mode == "exact sync":
+        sent = steps * ring_bytes(params, size)
+    else:
+        autodist.synchronize_model(model, what="parameters")  # end with one model
+        final = ring_bytes(params + [b for b in model.buffers() if b.is_floating_point()], size)
+        averages = sum(1 for s in range(steps) if s % PERIOD == 0)  # torch's averager: at steps 0, 16, ...
+        sent = (strategy.bytes_sent if not isinstance(strategy, str) else averages * ring_bytes(params, size)) + final
+    seconds = time.perf_counter() - start
+    return accuracy(model, test), sent / 1e6, seconds
+
+
+def worker(epochs: int) -> None:
+    train, test = digits()
+    rows = []
+    for mode in ("exact sync", "LocalSGD(every=16)", "DiLoCo(every=16)", "DiLoCo(every=64)",
+                 "torch PostLocalSGD(16)"):
+        rows.append((mode, *run(mode, train, test, epochs)))
+    if autodist.init().rank == 0:
+        exact_mb = rows[0][2]
+        print(f"\n{autodist.init().size} ranks, digits, {epochs} epochs, global batch {BATCH}\n")
+        print("| mode | accuracy (%) | MB sent / rank | less traffic than exact | seconds |")
+        print("|---|---|---|---|---|")
+        for mode, acc, mb, seconds in rows:
+            print(f"| {mode} | {acc:.1f} | {mb:.2f} | {exact_mb / mb:.0f}x | {seconds:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)
+        worker(args.epochs)
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
+    sys.exit(subprocess.run(torchrun(__file__, args.ranks, ["--epochs", str(args.epochs)]), env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()
