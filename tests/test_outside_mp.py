@@ -82,8 +82,8 @@ def _count_collectives():
 def test_nanogpt_mp2_step_runs_the_plans_collectives(ranks):
     x, _ = _tokens()
     planned = autodist.explain(_gpt(0), mp=2, example=(x[:2],)).collectives_per_step
-    for counted in ranks(2, _count_collectives):
-        assert len(counted) == planned == 4 * CONFIG.n_layer, counted
+    for calls in ranks(2, _count_collectives):
+        assert len(calls) == planned == 4 * CONFIG.n_layer, calls
 
 
 def _train_nanogpt_dp2_mp2():
