@@ -1,6 +1,7 @@
 """``parallelize``: validate -> init -> lay out ranks -> shard data -> replicate -> split -> share RNG -> hooks."""
 from __future__ import annotations
 
+import numbers
 from functools import partial
 from typing import Literal
 
@@ -27,6 +28,11 @@ def _check_model(model: nn.Module) -> None:
                          f"requires_grad=True), so there is nothing to train in parallel")
     if is_parallelized(model):
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
+    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"{type(model).__name__}.{meta} is on the meta device (shapes, no values): create the "
+                         f"weights first, e.g. model.to_empty(device='cpu') and initialize them, or load a "
+                         f"checkpoint, then call parallelize")
 
 
 def _check_counting(batch_dim: int, samples: SampleFn | None) -> None:
@@ -38,16 +44,27 @@ def _check_counting(batch_dim: int, samples: SampleFn | None) -> None:
                         f"sample count, got {type(samples).__name__}")
 
 
-def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float) -> None:
+def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float, sync_buffers: bool,
+                   backend: str | None) -> None:
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"mp must be a positive int, got {mp!r}")
-    if not (bucket_mb > 0 and first_bucket_mb > 0):
-        raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, "
-                         f"first_bucket_mb={first_bucket_mb}")
+    for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must be a positive number of megabytes, got {value!r}")
+    if not isinstance(sync_buffers, bool):
+        raise TypeError(f"sync_buffers must be True or False, got {sync_buffers!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None (chosen for you: NCCL when every rank has a "
+                         f"GPU of its own, gloo otherwise), got {backend!r}")
 
 
 def _hand_placed_mp(model: nn.Module, mp: int, world: World) -> int:
     """mp as the model's own MP layers imply it (they default to the whole world as their group)."""
+    for name, layer in rewrite.mp_modules(model):
+        try:
+            layer._check_group()
+        except RuntimeError as err:  # built before autodist.init(): a group of one, the whole layer
+            raise ValueError(f"MP layer {name!r}: {err}") from None
     sizes = {len(m.sizes) for _, m in rewrite.mp_modules(model)}
     if not sizes:
         return mp
@@ -196,9 +213,11 @@ def parallelize(
         replaced (an optimizer holding the old ones refuses to step).
     """
     _check_model(model)
-    _check_options(mp, bucket_mb, first_bucket_mb)
+    _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_counting(batch_dim, samples)
+    observe.check_example(example)
+    rewrite.check_selection(model, mp_layers)
     world = init(backend)
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
         data_mod.check(data, 1)

@@ -168,6 +168,13 @@ def isolated(model: nn.Module) -> Iterator[None]:
 Example = Any  # a positional-argument tuple, a keyword-argument dict, or one tensor
 
 
+def check_example(example: Example | None) -> None:
+    """An example is None, a tuple of positional arguments, a mapping of keyword ones, or one tensor."""
+    if example is not None and not isinstance(example, (tuple, collections.abc.Mapping, torch.Tensor)):
+        raise TypeError(f"example must be the arguments of one forward: a tuple of positional ones, a dict of "
+                        f"keyword ones, or one tensor; got {type(example).__name__}")
+
+
 def call(model: nn.Module, example: Example) -> Any:
     """Run ``model`` on an example the way a training loop would: ``model(*t)``, ``model(**d)`` or ``model(x)``."""
     if isinstance(example, tuple):

@@ -109,17 +109,20 @@ class Plan:
 
 
 def _selector(mp_layers: MPLayers) -> Callable[[str, nn.Module], bool]:
-    if mp_layers == "all":
+    if isinstance(mp_layers, str) and mp_layers == "all":
         return lambda name, module: True
     if callable(mp_layers):
         return mp_layers
-    if isinstance(mp_layers, str):
-        raise ValueError(f"mp_layers must be 'all', a list of layer names or a callable, got {mp_layers!r}")
+    if not isinstance(mp_layers, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in mp_layers):
+        raise ValueError(f"mp_layers must be 'all', a list of layer names or a callable (name, module) -> bool, "
+                         f"got {mp_layers!r}")
     wanted = set(mp_layers)
     return lambda name, module: name in wanted
 
 
-def _check_selection(model: nn.Module, mp_layers: MPLayers) -> None:
+def check_selection(model: nn.Module, mp_layers: MPLayers) -> None:
+    """mp_layers is 'all', a callable, or names of the model's Linear (or attention) layers."""
+    _selector(mp_layers)
     if isinstance(mp_layers, (list, tuple, set)):
         linears = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.MultiheadAttention))}
         unknown = sorted(set(mp_layers) - linears)
@@ -582,7 +585,7 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
          example: observe.Example | None = None) -> Rewrite:
     """Trace ``model`` (or, failing that, record a forward on ``example``) and decide each Linear's split;
     nothing is changed yet."""
-    _check_selection(model, mp_layers)
+    check_selection(model, mp_layers)
     selected = _selector(mp_layers)
     explicit = isinstance(mp_layers, (list, tuple, set))
     try:
@@ -751,6 +754,11 @@ def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: 
         raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
     if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ValueError(f"mp must be a positive int, got {mp!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int (rows through each Linear per step) or None, "
+                         f"got {batch_size!r}")
+    observe.check_example(example)
     return plan(model, mp, mp_layers, batch_size, example).plan
 
 

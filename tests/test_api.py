@@ -30,7 +30,7 @@ def test_world_of_one_returns_model_and_data_unchanged():
     (nn.Linear(2, 2).requires_grad_(False), {}, ValueError, "no trainable parameters"),
     (nn.Linear(2, 2), {"sync": "later"}, ValueError, "sync must be 'backward'"),
     (nn.Linear(2, 2), {"mp": 0}, ValueError, "mp must be a positive int"),
-    (nn.Linear(2, 2), {"bucket_mb": 0}, ValueError, "bucket sizes must be positive"),
+    (nn.Linear(2, 2), {"bucket_mb": 0}, ValueError, "bucket_mb must be a positive number"),
 ])
 def test_bad_arguments_get_clear_errors(model, kwargs, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):

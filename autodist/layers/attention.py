@@ -87,6 +87,10 @@ class MPMultiheadAttention(nn.Module):
             self.in_proj_bias = nn.Parameter(self.shards["in_proj_bias"].take(bias.detach()),
                                              requires_grad=bias.requires_grad)
         self.out_proj = RowParallelLinear.from_dense(dense.out_proj, group=group)
+        self.sizes = self.shards["in_proj_weight"].widths()  # every rank's rows of the packed weight
+
+    def _check_group(self) -> None:
+        self.out_proj._check_group()
 
     @classmethod
     def from_dense(cls, dense: nn.MultiheadAttention, *, group: Any = None) -> "MPMultiheadAttention":
@@ -138,6 +142,7 @@ class MPMultiheadAttention(nn.Module):
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``nn.MultiheadAttention.forward``."""
+        self._check_group()
         batched = query.dim() == 3
         if self.batch_first and batched:
             query, key, value = _each(lambda t: t.transpose(0, 1), query, key, value)
