@@ -240,6 +240,40 @@ def _shutdown() -> None:
         time.sleep(0.1)
 
 
+def _place() -> tuple[int, int]:
+    if _world is not None:
+        return _world.rank, _world.size
+    if dist.is_available() and dist.is_initialized():  # a process group started by hand
+        return dist.get_rank(), dist.get_world_size()
+    launch = detect_launch(os.environ)
+    return launch.rank, launch.size
+
+
+def rank() -> int:
+    """This process's rank among all ranks (0 without a launcher); starts nothing.
+
+    Before :func:`init` it comes from the launcher's environment (torchrun,
+    Open MPI, MPICH / Intel MPI, Slurm's srun: the same reading as ``init``),
+    so it is right where ``os.environ["RANK"]`` is missing (mpirun, srun).
+
+    Example:
+        >>> import autodist
+        >>> autodist.rank(), autodist.world_size()    # plain `python train.py`
+        (0, 1)
+    """
+    return _place()[0]
+
+
+def world_size() -> int:
+    """How many ranks the job has (1 without a launcher); starts nothing. See :func:`rank`.
+
+    Example:
+        >>> if autodist.rank() == 0:
+        ...     print(f"training on {autodist.world_size()} processes")
+    """
+    return _place()[1]
+
+
 def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> World:
     """Join the ranks started by torchrun, mpirun or srun; idempotent.
 

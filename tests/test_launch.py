@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 import workloads as w
-from autodist.cli import torchrun_args
+from autodist.cli import UsageError, torchrun_args
 from autodist.runtime import Launch, choose_backend, detect_launch, rendezvous_address
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,12 +67,15 @@ def test_backend_choice():
 
 def test_run_arguments_become_torchrun_arguments():
     script = os.path.join(HERE, "launched_train.py")
-    assert torchrun_args(["-n", "2", script, "-n", "x"]) == \
-        ["--standalone", "--nproc-per-node", "2", script, "-n", "x"]
-    assert torchrun_args(["--nproc=4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", script]) == \
-        ["--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", script]
-    with pytest.raises(SystemExit, match="no such script"):
-        torchrun_args(["-n", "2", "missing.py"])
+    single = torchrun_args(["-n", "2", script, "-n", "x"], "/run", env={})
+    assert single[:2] == ["--nnodes", "1"] and "--standalone" not in single  # one machine, loopback only
+    assert single[-5:] == ["_rank", "--loopback-store", script, "-n", "x"]
+    multi = torchrun_args(["--nproc=4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", script], "/run", env={})
+    assert multi[:8] == ["--log-dir", "/run/logs", "--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint",
+                         "h:29400"]
+    assert multi[-2:] == ["_rank", script]
+    with pytest.raises(UsageError, match="no such script"):
+        torchrun_args(["-n", "2", "missing.py"], "/run", env={})
 
 
 def _reference() -> dict:

@@ -1,0 +1,315 @@
+"""The `autodist` command: first contact (--version, help, python -m autodist), one-line errors for bad input,
+and `autodist run` on real processes: the failed rank named once at the end, Ctrl-C, loopback-only sockets."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import autodist
+from autodist.cli import main, torchrun_args
+from autodist.launch import Failure, root_cause, summary
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAULTY = os.path.join(HERE, "faulty_train.py")
+AUTODIST = [sys.executable, "-m", "autodist"]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_", "PMI_", "SLURM_", "PET_"))}
+    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env | extra
+
+
+# -- first contact ---------------------------------------------------------------------------------
+
+def test_version_from_python_m_and_the_console_script():
+    expected = f"autodist {autodist.__version__}"
+    out = subprocess.run([*AUTODIST, "--version"], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip(), out.stderr) == (0, expected, "")
+    script = os.path.join(os.path.dirname(sys.executable), "autodist")  # what `pip install -e .` puts on PATH
+    out = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, expected)
+
+
+def test_run_help_says_torchrun_options_pass_through(capsys):
+    assert main(["run", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "Every torchrun option passes through unchanged" in text
+    for option in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "-n N"):
+        assert option in text, option
+    assert main([]) == 2 and "autodist run" in capsys.readouterr().out
+
+
+def _write(folder, name: str, text: str) -> None:
+    (folder / f"{name}.py").write_text(text)
+
+
+# (arguments, what the one line must say); every case exits with status 2 and prints no traceback
+BAD_INPUT = [
+    (["explain", "cli_nets.py:build", "--mp", "2"], "'cli_nets.py' is a file path; give the module's import "
+                                                     "name instead, e.g. 'cli_nets:NAME'"),
+    (["explain", "no_such_module_xyz:build", "--mp", "2"], "no module named 'no_such_module_xyz'"),
+    (["explain", "cli_nets:biuld", "--mp", "2"], "'cli_nets' has no name 'biuld'; did you mean 'build'?"),
+    (["explain", "cli_nets:WIDTH", "--mp", "2"], "cli_nets:WIDTH is a int, not an nn.Module or a callable"),
+    (["explain", "cli_nets:needs_width", "--mp", "2"], "cli_nets:needs_width cannot be called without arguments"),
+    (["explain", "cli_nets:not_a_model", "--mp", "2"], "cli_nets:not_a_model() returned a str, not an nn.Module"),
+    (["explain", "cli_nets:broken", "--mp", "2"], "calling cli_nets:broken raised ZeroDivisionError"),
+    (["explain", "cli_broken_import:build", "--mp", "2"], "importing 'cli_broken_import' raised ModuleNotFoundError: "
+                                                          "No module named 'missing_dependency_xyz'"),
+    (["explain", "cli_nets", "--mp", "2"], "target must look like MODULE:NAME"),
+    (["explain", "cli_nets:build", "--mp", "two"], "argument --mp: invalid int value: 'two'"),
+    (["explain", "cli_nets:build", "--mp", "0"], "--mp must be an integer >= 1, got 0"),
+    (["explain", "cli_nets:build"], "the following arguments are required: --mp"),
+    (["explain", "cli_nets:build", "--mp", "2", "--batch-size", "-3"], "--batch-size must be an integer >= 1"),
+    (["explian", "cli_nets:build"], "unknown command 'explian'; the commands are run and explain"),
+    (["run", "-n", "2", "no_such_script.py"], "no such script 'no_such_script.py'"),
+    (["run", "-n", "2", "--no-such-option", "x.py"], "unrecognized arguments: --no-such-option"),
+]
+
+
+@pytest.mark.parametrize("argv, says", BAD_INPUT, ids=[" ".join(a[:2]) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_status_2(argv, says, tmp_path, monkeypatch, capsys):
+    _write(tmp_path, "cli_nets", "import torch.nn as nn\nWIDTH = 3\n"
+           "def build():\n    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))\n"
+           "def needs_width(width):\n    return nn.Linear(width, width)\n"
+           "def not_a_model():\n    return 'mlp'\n"
+           "def broken():\n    return 1 / 0\n")
+    _write(tmp_path, "cli_broken_import", "import missing_dependency_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith(("autodist explain: ", "autodist run: ", "autodist: ")), err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_bad_input_through_the_real_command(tmp_path):
+    proc = subprocess.run([*AUTODIST, "explain", "models.py:build", "--mp", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("autodist explain: 'models.py' is a file path") and proc.stderr.count("\n") == 1
+
+
+def test_explain_builds_the_model_from_a_dotted_name(tmp_path, monkeypatch, capsys):
+    _write(tmp_path, "cli_zoo", "import torch.nn as nn\nclass Zoo:\n"
+           "    mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["explain", "cli_zoo:Zoo.mlp", "--mp", "2"]) == 0
+    assert "column" in capsys.readouterr().out
+
+
+# -- what run hands torchrun -----------------------------------------------------------------------
+
+def test_one_machine_meets_in_a_file_and_binds_loopback(tmp_path):
+    script = str(tmp_path / "train.py")
+    open(script, "w").close()
+    args = torchrun_args(["-n", "2", script, "-n", "x"], "/r", env={})
+    assert args[:15] == ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "/r/rendezvous", "--rdzv-conf",
+                         "store_type=file", "--rdzv-id", "autodist", "--local-addr", "127.0.0.1", "--log-dir",
+                         "/r/logs", "--nproc-per-node"]
+    assert args[15:18] == ["2", "--no-python", sys.executable]  # each rank runs the script inside autodist _rank
+    assert args[-5:] == ["_rank", "--loopback-store", script, "-n", "x"]
+
+
+def test_multi_node_options_and_a_module_pass_through(tmp_path):
+    script = str(tmp_path / "train.py")
+    open(script, "w").close()
+    args = torchrun_args(["--nproc=4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--log-dir", "L", script],
+                         "/r", env={})
+    assert args[:9] == ["--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--log-dir", "L",
+                        "--no-python"]
+    assert args[-2:] == ["_rank", script]  # nothing of the one-machine set-up
+    assert torchrun_args(["-n2", "-m", "mypkg.train", "--lr", "1"], "/r", env={})[-6:] == \
+        ["--nproc-per-node", "2", "-m", "mypkg.train", "--lr", "1"]  # not a file: run as torchrun would
+    assert "--nnodes" not in torchrun_args(["-n", "2", script], "/r", env={"PET_NNODES": "2"})
+
+
+# -- the summary (pure) ----------------------------------------------------------------------------
+
+def test_the_rank_that_failed_first_is_named_not_the_ones_that_lost_it():
+    raised = Failure(1, 1, "ValueError: boom", 10.5)
+    lost = Failure(0, 1, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4", 10.4)
+    stopped = Failure(2, -signal.SIGTERM, None, 10.0)
+    by_watchdog = Failure(3, 1, None, 9.0)  # it exits 1 without an error of its own
+    assert root_cause([lost, stopped, by_watchdog, raised]) is raised
+    assert summary([lost, raised, stopped, by_watchdog], world=4) == \
+        ["autodist run: rank 1 of 4 failed (exit code 1): ValueError: boom"]
+    killed = Failure(1, -signal.SIGKILL, None, 11.0)
+    assert root_cause([by_watchdog, killed]) is killed and killed.status == 137
+    assert summary([killed]) == ["autodist run: rank 1 failed (killed by SIGKILL)"]
+    two = summary([Failure(0, 1, "KeyError: 'x'", 3.0), Failure(1, 2, "OSError: disk full", 2.0)], world=2)
+    assert two == ["autodist run: rank 1 of 2 failed (exit code 2): OSError: disk full",
+                   "autodist run: rank 0 also failed (exit code 1): KeyError: 'x'"]
+
+
+# -- rank accessors --------------------------------------------------------------------------------
+
+def test_rank_and_world_size_under_every_launcher_and_engine_after_import():
+    cases = [({}, [0, 1]),
+             ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, [3, 4]),
+             ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"}, [2, 3]),
+             ({"PMI_RANK": "1", "PMI_SIZE": "2"}, [1, 2]),
+             ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1"}, [5, 8]),
+             ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, [0, 1])]  # an sbatch script without srun
+    code = ("import json, os, sys, autodist\nout = []\n"
+            "for env in json.loads(sys.argv[1]):\n"
+            "    for k in [k for k in os.environ if k.startswith(('RANK', 'WORLD', 'OMPI', 'PMI', 'SLURM'))]:\n"
+            "        del os.environ[k]\n"
+            "    os.environ.update(env)\n"
+            "    out.append([autodist.rank(), autodist.world_size()])\n"
+            "print(json.dumps(out), autodist.engine.Metrics.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([env for env, _ in cases])], env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    places, metrics = proc.stdout.rsplit(maxsplit=1)
+    assert json.loads(places) == [want for _, want in cases]
+    assert metrics == "Metrics"
+
+
+# -- autodist run on real processes ----------------------------------------------------------------
+
+def _run(*argv: str, timeout: float = 120, **env: str) -> tuple[int, str, float]:
+    """`autodist run ARGV`: its exit status, its output, and when it ended."""
+    proc = subprocess.run([*AUTODIST, "run", *argv], env=_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.time()
+
+
+def _fault_at(out: str) -> float:
+    return float(re.search(r"fault at ([\d.]+)", out).group(1))
+
+
+def _summary(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("autodist run:")]
+
+
+@pytest.mark.e2e
+def test_a_rank_that_raises_is_named_at_the_end_with_its_error():
+    code, out, end = _run("-n", "2", FAULTY, "raise", AUTODIST_TIMEOUT="5")
+    print(f"autodist run, exception in rank 1: exited {end - _fault_at(out):.2f} s after it")
+    assert code == 1, out
+    assert _summary(out) == ["autodist run: rank 1 of 2 failed (exit code 1): ValueError: boom in rank 1's loss"]
+    assert out.rstrip().endswith(_summary(out)[-1])  # after the launcher's output
+    assert "ChildFailedError" not in out and "launch.py" not in out and "runpy" not in out, out
+    assert out.count("Traceback") == 1  # rank 1's own, as python prints it
+    assert end - _fault_at(out) <= 8
+
+
+@pytest.mark.e2e
+def test_a_rank_killed_by_a_signal_is_named_at_the_end():
+    code, out, end = _run("-n", "2", FAULTY, "kill", AUTODIST_TIMEOUT="5")
+    print(f"autodist run, SIGKILL of rank 1: exited {end - _fault_at(out):.2f} s after it")
+    assert code == 128 + signal.SIGKILL, out
+    assert _summary(out) == ["autodist run: rank 1 of 2 failed (killed by SIGKILL)"]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out
+    assert end - _fault_at(out) <= 8
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_every_rank_with_one_line_and_status_130():
+    proc = subprocess.Popen([*AUTODIST, "run", "-n", "2", FAULTY, "sleep"], env=_env(AUTODIST_TIMEOUT="120"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = ""
+    for line in proc.stdout:  # rank 1 is asleep in its loop, rank 0 waits for it
+        seen += line
+        if "fault at" in line:
+            break
+    time.sleep(0.5)
+    sent = time.time()
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[0]
+    print(f"autodist run, Ctrl-C: exited {time.time() - sent:.2f} s after it")
+    assert proc.returncode == 130, seen + rest
+    assert rest.strip() == "autodist run: interrupted; stopping the ranks (again to kill them at once)", rest
+    assert time.time() - sent <= 10
+
+
+_LISTENERS = r'''
+import json, os, socket, sys
+import torch.distributed as dist
+import autodist
+
+before = [autodist.rank(), autodist.world_size()]
+world = autodist.init()
+dist.barrier()  # both ranks are in: every socket of the job is open
+
+
+def children(pid):
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+        except OSError:
+            pass
+    return out
+
+
+def listening(pids):
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                address, port = cols[1].split(":")
+                found.append([address, int(port, 16)])
+    return found
+
+
+if world.rank == 0:
+    launcher = os.getppid()
+    job = [os.getppid(), *children(launcher), int(open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()[1])]
+    json.dump({"listening": listening(job), "port": int(os.environ["MASTER_PORT"]), "before": before,
+               "after": [autodist.rank(), autodist.world_size()]}, open(sys.argv[1], "w"))
+else:
+    json.dump({"before": before, "after": [autodist.rank(), autodist.world_size()]}, open(sys.argv[2], "w"))
+dist.barrier()
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the socket table of /proc (Linux)")
+def test_one_machine_listens_on_loopback_only_and_ranks_are_known_before_init(tmp_path):
+    script = tmp_path / "listeners.py"
+    script.write_text(_LISTENERS)
+    code, out, _ = _run("-n", "2", str(script), str(tmp_path / "r0.json"), str(tmp_path / "r1.json"))
+    assert code == 0, out
+    r0, r1 = (json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(2))
+    assert (r0["before"], r0["after"], r1["before"], r1["after"]) == ([0, 2], [0, 2], [1, 2], [1, 2])
+    loopback = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+    assert [r0["port"]] == [port for _, port in r0["listening"] if port == r0["port"]], r0  # the ranks' store
+    assert all(address in loopback for address, _ in r0["listening"]), r0["listening"]
+
+
+@pytest.mark.e2e
+def test_restarts_meet_again_through_the_file_rendezvous(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text("import os, torch, torch.distributed as dist, autodist\n"
+                      "world = autodist.init()\nx = torch.ones(1)\ndist.all_reduce(x)\n"
+                      "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+                      "if attempt == 0 and world.rank == 1:\n    raise RuntimeError('first attempt fails')\n"
+                      "dist.all_reduce(x)\nprint(f'rank {world.rank} attempt {attempt} sum {x.item():.0f}')\n")
+    code, out, _ = _run("-n", "2", "--max-restarts", "1", str(script))
+    assert code == 0, out
+    assert "rank 0 attempt 1 sum 4" in out and "rank 1 attempt 1 sum 4" in out, out
+    assert not _summary(out), out
