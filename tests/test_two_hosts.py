@@ -1,0 +1,137 @@
+"""Jobs across two hosts: `autodist run --nnodes 2` in two network namespaces joined by a veth pair.
+
+Host A (10.77.0.1, node rank 0) hosts the rendezvous; host B (10.77.0.2) joins it. Each test makes a cluster of
+its own (tests/cluster.py) and deletes it at the end; without root or iproute2 the tests skip, saying why.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import two_hosts_train
+from cluster import Cluster, ClusterUnavailable, make_cluster
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "two_hosts_train.py")
+TIMEOUT = 5  # AUTODIST_TIMEOUT: how long the watchdog lets a rank wait for one that sends no heartbeat
+PORT = 29400  # each cluster's namespaces have ports of their own: a fixed one cannot collide
+
+
+@pytest.fixture
+def cluster():
+    try:
+        made = make_cluster()
+    except ClusterUnavailable as error:
+        pytest.skip(f"no two-host cluster on this machine: {error}")
+    yield made
+    made.close()
+
+
+class Job:
+    """One `autodist run` per host, their output collected line by line with the time each line came."""
+
+    def __init__(self, cluster: Cluster, nproc: int, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.lines: list[list[tuple[float, str]]] = []
+        for node, host in enumerate(cluster.hosts):
+            cmd = [sys.executable, "-m", "autodist.cli", "run", "--nnodes", str(len(cluster.hosts)),
+                   "--node-rank", str(node), "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}",
+                   "-n", str(nproc), SCRIPT, *args]
+            proc = cluster.popen(host, cmd, env=_env(host.dev) | (env or {}), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+            self.procs.append(proc)
+            self.lines.append([])
+            threading.Thread(target=self._read, args=(proc, self.lines[-1]), daemon=True).start()
+
+    @staticmethod
+    def _read(proc: subprocess.Popen, into: list) -> None:
+        for line in proc.stdout:
+            into.append((time.monotonic(), line))
+
+    def output(self, node: int) -> str:
+        return "".join(line for _, line in self.lines[node])
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            for p in self.procs:
+                p.kill()
+            pytest.fail(f"the job did not end within {timeout} s:\n" + self.describe())
+        time.sleep(0.1)  # the readers' last lines
+        return codes
+
+    def wait_for(self, node: int, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for _, line in self.lines[node]):
+            if time.monotonic() > deadline or self.procs[node].poll() is not None:
+                pytest.fail(f"host {node} never printed {text!r}:\n" + self.describe())
+            time.sleep(0.05)
+
+    def describe(self) -> str:
+        return "\n".join(f"--- host {'AB'[n]} (exit {p.poll()}):\n{self.output(n)}" for n, p in enumerate(self.procs))
+
+
+def _env(dev: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_",
+                                                                      "PET_", "GLOO_"))}
+    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env["GLOO_SOCKET_IFNAME"] = dev  # gloo's own choice is the address the host name resolves to: loopback here
+    return env
+
+
+def _namespace_inode(netns: str) -> int:
+    return os.stat(f"/run/netns/{netns}").st_ino
+
+
+def _run_exactness(cluster: Cluster, tmp_path, nproc: int, mp: int) -> dict:
+    out = tmp_path / "state.pt"
+    job = Job(cluster, nproc, [str(out), "--mp", str(mp)])
+    assert job.wait(timeout=120) == [0, 0], job.describe()
+    saved = torch.load(out, weights_only=True)
+    assert_close(saved["state"], two_hosts_train.reference(epochs=3), rtol=1e-5, atol=1e-6)
+    hosts = [_namespace_inode(h.netns) for h in cluster.hosts]
+    # rank r ran in the namespace of node r // nproc, and torchrun says the same node rank
+    assert saved["ranks"] == [(r, hosts[r // nproc], r // nproc) for r in range(2 * nproc)]
+    return saved
+
+
+@pytest.mark.e2e
+def test_data_parallel_across_two_hosts_trains_like_one_process(cluster, tmp_path):
+    assert _run_exactness(cluster, tmp_path, nproc=1, mp=1)["world"] == 2
+
+
+@pytest.mark.e2e
+def test_hybrid_model_parallel_within_a_host_data_parallel_across(cluster, tmp_path):
+    # mp groups are consecutive ranks: {0, 1} on host A, {2, 3} on host B; gradients are averaged across the link
+    assert _run_exactness(cluster, tmp_path, nproc=2, mp=2)["world"] == 4
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["killed", "unplugged"])
+def test_death_of_a_whole_host_is_named_on_the_other(cluster, tmp_path, how):
+    # killed: every process on host B dies, its kernel closes their sockets (host A's sockets see the close);
+    # unplugged: host B's link goes down first, so nothing reaches host A any more (a power cut, a cable pulled)
+    job = Job(cluster, 1, [str(tmp_path / "never.pt"), "--epochs", "1000", "--step-sleep", "0.05"],
+              env={"AUTODIST_TIMEOUT": str(TIMEOUT)})
+    job.wait_for(0, "step 5", timeout=90)
+    died = time.monotonic()
+    if how == "unplugged":
+        subprocess.run(["ip", "-n", cluster.b.netns, "link", "set", cluster.b.dev, "down"], check=True)
+    assert cluster.kill_host(cluster.b), "nothing ran on host B"
+    codes = job.wait(timeout=60)
+    ended = job.lines[0][-1][0] - died
+    print(f"host B {how}: host A's job ended {ended:.1f} s later")
+    assert codes[0] == 1, job.describe()
+    words = {"killed": "rank 1 died without a word", "unplugged": "rank 1 sent no heartbeat for"}[how]
+    assert words in job.output(0), job.describe()
+    assert ended < TIMEOUT + 10, job.describe()  # the timeout, a tick, the launcher stopping
