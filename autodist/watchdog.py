@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -131,6 +132,7 @@ class Watchdog:
         self.status = Status(rank=rank, host=socket.gethostname(), pid=os.getpid())
         self.heard: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it last changed)
         self.last_peers: dict[int, Status | None] = {}
+        self.left: set[int] = set()  # ranks a parameter-server mode declared gone: no longer waited for
         self.stop = threading.Event()
         self.report_lock = threading.Lock()
         self.reported = False
@@ -175,7 +177,7 @@ class Watchdog:
         """The other ranks' last statuses (None: nothing published yet); updates how long each has been silent."""
         now, out = time.monotonic(), {}
         for rank in range(self.size):
-            if rank == self.rank:
+            if rank == self.rank or rank in self.left or self._has_left(rank):
                 continue
             key = f"status/{rank}"
             status = Status.loads(self.store.get(key)) if self.store.check([key]) else None
@@ -185,6 +187,15 @@ class Watchdog:
                 self.heard[rank] = (seq, now)
         self.last_peers = out
         return out
+
+    def _has_left(self, rank: int) -> bool:
+        """Whether a mode that outlives its workers (the parameter server) said ``rank`` left the job."""
+        if self.store.check([f"left/{rank}"]):
+            self.left.add(rank)
+            self.heard.pop(rank, None)
+            self.last_peers.pop(rank, None)
+            return True
+        return False
 
     def silent_s(self) -> dict[int, float]:
         """Seconds since each rank last published: by its clock on this host, else since this rank saw it change."""
@@ -415,6 +426,23 @@ def running() -> Watchdog | None:
     return _watchdog
 
 
+def rank_left(rank: int, why: str) -> None:
+    """A mode that goes on without a lost worker (the parameter server) tells every rank's watchdog that
+    ``rank`` left the job: from now on no rank waits for it, at the end or in a collective."""
+    dog = _watchdog
+    if dog is not None and dog.store_lost is None:
+        dog.store.set(f"left/{rank}", why)
+
+
+_data_end_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def on_data_end(listener: Any) -> None:
+    """Call ``listener.data_ended()`` whenever a pass over a sharded loader ends on this rank (held weakly):
+    the parameter-server modes give the model the servers' parameters there."""
+    _data_end_listeners.add(listener)
+
+
 # -- the loader's epochs -----------------------------------------------------------------------------
 
 def epoch_begins(loader: str, epoch: int, steps: int, samples: int) -> None:
@@ -428,6 +456,8 @@ def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
     """This rank's epoch ended after ``steps`` batches: raise if another rank's has more (it would wait forever)."""
     record.data_end = (epoch, steps)
     record.progress += 1
+    for listener in list(_data_end_listeners):
+        listener.data_ended()
     dog = _watchdog
     if dog is None:
         return

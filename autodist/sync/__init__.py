@@ -4,6 +4,7 @@
 * :class:`LocalSGD`: local steps, weights averaged every H steps;
 * :class:`DiLoCo`: local (inner) steps, an outer Nesterov step on the averaged delta every H steps;
 * :class:`Gossip`: each round a replica averages with a few peers on a changing exponential graph.
+* parameter servers, :class:`autodist.Downpour` and :class:`autodist.EASGD` (:mod:`autodist.ps`): asynchronous.
 
 The low-communication modes hook ``optimizer.step()`` of the model's optimizer (:mod:`autodist.sync.stepping`),
 so the user's loop stays as it is. Each says in its docstring what it promises instead of exactness.
@@ -33,7 +34,7 @@ def choose(sync: object) -> Strategy:
         return Exact(hooks=sync == "backward")
     raise ValueError(f"sync must be 'backward' (synchronize during backward), 'manual' (call "
                      f"autodist.synchronize_model yourself) or a strategy such as autodist.LocalSGD(every=16), "
-                     f"autodist.DiLoCo() or autodist.Gossip(); got {sync!r}")
+                     f"autodist.DiLoCo(), autodist.Gossip(), autodist.Downpour() or autodist.EASGD(); got {sync!r}")
 
 
 def setup(strategy: Strategy, model: nn.Module, ctx: SyncContext) -> object | None:
