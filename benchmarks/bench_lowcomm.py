@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,26 @@ def accuracy(model: nn.Module, test: TensorDataset) -> float:
         return 100.0 * float((model(x).argmax(1) == y).float().mean())
 
 
-def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int) -> tuple[float, float, float]:
+MODES = ("exact sync", "LocalSGD(every=16)", "DiLoCo(every=16)", "DiLoCo(every=64)", "torch PostLocalSGD(16)")
+
+# Called after every training step with (steps done, model, seconds on the clock, bytes sent so far); returns
+# the seconds it spent, which are taken off the clock (an evaluation, say).
+Probe = Callable[[int, nn.Module, float, float], float]
+
+
+def sent_so_far(mode: str, strategy: Any, params: list[torch.Tensor], steps: int, size: int) -> float:
+    """Bytes this rank sent in the first ``steps`` steps (ring all-reduce volume), before any final average."""
+    if mode == "exact sync":
+        return steps * ring_bytes(params, size)  # every gradient, every step
+    if not isinstance(strategy, str):
+        return strategy.bytes_sent  # autodist's modes count their own traffic
+    averages = sum(1 for s in range(steps) if s % PERIOD == 0)  # torch's averager: at steps 0, 16, ...
+    return averages * ring_bytes(params, size)
+
+
+def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int,
+        probe: Probe | None = None) -> tuple[float, float, float]:
+    """Train with ``mode`` (one of MODES); test accuracy (%), MB this rank sent, seconds of training."""
     size = autodist.init().size
     strategies = {"exact sync": "backward", "LocalSGD(every=16)": autodist.LocalSGD(every=PERIOD),
                   "DiLoCo(every=16)": autodist.DiLoCo(every=PERIOD), "DiLoCo(every=64)": autodist.DiLoCo(),
@@ -86,7 +106,8 @@ def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int) -> tu
         from torch.distributed.optim import PostLocalSGDOptimizer
 
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=PERIOD, warmup_steps=0))
-    steps = 0
+    params = list(model.parameters())
+    steps, off_clock = 0, 0.0
     start = time.perf_counter()
     for _ in range(epochs):
         for x, y in data:
@@ -94,23 +115,21 @@ def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int) -> tu
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             steps += 1
-    params = list(model.parameters())
-    if mode == "exact sync":
-        sent = steps * ring_bytes(params, size)
-    else:
+            if probe is not None:
+                on_clock = time.perf_counter() - start - off_clock
+                off_clock += probe(steps, model, on_clock, sent_so_far(mode, strategy, params, steps, size))
+    sent = sent_so_far(mode, strategy, params, steps, size)
+    if mode != "exact sync":
         autodist.synchronize_model(model, what="parameters")  # end with one model
-        final = ring_bytes(params + [b for b in model.buffers() if b.is_floating_point()], size)
-        averages = sum(1 for s in range(steps) if s % PERIOD == 0)  # torch's averager: at steps 0, 16, ...
-        sent = (strategy.bytes_sent if not isinstance(strategy, str) else averages * ring_bytes(params, size)) + final
-    seconds = time.perf_counter() - start
+        sent += ring_bytes(params + [b for b in model.buffers() if b.is_floating_point()], size)
+    seconds = time.perf_counter() - start - off_clock
     return accuracy(model, test), sent / 1e6, seconds
 
 
 def worker(epochs: int) -> None:
     train, test = digits()
     rows = []
-    for mode in ("exact sync", "LocalSGD(every=16)", "DiLoCo(every=16)", "DiLoCo(every=64)",
-                 "torch PostLocalSGD(16)"):
+    for mode in MODES:
         rows.append((mode, *run(mode, train, test, epochs)))
     if autodist.init().rank == 0:
         exact_mb = rows[0][2]

@@ -1,0 +1,186 @@
+"""Time to accuracy over a slow link: exact sync against the low-communication modes on two hosts.
+
+What it measures
+    The training of ``bench_lowcomm.py`` (digits, MLP 64-128-128-10, global
+    batch 32, SGD lr 0.05 momentum 0.9; the same modes, one after another in
+    one job), run by ``autodist run --nnodes 2`` on the two hosts of
+    ``tests/cluster.py``: two network namespaces on this machine joined by a
+    veth pair, one rank on each, the link rate-limited both ways with a token
+    bucket (``tc ... tbf``, ``--rate``, 100 Mbit/s by default; ``--rate none``
+    leaves it at memory speed). Every ``--eval-every`` steps the clock stops,
+    the replicas' parameters are averaged (the model the job would end with if
+    it stopped here) and evaluated on the test set; that averaging is neither
+    timed nor counted.
+
+How to run (root, with iproute2: it makes the namespaces)
+    python benchmarks/bench_slow_link.py --out slow_link        # about 2 minutes
+    python benchmarks/bench_slow_link.py --epochs 3 --out /tmp/s  # smoke run
+
+How to read it
+    accuracy: test accuracy of the final model (%). MB / rank: what autodist
+    counts (ring all-reduce volume, as bench_lowcomm.py), and what the host's
+    end of the link really sent (``tx_bytes`` of its interface: TCP/IP headers,
+    the rendezvous store's traffic and the model broadcast at the start
+    included, the evaluations' averaging left out). seconds to target: training
+    time until the averaged model first reached ``--target`` % (checked every
+    ``--eval-every`` steps). seconds: the whole training loop. ``--out DIR``
+    gets ``slow_link.json`` (every evaluation) and ``slow_link.png``: accuracy
+    against seconds and against MB sent, one line per mode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import autodist
+import bench_lowcomm as lowcomm  # next to this file: the task, the modes and the training loop
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+PORT = 29400  # the cluster's namespaces have ports of their own
+
+
+def wire_bytes() -> int:
+    """Bytes this host's end of the link sent so far (a rank sees its own namespace's interface)."""
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+class Curve:
+    """A probe for ``bench_lowcomm.run``: every ``every`` steps, the accuracy of the replicas' average."""
+
+    def __init__(self, test: TensorDataset, every: int) -> None:
+        self.test, self.every = test, every
+        self.points: list[tuple[float, float, float]] = []  # (seconds, MB sent, accuracy %)
+        self.wire_off = 0  # link bytes of the evaluations' own averaging
+
+    def __call__(self, steps: int, model: nn.Module, seconds: float, sent: float) -> float:
+        if steps % self.every:
+            return 0.0
+        start, wire = time.perf_counter(), wire_bytes()
+        names = [name for name, _ in model.named_parameters()]
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        with torch.random.fork_rng():  # mlp() seeds the global RNG: leave the training's as it was
+            average = lowcomm.mlp()
+        torch.nn.utils.vector_to_parameters(flat, average.parameters())
+        assert names == [name for name, _ in average.named_parameters()], "the model's parameters changed order"
+        self.points.append((seconds, sent / 1e6, lowcomm.accuracy(average, self.test)))
+        self.wire_off += wire_bytes() - wire
+        return time.perf_counter() - start
+
+
+def worker(epochs: int, every: int, out: str) -> None:
+    train, test = lowcomm.digits()
+    results = {}
+    for mode in lowcomm.MODES:
+        curve, before = Curve(test, every), wire_bytes()
+        acc, mb, seconds = lowcomm.run(mode, train, test, epochs, probe=curve)
+        wire = torch.tensor([(wire_bytes() - before - curve.wire_off) / 1e6])
+        dist.all_reduce(wire)
+        results[mode] = {"accuracy": acc, "mb": mb, "wire_mb": float(wire) / dist.get_world_size(),
+                         "seconds": seconds, "points": curve.points}
+    if autodist.init().rank == 0:
+        with open(os.path.join(out, "slow_link.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def to_target(points: list, target: float) -> float | None:
+    return next((seconds for seconds, _, acc in points if acc >= target), None)
+
+
+def table(results: dict, target: float) -> str:
+    exact_mb = results["exact sync"]["mb"]
+    lines = [f"| mode | accuracy (%) | MB sent / rank (counted) | MB on the link / rank | less traffic than exact "
+             f"| seconds to {target:g}% | seconds |", "|---|---|---|---|---|---|---|"]
+    for mode, r in results.items():
+        reach = to_target(r["points"], target)
+        lines.append(f"| {mode} | {r['accuracy']:.1f} | {r['mb']:.2f} | {r['wire_mb']:.2f} | {exact_mb / r['mb']:.0f}x "
+                     f"| {'not reached' if reach is None else f'{reach:.1f}'} | {r['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, rate: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for mode, r in results.items():
+        seconds, mb, acc = zip(*r["points"]) if r["points"] else ((), (), ())
+        by_time.plot(seconds, acc, label=mode)
+        by_bytes.plot(mb, acc, label=mode)
+    by_time.set_xlabel("training seconds")
+    by_bytes.set_xlabel("MB sent per rank")
+    by_bytes.set_xscale("log")
+    by_time.set_ylabel("test accuracy (%)")
+    by_time.set_ylim(80, 100)
+    by_time.legend(loc="lower right")
+    fig.suptitle(f"digits, 2 hosts x 1 rank, link {rate}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def launch(args: argparse.Namespace) -> int:
+    sys.path.insert(0, TESTS)
+    from cluster import ClusterUnavailable, make_cluster
+
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.abspath(args.out)
+    try:
+        cluster = make_cluster()
+    except ClusterUnavailable as error:
+        print(f"bench_slow_link: cannot make the two hosts: {error}", file=sys.stderr)
+        return 2
+    with cluster:
+        if args.rate != "none":
+            cluster.limit(args.rate)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
+        procs = []
+        for node, host in enumerate(cluster.hosts):
+            cmd = [sys.executable, "-m", "autodist.cli", "run", "--nnodes", "2", "--node-rank", str(node),
+                   "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", os.path.abspath(__file__),
+                   "--worker", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every), "--out", out]
+            procs.append(cluster.popen(host, cmd, env=env | {"GLOO_SOCKET_IFNAME": host.dev}))
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        print(f"bench_slow_link: the job failed (exit status {codes} on hosts A, B)", file=sys.stderr)
+        return 1
+    with open(os.path.join(out, "slow_link.json")) as f:
+        results = json.load(f)
+    plot(results, args.rate, os.path.join(out, "slow_link.png"))
+    print(f"\n2 hosts x 1 rank, link {args.rate}, digits, {args.epochs} epochs, global batch {lowcomm.BATCH}, "
+          f"accuracy checked every {args.eval_every} steps\n")
+    print(table(results, args.target))
+    print(f"\nplot: {os.path.join(args.out, 'slow_link.png')}")
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for slow_link.json and slow_link.png")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--rate", default="100mbit", help="tc tbf rate of the link, e.g. 100mbit, 1gbit, or none")
+    parser.add_argument("--target", type=float, default=95.0, help="accuracy (%%) for the time-to-target column")
+    parser.add_argument("--eval-every", type=int, default=lowcomm.PERIOD, help="steps between accuracy checks")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)
+        worker(args.epochs, args.eval_every, args.out)
+        return
+    sys.exit(launch(args))
+
+
+if __name__ == "__main__":
+    main()
