@@ -296,6 +296,11 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
         unchanged in the one process. Call it again and you get the same World.
     """
     global _world
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None (chosen for you: NCCL when every rank has a "
+                         f"GPU of its own, gloo otherwise), got {backend!r}")
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=10), got {timeout!r}")
     if _world is not None:
         if backend is not None and backend != _world.backend:
             raise ValueError(f"autodist is already initialised with backend {_world.backend!r}; "

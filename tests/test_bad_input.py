@@ -41,6 +41,8 @@ CASES = [
     ("explain mp", lambda: autodist.explain(_mlp(), mp=-1), ValueError, "mp must be"),
     ("explain model", lambda: autodist.explain("net", mp=2), TypeError, "Expect nn.Module"),
     ("gather model", lambda: autodist.gather_state_dict("x"), TypeError, "Expect nn.Module"),
+    ("init backend", lambda: autodist.init(backend="mpi2"), ValueError, "'gloo', 'nccl' or None"),
+    ("init timeout", lambda: autodist.init(timeout=5), TypeError, "datetime.timedelta"),
 ]
 
 
