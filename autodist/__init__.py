@@ -11,11 +11,11 @@ from autodist.gather import gather_state_dict
 from autodist.grad_sync import no_sync, synchronize_model
 from autodist.rewrite import Plan, explain
 from autodist.runtime import World, init, rank, world_size
-from autodist.sync import DiLoCo, Gossip, LocalSGD
+from autodist.sync import DiLoCo, Gossip, Hierarchical, LocalSGD
 from autodist.ps import EASGD, Downpour
 from autodist import engine  # the training-loop helpers, as autodist.engine
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
-           "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Downpour", "EASGD",
+           "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
            "rank", "world_size", "engine"]
 __version__ = "0.1.0"

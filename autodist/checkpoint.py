@@ -20,6 +20,10 @@ dicts only); its top-level keys are
 ``extra``       the keyword arguments given to ``save`` (epoch, step, a loader's generator state)
 ``rng``         rank 0's random generators: ``torch`` (CPU), ``cuda`` (the current device's,
                 or None), ``python`` and ``numpy``
+``sync``        only for a model trained with a low-communication mode (``parallelize(...,
+                sync=autodist.DiLoCo())``): ``{"mode": "DiLoCo", "state": ...}``, rank 0's
+                ``strategy.state_dict()`` (DiLoCo's outer parameters and optimizer, step counts);
+                ``load`` gives it back to the model's strategy
 ``checksum``    ``{"algorithm": "crc32", "structure": int, "tensors": [int, ...]}``: a CRC-32 of
                 every tensor's bytes (in the order the entries above are walked) and one of
                 everything else (names, dtypes, shapes, numbers, strings); ``load`` recomputes
@@ -59,6 +63,7 @@ from autodist.gather import gather_state_dict
 from autodist.layers.shard import Shard
 from autodist.rewrite import mp_modules
 from autodist.runtime import World, init, log
+from autodist.sync import strategy_of
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -455,6 +460,33 @@ def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> 
                            f"there, if any, is the previous checkpoint, unchanged")
 
 
+def _sync_state(model: nn.Module) -> dict[str, Any] | None:
+    """The state of the model's low-communication strategy, if it has any (every rank: it may wait for
+    an exchange under way)."""
+    strategy = strategy_of(model)
+    state = strategy.state_dict() if strategy is not None else None
+    if not state:
+        return None
+    if mp_modules(model):  # its tensors are this rank's shards, which a dense checkpoint cannot hold as they are
+        log.warning("the checkpoint does not hold the state of %r with mp > 1; a restart starts its next round "
+                    "from the loaded model", strategy)
+        return None
+    _check_loadable(state, f"the state of {strategy!r}")
+    return {"mode": type(strategy).__name__, "state": state}
+
+
+def _restore_sync(model: nn.Module, saved: dict[str, Any] | None, path: str) -> None:
+    """Give the model's strategy its saved state, or tell it to start afresh from the loaded model."""
+    strategy = strategy_of(model)
+    if strategy is None:
+        return
+    if saved is not None and saved["mode"] != type(strategy).__name__:
+        log.info("the checkpoint %s holds the state of a %s run; this run uses %r, which starts afresh from the "
+                 "loaded model", path, saved["mode"], strategy)
+        saved = None
+    strategy.load_state_dict(None if saved is None else saved["state"])
+
+
 def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
     """Save a checkpoint that resumes at any world size or model-parallel degree.
 
@@ -493,13 +525,14 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     _check_loadable(extra, "extra")
     world = init()
     rng = _rng_state()  # before anything below could draw
+    sync = _sync_state(model)
     layout = _layout(model)
     optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
     state = gather_state_dict(model)
     payload = None
     if world.rank == 0:
         payload = _with_checksum({"format": FORMAT, "version": VERSION, "model": state, "optimizer": optim,
-                                  "extra": extra, "rng": rng})
+                                  "extra": extra, "rng": rng, **({"sync": sync} if sync else {})})
     _write_on_rank0(payload, path, world)
 
 
@@ -613,6 +646,7 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
             raise ValueError(f"the checkpoint {path!r} was saved without an optimizer; pass optimizer=None, or "
                              f"save with autodist.save(path, model, optimizer)")
         optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
+    _restore_sync(model, checkpoint.get("sync"), path)
     _set_rng_state(checkpoint["rng"])
     return dict(checkpoint["extra"])
 

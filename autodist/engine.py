@@ -5,7 +5,8 @@ as functions a plain loop calls rather than an engine that owns the loop):
 
 * :func:`prefetch` fetches the next batches on a background thread;
 * :class:`Metrics` sums loss, correct predictions and samples on each rank and
-  averages them exactly over the data-parallel ranks;
+  averages them exactly over the data-parallel ranks (and, for a low-communication
+  mode, adds how far its replicas drifted apart: :func:`drift`);
 * :func:`evaluate` splits a test set over the data-parallel ranks and returns
   the same numbers one process would compute on the whole of it;
 * :func:`progress`, :func:`rank_logger`, :func:`epoch_summary` and
@@ -38,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from autodist import provenance
 from autodist.grad_sync import registration_of
 from autodist.runtime import init, log
+from autodist.sync import Exact, strategy_of
 
 T = TypeVar("T")
 
@@ -289,7 +291,7 @@ class Metrics:
         self.correct = self.correct + _one_number(correct, "correct", "(out.argmax(1) == y).sum()")
         self.count += count
 
-    def reduce(self, model: nn.Module | None = None) -> dict[str, float]:
+    def reduce(self, model: nn.Module | None = None, *, with_drift: bool = True) -> dict[str, float]:
         """Averages over every sample of the data-parallel ranks; every rank must call it.
 
         Args:
@@ -301,8 +303,10 @@ class Metrics:
         Returns:
             ``{"loss": mean loss, "accuracy": percent correct, "count": samples,
             "correct": correct predictions}``, the same on every rank; loss and
-            accuracy are NaN when no rank saw a sample. The sums are kept: call
-            :meth:`reset` to start over.
+            accuracy are NaN when no rank saw a sample. For a model trained with a
+            low-communication mode, :func:`drift`'s keys too (``spread``,
+            ``bytes_sent``, ``syncs``) unless ``with_drift=False``. The sums are kept: call :meth:`reset` to
+            start over.
         """
         _, size, group = _data_parallel(model)
         parts = (self.loss_sum, self.correct, self.count)
@@ -317,7 +321,36 @@ class Metrics:
         count, correct = int(round(count)), int(round(correct))
         nan = float("nan")
         return {"loss": loss_sum / count if count else nan, "accuracy": 100.0 * correct / count if count else nan,
-                "count": count, "correct": correct}
+                "count": count, "correct": correct, **(drift(model) if model is not None and with_drift else {})}
+
+
+def drift(model: nn.Module) -> dict[str, float]:
+    """How far the replicas of a low-communication mode have drifted apart, and what this rank sent.
+
+    Args:
+        model: a model parallelized with ``sync=autodist.LocalSGD(...)``, ``DiLoCo``, ``Gossip`` or
+            ``Hierarchical``.
+
+    Returns:
+        ``{"spread": max over ranks of ||theta_r - mean|| / ||mean||, "bytes_sent": bytes this rank sent
+        for the mode so far, "syncs": its averages (gossip: rounds)}``; an empty dict for exact sync, a
+        model not parallelized, or a world of one.
+
+    Example:
+        >>> engine.drift(model)          # every rank: the spread is a collective
+        {'spread': 0.0132, 'bytes_sent': 1572864.0, 'syncs': 12}
+
+    Note:
+        Every data-parallel rank must call it (one all-reduce and one all-gather of the parameters).
+        ``Metrics.reduce(model)`` adds these keys by itself.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    strategy = strategy_of(model)
+    if strategy is None or isinstance(strategy, Exact):
+        return {}
+    syncs = getattr(strategy, "syncs", getattr(strategy, "rounds", 0))
+    return {"spread": strategy.spread(), "bytes_sent": float(strategy.bytes_sent), "syncs": int(syncs)}
 
 
 # -- evaluation ------------------------------------------------------------------------------------
@@ -382,7 +415,7 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 256,
     finally:
         for module, training in modes.items():
             module.training = training
-    return metrics.reduce(model)
+    return metrics.reduce(model, with_drift=False)
 
 
 # -- progress and logs -----------------------------------------------------------------------------
@@ -460,6 +493,8 @@ def _summary_part(name: str, metrics: dict) -> str:
         words.append(f"loss {metrics['loss']:.4f}")
     if "accuracy" in metrics:
         words.append(f"acc {metrics['accuracy']:.2f}%")
+    if "spread" in metrics:  # a low-communication mode: how far its replicas drifted apart
+        words.append(f"spread {metrics['spread']:.2e}")
     return " ".join(words)
 
 

@@ -106,36 +106,87 @@ def test_diloco_with_nesterov_differs_from_local_sgd_but_replicas_agree(ranks):
     assert_close(results[0][0], results[1][0], rtol=0, atol=0)  # the outer step leaves one model
 
 
-def _diloco_restart(path):
+def _restarted(mode):
+    if mode == "LocalSGD":
+        return autodist.LocalSGD(every=3)
+    if mode == "DiLoCo":
+        return autodist.DiLoCo(every=3)  # Nesterov: the outer momentum must come back
+    return autodist.Hierarchical(across=autodist.DiLoCo(every=2), ranks_per_host=1)
+
+
+def _restart(path, mode):
+    """Save after an average, go on; then load into a fresh parallelized model and go on the same way."""
     x, y = w.digits_like(22)
 
-    def run(restore):
-        diloco = autodist.DiLoCo(every=2)
-        model, data = autodist.parallelize(w.seeded(w.mlp, 0), w.loader(x, y, 8, shuffle=False), sync=diloco)
-        opt = _plain_sgd(model)  # stateless inner optimizer: the outer state is all a restart needs
-        if restore:
-            saved = autodist.load(path, model, opt)["diloco"]
-            if restore == "outer":
-                diloco.load_state_dict(saved)
-        return diloco, model, data, opt
+    def build(seed):
+        strategy = _restarted(mode)
+        model, data = autodist.parallelize(w.seeded(w.mlp, seed), w.loader(x, y, 8, shuffle=False), sync=strategy)
+        return strategy, model, data, _plain_sgd(model)  # stateless inner optimizer: equal on every replica
 
-    diloco, model, data, opt = run(None)
-    _loop(model, data, opt, 2)  # 6 steps: 3 outer steps, the replicas identical
-    autodist.save(path, model, opt, diloco=diloco.state_dict())
+    strategy, model, data, opt = build(0)
+    _loop(model, data, opt, 2)  # 6 steps: the strategies below all meet at step 6
+    autodist.save(path, model, opt)
+    _loop(model, data, opt, 2)
+    straight = w.state(model)
+    fresh, model2, data2, opt2 = build(5)  # other weights, and a strategy that has seen no step
+    autodist.load(path, model2, opt2)
+    _loop(model2, data2, opt2, 2)
+    return straight, w.state(model2), fresh.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["LocalSGD", "DiLoCo", "Hierarchical"])
+def test_restart_from_a_checkpoint_is_the_uninterrupted_run(ranks, tmp_path, mode):
+    for straight, resumed, state in ranks(2, _restart, str(tmp_path / "ckpt.pt"), mode):
+        assert_close(resumed, straight, rtol=1e-6, atol=1e-7)
+        assert (state.get("across", state))["steps"] == 12
+
+
+def _restart_without_outer_state(path):
+    x, y = w.digits_like(22)
+    data = w.loader(x, y, 8, shuffle=False)
+    model, data = autodist.parallelize(w.seeded(w.mlp, 0), data, sync=autodist.DiLoCo(every=3))
+    opt = _plain_sgd(model)
+    _loop(model, data, opt, 2)
+    autodist.save(path, model, opt)
     _loop(model, data, opt, 1)
     straight = w.state(model)
-    restored, model2, data2, opt2 = run("outer")
-    _loop(model2, data2, opt2, 1)
-    _, model3, data3, opt3 = run("model only")
+    exact, data2 = autodist.parallelize(w.seeded(w.mlp, 0), w.loader(x, y, 8, shuffle=False))
+    autodist.load(path, exact, None)  # an exact-sync run ignores the DiLoCo state
+    diloco = autodist.DiLoCo(every=3)
+    model3, data3 = autodist.parallelize(w.seeded(w.mlp, 0), w.loader(x, y, 8, shuffle=False), sync=diloco)
+    model3.load_state_dict(torch.load(path, weights_only=True)["model"])  # by hand: no outer state
+    opt3 = _plain_sgd(model3)
     _loop(model3, data3, opt3, 1)
-    return straight, w.state(model2), w.state(model3), restored.steps
+    return straight, w.state(model3), "sync" in torch.load(path, weights_only=True)
 
 
-def test_diloco_outer_state_survives_a_restart(ranks, tmp_path):
-    for straight, resumed, without_outer, steps in ranks(2, _diloco_restart, str(tmp_path / "ckpt.pt")):
-        assert steps == 9
-        assert_close(resumed, straight, rtol=1e-6, atol=1e-7)
-        assert not torch.allclose(without_outer["0.weight"], straight["0.weight"], rtol=1e-4, atol=1e-5)
+def test_a_model_loaded_by_hand_starts_a_fresh_round_from_its_weights(ranks, tmp_path):
+    for straight, fresh, saved in ranks(2, _restart_without_outer_state, str(tmp_path / "ckpt.pt")):
+        assert saved
+        # the outer parameters are taken at the first step (the loaded weights), not at parallelize: the
+        # first outer step moves from there, only without the saved momentum
+        assert not torch.allclose(fresh["0.weight"], straight["0.weight"], rtol=1e-4, atol=1e-5)
+        assert (fresh["0.weight"] - straight["0.weight"]).abs().max() < 0.5
+
+
+def _gossip_restart(path):
+    gossip = autodist.Gossip()
+    model, data = _parallel(gossip)
+    opt = _plain_sgd(model)
+    _loop(model, data, opt, 1)
+    autodist.save(path, model, opt)
+    fresh = autodist.Gossip()
+    model2, _ = _parallel(fresh)
+    opt2 = _plain_sgd(model2)
+    autodist.load(path, model2, opt2)
+    return gossip.rounds, fresh.rounds, fresh.steps, w.state(model), w.state(model2)
+
+
+def test_gossip_restart_continues_the_rounds_from_rank_zeros_model(ranks, tmp_path):
+    results = ranks(2, _gossip_restart, str(tmp_path / "ckpt.pt"))
+    for rounds, restored, steps, _, loaded in results:
+        assert rounds == restored == steps == 3
+        assert_close(loaded, results[0][3], rtol=0, atol=0)
 
 
 def _gossip_without_learning(rounds, peers):
@@ -250,3 +301,147 @@ def test_world_of_one_runs_unchanged():
     model, data = autodist.parallelize(w.seeded(w.mlp, 0), w.loader(x, y, 8), sync=autodist.DiLoCo(every=1))
     ref = w.train(w.seeded(w.mlp, 0), w.loader(x, y, 8), "sgd", 1)
     assert_close(w.state(w.train(model, data, "sgd", 1)), w.state(ref), rtol=0, atol=0)
+
+
+def _hierarchical(across_mode):
+    across = autodist.LocalSGD(every=3) if across_mode == "local" else autodist.DiLoCo(every=3)
+    sync = autodist.Hierarchical(across=across, ranks_per_host=2)  # 4 ranks: hosts {0, 1} and {2, 3}
+    model, data = _parallel(sync, n=48, batch=8)  # 6 steps
+    states = []
+    _loop(model, data, w.optimizer("adam", model), 1, lambda: states.append(w.state(model)))
+    numel = sum(t.numel() for t in model.parameters())
+    return states, sync.syncs, sync.bytes_across_hosts, sync.bytes_sent, numel
+
+
+@pytest.mark.parametrize("across_mode", ["local", "diloco"])
+def test_hierarchical_hosts_identical_every_step_and_meet_every_h(ranks, across_mode):
+    results = ranks(4, _hierarchical, across_mode)
+    for step in range(6):
+        same_host = [results[r][0][step] for r in range(4)]
+        assert_close(same_host[1], same_host[0], rtol=0, atol=0)  # exact sync within host 0
+        assert_close(same_host[3], same_host[2], rtol=0, atol=0)  # and within host 1
+        if (step + 1) % 3 == 0:
+            assert_close(same_host[2], same_host[0], rtol=0, atol=0)  # the hosts met
+        else:
+            assert not torch.equal(same_host[2]["0.weight"], same_host[0]["0.weight"])
+    for states, syncs, across, sent, numel in results:
+        # each rank carries half the model (plus the weight slot) across hosts, ring over 2 hosts: 2 (2-1)/2
+        assert syncs == 2 and across == syncs * ((numel + 1) // 2 + 1) * 4
+        assert sent > across
+
+
+def _hierarchical_every_step_is_exact():
+    x, y = w.digits_like(22)
+    ref = w.seeded(w.mlp, 0)
+    _loop(ref, w.loader(x, y, 8), _plain_sgd(ref), 3)
+    sync = autodist.Hierarchical(across=autodist.LocalSGD(every=1), ranks_per_host=2)
+    model, data = _parallel(sync)
+    _loop(model, data, _plain_sgd(model), 3)
+    return w.state(ref), w.state(model)
+
+
+def test_hierarchical_with_local_sgd_every_step_and_plain_sgd_is_the_exact_run(ranks):
+    # 22 samples in global batches of 8: shares 2/2/2/2 then 2/2/1/1: hosts weighted by their samples
+    assert_same_training(ranks(4, _hierarchical_every_step_is_exact), rtol=1e-5, atol=1e-6)
+
+
+def _streamed(fragments, overlap, outer):
+    diloco = autodist.DiLoCo(every=4, fragments=fragments, overlap=overlap, mix=0.0, **outer)
+    model, data = _parallel(diloco, n=64, batch=8)  # 8 steps
+    opt = w.optimizer("adam", model)
+    before = []  # each step's parameters before the strategy's hook (the optimizer's own hook runs first)
+    opt.register_step_post_hook(lambda *_: before.append(w.state(model)))
+    after = []
+    _loop(model, data, opt, 1, lambda: after.append(w.state(model)))
+    names = [[n for n, p in model.named_parameters() if any(p is q for q in ps)] for ps, _ in diloco.parts]
+    return before, after, names, diloco.offsets, diloco.bytes_sent, diloco.syncs
+
+
+def test_streamed_diloco_with_one_fragment_is_plain_diloco(ranks):
+    one = ranks(2, _streamed, 1, 0, {})
+    plain = ranks(2, _diloco_plain)
+    for (_, after, *_), state in zip(one, plain):
+        assert_close(after[-1], state, rtol=0, atol=0)
+
+
+def _diloco_plain():
+    model, data = _parallel(autodist.DiLoCo(every=4), n=64, batch=8)
+    _loop(model, data, w.optimizer("adam", model), 1)
+    return w.state(model)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_streamed_diloco_syncs_each_fragment_every_h_steps_at_its_offset(ranks, overlap):
+    results = ranks(2, _streamed, 2, overlap, {"outer_lr": 1.0, "momentum": 0.0})
+    (before0, after0, names, offsets, sent, syncs), (before1, after1, *_) = results
+    assert offsets == [2, 4] and syncs == 4 and all(names)
+    for step in range(8):
+        for f, fragment in enumerate(names):
+            landed = (step + 1) % 4 == offsets[f] % 4
+            for name in fragment:
+                if landed:  # outer lr 1, no momentum: the mean of the replicas when the all-reduce started
+                    at = before0 if overlap == 0 else after0
+                    of = before1 if overlap == 0 else after1
+                    mean = (at[step - overlap][name] + of[step - overlap][name]) / 2
+                    assert_close(after0[step][name], after1[step][name], rtol=0, atol=0)
+                    assert_close(after0[step][name], mean, rtol=1e-6, atol=1e-7)
+                else:
+                    assert not torch.equal(after0[step][name], after1[step][name])
+    assert sent == results[1][4] > 0
+
+
+def _drift_reported():
+    sync = autodist.LocalSGD(every=3)
+    model, data = _parallel(sync, n=32, batch=8)  # 4 steps: the last average at step 3
+    _loop(model, data, w.optimizer("adam", model), 1)
+    metrics = autodist.engine.Metrics()
+    metrics.update(1.0, 1, 2)
+    between = metrics.reduce(model)
+    autodist.synchronize_model(model, what="parameters")
+    exact, _ = autodist.parallelize(w.seeded(w.mlp, 0))
+    return between, autodist.engine.drift(model), metrics.reduce(exact), autodist.engine.epoch_summary(
+        0, between, None, 1.0)
+
+
+def test_drift_is_reported_through_engine_metrics(ranks):
+    between, after, exact, line = ranks(2, _drift_reported)[0]
+    assert 0 < between["spread"] < 1 and between["syncs"] == 1 and between["bytes_sent"] > 0
+    assert after["spread"] < 1e-7
+    assert "spread" not in exact and exact["count"] == 4
+    assert f"spread {between['spread']:.2e}" in line
+
+
+def _warned():
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("autodist").addHandler(handler)
+    try:
+        model, data = _parallel(autodist.DiLoCo(every=2))
+        _loop(model, data, w.optimizer("sgd", model), 1)
+        model, data = _parallel(autodist.DiLoCo(every=2))
+        _loop(model, data, w.optimizer("adam", model), 1)
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def test_diloco_over_sgd_warns_what_to_change(ranks):
+    on_rank0, on_rank1 = ranks(2, _warned)
+    assert len(on_rank0) == 1 and on_rank1 == []  # once, on rank 0; not for the inner Adam
+    assert "7.0x" in on_rank0[0] and "autodist.DiLoCo(momentum=0.5)" in on_rank0[0]
+
+
+def test_bad_streaming_and_hierarchical_arguments():
+    with pytest.raises(ValueError, match="must divide every"):
+        autodist.DiLoCo(every=10, fragments=3)
+    with pytest.raises(ValueError, match="overlap must be below every/fragments = 5"):
+        autodist.DiLoCo(every=10, fragments=2, overlap=5)
+    with pytest.raises(ValueError, match="mix"):
+        autodist.DiLoCo(overlap=1, mix=2)
+    with pytest.raises(TypeError, match="LocalSGD"):
+        autodist.Hierarchical(across=autodist.Gossip())
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        autodist.Hierarchical(ranks_per_host=0)

@@ -3,7 +3,8 @@
 * ``"backward"`` / ``"manual"``: :class:`Exact`, the bucketed gradient all-reduce (exact training);
 * :class:`LocalSGD`: local steps, weights averaged every H steps;
 * :class:`DiLoCo`: local (inner) steps, an outer Nesterov step on the averaged delta every H steps;
-* :class:`Gossip`: each round a replica averages with a few peers on a changing exponential graph.
+* :class:`Gossip`: each round a replica averages with a few peers on a changing exponential graph;
+* :class:`Hierarchical`: exact sync within each host every step, local SGD or DiLoCo between hosts.
 * parameter servers, :class:`autodist.Downpour` and :class:`autodist.EASGD` (:mod:`autodist.ps`): asynchronous.
 
 The low-communication modes hook ``optimizer.step()`` of the model's optimizer (:mod:`autodist.sync.stepping`),
@@ -19,9 +20,11 @@ from autodist.sync.base import Strategy, SyncContext
 from autodist.sync.diloco import DiLoCo
 from autodist.sync.exact import Exact
 from autodist.sync.gossip import Gossip
+from autodist.sync.hierarchical import Hierarchical
 from autodist.sync.local_sgd import LocalSGD
 
-__all__ = ["Strategy", "SyncContext", "Exact", "LocalSGD", "DiLoCo", "Gossip", "choose", "strategy_of"]
+__all__ = ["Strategy", "SyncContext", "Exact", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "choose",
+           "strategy_of"]
 
 _bound: "weakref.WeakKeyDictionary[nn.Module, Strategy]" = weakref.WeakKeyDictionary()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,6 +69,14 @@ class Strategy:
     def _counted(self, before: float) -> None:
         assert self._comm is not None
         self._sent += self._comm.bytes_sent - before
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a restart needs besides the model and its optimizer (``autodist.save`` stores it)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Take back :meth:`state_dict`'s result, after the model itself was loaded (``autodist.load`` calls
+        it); None: the checkpoint holds no state of this strategy, so it starts afresh from the loaded model."""
 
     def spread(self) -> float:
         """How far the replicas have drifted apart: max over ranks of ||theta_r - mean|| / ||mean||.

@@ -1,4 +1,5 @@
-"""DiLoCo: the user's optimizer steps locally; every H steps an outer optimizer steps on the averaged delta."""
+"""DiLoCo: the user's optimizer steps locally; every H steps an outer optimizer steps on the averaged delta,
+the whole model at once or (Streaming DiLoCo) one fragment at a time, its all-reduce overlapping inner steps."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,9 +7,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from autodist.sync.averaging import weighted_average_
+from autodist.runtime import log
+from autodist.sync.averaging import Done, Pending
 from autodist.sync.base import SyncContext
-from autodist.sync.periodic import Periodic
+from autodist.sync.periodic import Periodic, _positive
+
+Fragment = tuple[list[torch.Tensor], list[torch.Tensor]]  # (parameters, floating-point buffers)
+
+
+def fragments_of(model: nn.Module, k: int) -> list[Fragment]:
+    """The model cut into ``k`` runs of consecutive modules holding about the same number of elements.
+
+    Example:
+        >>> [len(params) for params, _ in fragments_of(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2)]
+        [2, 2]
+    """
+    seen: set[int] = set()
+    items: list[tuple[torch.Tensor, bool]] = []
+    for module in model.modules():
+        for t, is_param in [(p, True) for p in module.parameters(recurse=False)] + \
+                           [(b, False) for b in module.buffers(recurse=False) if b.is_floating_point()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                items.append((t, is_param))
+    total = sum(t.numel() for t, _ in items) or 1
+    parts: list[Fragment] = [([], []) for _ in range(k)]
+    start = 0
+    for t, is_param in items:
+        parts[min(k - 1, start * k // total)][0 if is_param else 1].append(t)
+        start += t.numel()
+    empty = [i for i, (params, _) in enumerate(parts) if not params]
+    if empty:
+        raise ValueError(f"DiLoCo(fragments={k}): the model's {sum(p for _, p in items)} parameter tensors do not "
+                         f"fill {k} fragments of about {total // k:,} elements each (fragment {empty[0]} would "
+                         f"hold none); use fewer fragments")
+    return parts
 
 
 class DiLoCo(Periodic):
@@ -21,21 +54,32 @@ class DiLoCo(Periodic):
     every replica then continues from the new theta. Floating-point buffers
     (BatchNorm statistics) are averaged as in :class:`LocalSGD`.
 
+    Streaming DiLoCo (``fragments=k``): the model is cut into k runs of
+    consecutive modules of about equal size; fragment f has its outer step at
+    local steps (f + 1) H / k, H + (f + 1) H / k, ..., so each fragment still
+    meets every H steps but the traffic comes in k smaller, staggered parts.
+    With ``overlap=tau`` a fragment's all-reduce starts tau steps before its
+    outer step and runs while those tau inner steps compute; at the outer step
+    the fragment becomes ``(1 - mix) * outer + mix * local`` (``mix`` weighs the
+    local progress of those tau steps, which the outer gradient did not see).
+
     Args:
-        every: inner optimizer steps per outer step (H).
+        every: inner optimizer steps per outer step of each fragment (H).
         outer_lr: the outer SGD's learning rate.
         momentum: the outer SGD's momentum (0 for none).
         nesterov: Nesterov momentum (ignored when ``momentum`` is 0).
         warmup: optimizer steps of exact sync before the inner steps begin.
+        fragments: how many fragments take their outer steps at staggered steps (must divide ``every``).
+        overlap: inner steps a fragment's all-reduce runs behind (0 to H/k - 1).
+        mix: with ``overlap``, the weight of the local parameters in the fragment after its outer step.
 
     What it promises instead of exactness:
-        * after each outer step every replica holds the very same parameters (the outer ones);
+        * with ``overlap=0``, right after a fragment's outer step every replica holds the very same
+          parameters in that fragment (the outer ones);
         * with ``outer_lr=1`` and ``momentum=0`` it is :class:`LocalSGD` (the outer step lands on the
-          weighted average of the replicas);
-        * one model's worth of bytes per ``every`` steps (``bytes_sent``).
-        A restart needs the outer state (theta, its momentum, the step count): save it as an extra,
-        ``autodist.save(path, model, optimizer, diloco=diloco.state_dict())``, and give it back with
-        ``diloco.load_state_dict(autodist.load(path, model, optimizer)["diloco"])``.
+          weighted average of the replicas); ``fragments=1`` is plain DiLoCo;
+        * one model's worth of bytes per ``every`` steps (``bytes_sent``), in ``fragments`` parts.
+        ``autodist.save`` / ``load`` / ``resume`` keep the outer state (theta, its momentum, the step count).
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, sync=autodist.DiLoCo(every=64))
@@ -44,63 +88,141 @@ class DiLoCo(Periodic):
         ...     optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
 
     Note:
-        As for :class:`LocalSGD`: one optimizer per model, the same number of steps on every rank.
+        The defaults (outer lr 0.7, Nesterov momentum 0.9) are the DiLoCo paper's, tuned with an inner
+        AdamW. Once rounds point the same way, this outer step moves the weights up to
+        ``outer_lr / (1 - momentum)`` = 7 times as far as the replicas moved; over an inner SGD that
+        already moves far each round (lr near its stability limit) that diverges: use ``momentum=0.5``, a
+        smaller inner learning rate, or :class:`LocalSGD` there (a warning says so when the inner
+        optimizer is SGD). As for :class:`LocalSGD`: one optimizer per model, the same number of steps on
+        every rank.
     """
 
     name = "DiLoCo"
 
     def __init__(self, *, every: int = 64, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 warmup: int = 0) -> None:
+                 warmup: int = 0, fragments: int = 1, overlap: int = 0, mix: float = 0.5) -> None:
         super().__init__(every, warmup)
         if not (isinstance(outer_lr, (int, float)) and outer_lr > 0):
             raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
         if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
             raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        self.outer_lr, self.momentum, self.nesterov = float(outer_lr), float(momentum), bool(nesterov)
+        self.fragments = _positive("fragments", fragments)
+        if every % fragments:
+            raise ValueError(f"fragments ({fragments}) must divide every ({every}): each fragment has its outer "
+                             f"step every {every} steps, one fragment every {every}/{fragments} steps")
+        self.overlap = _positive("overlap", overlap, 0)
+        if overlap >= every // fragments:
+            raise ValueError(f"overlap must be below every/fragments = {every // fragments} (a fragment's "
+                             f"all-reduce must finish before the next fragment's starts), got {overlap}")
+        if not (isinstance(mix, (int, float)) and 0 <= mix <= 1):
+            raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
+        self.outer_lr, self.momentum, self.nesterov, self.mix = float(outer_lr), float(momentum), bool(nesterov), \
+            float(mix)
+        self.offsets = [(f + 1) * every // fragments for f in range(fragments)]  # each fragment's step in a round
+        self._pending: dict[int, Pending] = {}
+        self._samples = 0.0  # samples counted since the local phase began, and at each fragment's last launch
+        self._launched_at = [0.0] * fragments
+        self._error: str | None = None
+        self._warned = False
 
     def _start(self, model: nn.Module, ctx: SyncContext) -> Any:
         exact = super()._start(model, ctx)
-        self.params = [p for p in model.parameters()]
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.outer_params = [p.detach().clone() for p in self.params]
-        self.outer = torch.optim.SGD(self.outer_params, lr=self.outer_lr, momentum=self.momentum,
-                                     nesterov=self.nesterov and self.momentum > 0)
+        self.parts = fragments_of(model, self.fragments)
+        self.outer_params = [[p.detach().clone() for p in params] for params, _ in self.parts]
+        self.outer = torch.optim.SGD([p for ps in self.outer_params for p in ps], lr=self.outer_lr,
+                                     momentum=self.momentum, nesterov=self.nesterov and self.momentum > 0)
         return exact
 
-    def _begin_local(self) -> None:
+    def _begin_local(self, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
-            for outer, p in zip(self.outer_params, self.params):
-                outer.copy_(p)
+            for outers, (params, _) in zip(self.outer_params, self.parts):
+                for outer, p in zip(outers, params):
+                    outer.copy_(p)
+        self._warn_about(optimizer)
 
-    def _sync(self) -> None:
+    def _warn_about(self, optimizer: torch.optim.Optimizer) -> None:
+        reach = self.outer_lr / (1 - self.momentum)
+        if self._warned or reach <= 2 or not isinstance(optimizer, torch.optim.SGD) or self._comm.rank != 0:  # type: ignore[union-attr]
+            return
+        self._warned = True
+        lr = optimizer.param_groups[0].get("lr")
+        log.warning("%r over an inner SGD (lr %s): its outer step moves the weights up to outer_lr/(1 - momentum) "
+                    "= %.1fx as far as the replicas moved in a round. Its defaults are the DiLoCo paper's, for an "
+                    "inner AdamW; over SGD near its stability limit this diverges (digits, SGD lr 0.05 momentum "
+                    "0.9: 9%% accuracy). If the loss rises after the first outer steps, use "
+                    "autodist.DiLoCo(momentum=0.5), a smaller inner lr, an inner AdamW, or autodist.LocalSGD",
+                    self, lr, reach)
+
+    def _local_step(self, n: int) -> None:
+        phase = n % self.every
+        for f, offset in enumerate(self.offsets):
+            if phase == (offset - self.overlap) % self.every:
+                self._launch(f)
+            if phase == offset % self.every:
+                self._land(f)
+
+    def _launch(self, f: int) -> None:
+        """Start fragment f's average of (outer - local) and of its float buffers."""
+        self._samples += self.tally.count
+        self._error = self._error or self.tally.error
+        self.tally.reset()
+        weight, self._launched_at[f] = self._samples - self._launched_at[f], self._samples
+        params, buffers = self.parts[f]
         with torch.no_grad():
-            deltas = [outer - p.detach() for outer, p in zip(self.outer_params, self.params)]
-            weighted_average_(deltas + self.buffers, self.tally.count, self._comm,  # type: ignore[arg-type]
-                              self.tally.error)
-            for outer, delta in zip(self.outer_params, deltas):
+            deltas = [outer - p.detach() for outer, p in zip(self.outer_params[f], params)]
+        self._pending[f] = self._sending(lambda: self.averager.start(deltas + buffers, weight,  # type: ignore[union-attr]
+                                                                     self._error))
+
+    def _land(self, f: int) -> None:
+        """Fragment f's outer step on the averaged delta; the replicas continue from it."""
+        averaged = self._pending.pop(f).wait()
+        params, buffers = self.parts[f]
+        outers = self.outer_params[f]
+        mix = self.mix if self.overlap else 0.0
+        with torch.no_grad():
+            for outer, delta in zip(outers, averaged):
                 outer.grad = delta
-            self.outer.step()
-            for outer, p in zip(self.outer_params, self.params):
-                p.copy_(outer)
+            self.outer.step()  # the other fragments have no .grad: SGD leaves them (and their momentum) alone
+            for outer, p in zip(outers, params):
                 outer.grad = None
+                if mix:
+                    p.mul_(mix).add_(outer, alpha=1 - mix)
+                else:
+                    p.copy_(outer)
+            for b, avg in zip(buffers, averaged[len(params):]):
+                b.copy_(avg)
+        self.syncs += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer parameters, the outer optimizer's state and the step count (what a restart needs)."""
-        return {"steps": self.steps, "syncs": self.syncs, "outer_params": [t.clone() for t in self.outer_params],
-                "outer": self.outer.state_dict()}
+        """The outer parameters, the outer optimizer's state, the step count, and any fragment's average
+        under way (waited for: every rank holds the same result)."""
+        pending = [[f, [t.clone() for t in p.wait()]] for f, p in sorted(self._pending.items())]
+        return {**super().state_dict(), "outer_params": [t.clone() for ts in self.outer_params for t in ts],
+                "outer": self.outer.state_dict(), "samples": self._samples, "launched_at": list(self._launched_at),
+                "pending": pending}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        super().load_state_dict(state)
+        self._pending, self._error = {}, None
+        if state is None:
+            self._samples, self._launched_at = 0.0, [0.0] * self.fragments
+            return
+        flat = [t for ts in self.outer_params for t in ts]
         saved = state["outer_params"]
-        if len(saved) != len(self.outer_params) or any(s.shape != o.shape for s, o in zip(saved, self.outer_params)):
+        if len(saved) != len(flat) or any(s.shape != o.shape for s, o in zip(saved, flat)):
             raise ValueError(f"the saved DiLoCo state holds {len(saved)} outer parameters of shapes "
-                             f"{[tuple(s.shape) for s in saved][:4]}..., the model {len(self.outer_params)}: load "
+                             f"{[tuple(s.shape) for s in saved][:4]}..., the model {len(flat)}: load "
                              f"it into the model it was saved from")
         with torch.no_grad():
-            for outer, s in zip(self.outer_params, saved):
+            for outer, s in zip(flat, saved):
                 outer.copy_(s)
         self.outer.load_state_dict(state["outer"])
-        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        self._samples, self._launched_at = float(state["samples"]), [float(x) for x in state["launched_at"]]
+        self._pending = {int(f): Done(list(ts)) for f, ts in state["pending"]}
+        self._fresh = False
 
     def __repr__(self) -> str:
+        streamed = f", fragments={self.fragments}, overlap={self.overlap}, mix={self.mix}" \
+            if self.fragments > 1 or self.overlap else ""
         return (f"DiLoCo(every={self.every}, outer_lr={self.outer_lr}, momentum={self.momentum}, "
-                f"nesterov={self.nesterov}, warmup={self.warmup})")
+                f"nesterov={self.nesterov}, warmup={self.warmup}{streamed})")

@@ -50,7 +50,9 @@ class Gossip(Strategy):
           distance shrinks geometrically;
         * each rank sends ``peers`` models per round and never joins a collective.
         Replicas never hold the same parameters exactly: end with ``flush()`` and then
-        ``autodist.synchronize_model(model, what="parameters")`` for one model.
+        ``autodist.synchronize_model(model, what="parameters")`` for one model. ``autodist.save`` folds
+        the exchange under way in and keeps the round count; a restart continues every replica from
+        rank 0's model (what the checkpoint holds), on the graph of the round it stopped at.
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, sync=autodist.Gossip())
@@ -117,6 +119,16 @@ class Gossip(Strategy):
             for i, ts in enumerate(groups):
                 for t, step in zip(ts, _unflatten_dense_tensors(sums[i] / (1 + k), ts)):
                     t.add_(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step and round counts (the graph's phase); the exchange under way is folded in first."""
+        self.flush()
+        return {"steps": self.steps, "rounds": self.rounds}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self._pending = []
+        if state is not None:
+            self.steps, self.rounds = int(state["steps"]), int(state["rounds"])
 
     def remove(self) -> None:
         self.flush()

@@ -1,7 +1,8 @@
 """Local SGD (model averaging, MALT-2's dstsgd): replicas step alone and average their weights every H steps."""
 from __future__ import annotations
 
-from autodist.sync.averaging import weighted_average_
+import torch
+
 from autodist.sync.periodic import Periodic
 
 
@@ -21,7 +22,10 @@ class LocalSGD(Periodic):
         * it sends one model (parameters + float buffers) per ``every`` steps instead of one gradient per
           step: about ``every`` times fewer bytes than exact sync (``bytes_sent``).
         Between averages the replicas differ (``spread()`` says by how much), and optimizer state
-        (momentum, Adam's moments) stays local, never averaged.
+        (momentum, Adam's moments) stays local, never averaged. ``autodist.save`` keeps the step count, so
+        a restart averages at the same steps. Saved right after an average, with an optimizer whose state is
+        the same on every replica (plain SGD), the restart is the uninterrupted run; otherwise every replica
+        restarts from rank 0's model and optimizer state (what the checkpoint holds).
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, sync=autodist.LocalSGD(every=16))
@@ -44,7 +48,10 @@ class LocalSGD(Periodic):
         super().__init__(every, warmup)
 
     def _sync(self) -> None:
-        weighted_average_(self.tensors, self.tally.count, self._comm, self.tally.error)  # type: ignore[arg-type]
+        averaged = self._average(self.tensors).wait()
+        with torch.no_grad():
+            for t, a in zip(self.tensors, averaged):
+                t.copy_(a)
 
     def __repr__(self) -> str:
         return f"LocalSGD(every={self.every}, warmup={self.warmup})"

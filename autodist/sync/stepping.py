@@ -21,14 +21,14 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autodist.shares import Counted, SampleCounter
 from autodist.tree import tensor_leaves
 
 
 _watches: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()
-_hook: Any = None
+_hooks: list[Any] = []
 
 
 def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -37,25 +37,41 @@ def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         watch.after_step(optimizer)
 
 
-class StepWatch:
-    """Calls ``on_step()`` after every step of an optimizer holding any of ``params``; lives as long as the
-    strategy owning ``on_step`` (a bound method, held weakly)."""
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for watch in list(_watches):
+        watch.before_step(optimizer)
 
-    def __init__(self, params: list[torch.Tensor], on_step: Callable[[], None]) -> None:
-        global _hook
+
+class StepWatch:
+    """Calls ``on_step()`` after every step of an optimizer holding any of ``params`` (and
+    ``before_step(optimizer)`` before it, if given); lives as long as the strategy owning ``on_step``
+    (bound methods, held weakly)."""
+
+    def __init__(self, params: list[torch.Tensor], on_step: Callable[[], None],
+                 before_step: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
         self.ids = {id(p) for p in params}
         self.mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.on_step = weakref.WeakMethod(on_step)  # type: ignore[arg-type]
-        if _hook is None:
-            _hook = register_optimizer_step_post_hook(_after_any_step)
+        self.on_before = weakref.WeakMethod(before_step) if before_step is not None else None  # type: ignore[arg-type]
+        if not _hooks:
+            _hooks.append(register_optimizer_step_post_hook(_after_any_step))
+            _hooks.append(register_optimizer_step_pre_hook(_before_any_step))
         _watches.add(self)
         weakref.finalize(on_step.__self__, _watches.discard, self)  # type: ignore[attr-defined]
 
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
         holds = self.mine.get(optimizer)
         if holds is None:
             holds = self.mine[optimizer] = any(id(p) in self.ids for g in optimizer.param_groups for p in g["params"])
-        callback = self.on_step() if holds else None
+        return holds
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        callback = self.on_before() if self.on_before is not None and self._holds(optimizer) else None
+        if callback is not None:
+            callback(optimizer)
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        callback = self.on_step() if self._holds(optimizer) else None
         if callback is not None:
             callback()
 
