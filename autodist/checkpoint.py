@@ -517,7 +517,10 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         The random generators saved are rank 0's (torch CPU, the current CUDA
         device's, python ``random``, numpy); ``load`` restores them on every
         rank. A run whose ranks draw different random numbers (dropout seeded
-        per rank) should reseed per rank after loading.
+        per rank) should reseed per rank after loading. A model in a
+        low-communication mode (``sync=autodist.DiLoCo()``, ...) has its mode's
+        state saved too (DiLoCo's outer parameters and momentum, step counts),
+        which ``load`` gives back to it.
     """
     path = _checked_path(path, writing=True)
     _check_model(model)
