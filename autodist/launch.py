@@ -114,13 +114,13 @@ def _record(error: BaseException, tb: TracebackType | None, error_file: str | No
         pass  # the summary then names the rank and exit code without the line: no reason to fail the rank
 
 
-def _host_store_on_loopback() -> tuple[object, object] | None:
-    """Rank 0 of a one-machine job hosts the ranks' store on 127.0.0.1, and every rank connects to it.
+def _stay_on_loopback() -> tuple[object, object] | None:
+    """Keep a one-machine job's sockets on 127.0.0.1: the ranks' store, and gloo's (NCCL's) connections.
 
-    ``init_process_group`` would start that store in rank 0 listening on every
-    interface; a socket bound to loopback and handed to the store keeps it on
-    this machine. torch's agent-store mode makes every rank (this one too) a
-    client of it.
+    ``init_process_group`` would start the store in rank 0 listening on every
+    interface: rank 0 hosts it here on a socket bound to loopback, and torch's
+    agent-store mode makes every rank (this one too) a client of it. gloo binds
+    to the address the host name resolves to unless told an interface.
     """
     import socket
 
@@ -128,6 +128,10 @@ def _host_store_on_loopback() -> tuple[object, object] | None:
 
     from autodist.runtime import detect_launch
 
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is not None:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, loopback)  # a choice of the user's stands
     launch = detect_launch(os.environ)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     if launch.rank != 0 or launch.master_port is None:
@@ -147,11 +151,11 @@ def run_script(argv: list[str]) -> None:
     An exception that escapes the script is printed as Python prints it (no
     frames of this wrapper), recorded for the launcher's summary, and the
     process exits with status 1, as Python's would. With ``--loopback-store``
-    first, the ranks' store listens on 127.0.0.1 only.
+    first, the job's sockets stay on 127.0.0.1 (see :func:`_stay_on_loopback`).
     """
     if argv[0] == "--loopback-store":
         argv = argv[1:]
-        _kept_alive.append(_host_store_on_loopback())  # the store lives as long as the rank
+        _kept_alive.append(_stay_on_loopback())  # the store lives as long as the rank
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python script.py` puts the script's folder first
@@ -244,7 +248,10 @@ def summary(failures: list[Failure], world: int | None = None) -> list[str]:
     """
     root = root_cause(failures)
     of = f" of {world}" if world else ""
-    lines = [f"autodist run: rank {root.rank}{of} failed ({root.how}){': ' + root.error if root.error else ''}"]
+    # Only ranks that lost a peer (on this node): the line they died with names the peer and why.
+    verb = "stopped" if root.secondary else "failed"
+    error = root.error.removeprefix("autodist.watchdog.PeerFailure: ") if root.error else None
+    lines = [f"autodist run: rank {root.rank}{of} {verb} ({root.how}){': ' + error if error else ''}"]
     # Ranks that died of the first one's death (peer gone, stopped by the launcher or by the watchdog,
     # which exit without an error of their own) are not named again.
     also = [f for f in failures if f is not root and f.error is not None and not f.secondary]
