@@ -209,7 +209,10 @@ class Serving:
                 if reply is not None:
                     wire.wait(wire.send(self.group, worker, wire.REPLY_TAG, reply))
         except Exception as exc:  # noqa: BLE001 - the worker is gone (its socket closed): go on without it
-            why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            from autodist.watchdog import _is_peer_lost
+
+            why = "its connection closed: the process died or was killed" if _is_peer_lost(exc) else \
+                (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             if worker not in self.server.done:
                 log.warning("parameter server: worker rank %d is gone (%s); training goes on with the others",
                             worker, why)
