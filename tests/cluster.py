@@ -18,6 +18,8 @@ the next :func:`make_cluster`.
 
 Needs root and iproute2 (``ip``, ``tc``); where a namespace cannot be made,
 :func:`make_cluster` raises :class:`ClusterUnavailable` saying what failed.
+``python tests/cluster.py [--rate 100mbit]`` keeps a cluster up until Enter
+and prints how to open a shell on each host.
 
 Example:
     >>> with make_cluster() as cluster:
@@ -26,6 +28,7 @@ Example:
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import re
@@ -194,3 +197,27 @@ def make_cluster() -> Cluster:
         cluster.close()
         raise
     return cluster
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Keep two hosts (network namespaces) up until Enter.")
+    parser.add_argument("--rate", default=None, help="tc tbf rate of the link, e.g. 100mbit (default: unlimited)")
+    args = parser.parse_args()
+    try:
+        cluster = make_cluster()
+    except ClusterUnavailable as error:
+        raise SystemExit(f"cluster.py: {error}") from None
+    with cluster:
+        if args.rate:
+            cluster.limit(args.rate)
+        for host in cluster.hosts:
+            print(f"host {host.name}: {host.addr} on {host.dev}; a shell there: ip netns exec {host.netns} bash")
+        print(f"link: {args.rate or 'unlimited'}; set GLOO_SOCKET_IFNAME={cluster.a.dev} in each host's jobs")
+        try:
+            input("Enter (or Ctrl-C) deletes both hosts\n")
+        except (KeyboardInterrupt, EOFError):
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -93,6 +93,37 @@ def _namespace_inode(netns: str) -> int:
     return os.stat(f"/run/netns/{netns}").st_ino
 
 
+_SINK = """import socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 5001)); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); n, start = 0, time.monotonic()
+while True:
+    b = c.recv(1 << 16)
+    if not b:
+        break
+    n += len(b)
+print(n, time.monotonic() - start)
+"""
+_SOURCE = "import socket, sys; socket.create_connection((sys.argv[1], 5001)).sendall(b'x' * int(sys.argv[2]))"
+
+
+def _seconds_to_send(cluster: Cluster, nbytes: int) -> float:
+    """Seconds host A takes to receive ``nbytes`` sent by host B over their link."""
+    sink = cluster.popen(cluster.a, [sys.executable, "-c", _SINK, cluster.a.addr], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout.readline() == "ready\n"
+    cluster.run(cluster.b, [sys.executable, "-c", _SOURCE, cluster.a.addr, str(nbytes)])
+    received, seconds = sink.communicate(timeout=30)[0].split()
+    assert int(received) == nbytes
+    return float(seconds)
+
+
+def test_the_hosts_reach_each_other_and_the_rate_limit_holds(cluster):
+    assert "10.77.0.2/24" in cluster.run(cluster.b, ["ip", "-brief", "addr", "show", "eth0"])
+    assert _seconds_to_send(cluster, 4_000_000) < 0.5  # unlimited: memory speed (tens of Gbit/s)
+    cluster.limit("100mbit")
+    seconds = _seconds_to_send(cluster, 4_000_000)  # 32 Mbit: 0.32 s at 100 Mbit/s (less if accept() is late)
+    assert 0.2 < seconds < 3.0, f"4 MB took {seconds:.2f} s over a 100 Mbit/s link"
+
+
 def _run_exactness(cluster: Cluster, tmp_path, nproc: int, mp: int) -> dict:
     out = tmp_path / "state.pt"
     job = Job(cluster, nproc, [str(out), "--mp", str(mp)])
