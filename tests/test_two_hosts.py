@@ -124,10 +124,10 @@ def test_the_hosts_reach_each_other_and_the_rate_limit_holds(cluster):
     assert 0.2 < seconds < 3.0, f"4 MB took {seconds:.2f} s over a 100 Mbit/s link"
 
 
-def _run_exactness(cluster: Cluster, tmp_path, nproc: int, mp: int) -> dict:
+def _run_exactness(cluster: Cluster, tmp_path, nproc: int, mp: int, *more: str) -> dict:
     out = tmp_path / "state.pt"
-    job = Job(cluster, nproc, [str(out), "--mp", str(mp)])
-    assert job.wait(timeout=120) == [0, 0], job.describe()
+    job = Job(cluster, nproc, [str(out), "--mp", str(mp), *more])
+    assert job.wait(timeout=180) == [0, 0], job.describe()
     saved = torch.load(out, weights_only=True)
     assert_close(saved["state"], two_hosts_train.reference(epochs=3), rtol=1e-5, atol=1e-6)
     hosts = [_namespace_inode(h.netns) for h in cluster.hosts]
@@ -141,10 +141,32 @@ def test_data_parallel_across_two_hosts_trains_like_one_process(cluster, tmp_pat
     assert _run_exactness(cluster, tmp_path, nproc=1, mp=1)["world"] == 2
 
 
+EVERY = 8  # the Hierarchical phase: local SGD between the hosts every 8 steps, 32 steps
+
+
 @pytest.mark.e2e
-def test_hybrid_model_parallel_within_a_host_data_parallel_across(cluster, tmp_path):
-    # mp groups are consecutive ranks: {0, 1} on host A, {2, 3} on host B; gradients are averaged across the link
-    assert _run_exactness(cluster, tmp_path, nproc=2, mp=2)["world"] == 4
+def test_two_hosts_of_two_ranks_hybrid_exact_and_hierarchical_sends_little_over_the_link(cluster, tmp_path):
+    # one job, two phases (starting the job is most of the time):
+    # 1. mp groups are consecutive ranks: {0, 1} on host A, {2, 3} on host B; gradients are averaged across the
+    #    link; the result is the single-process run's
+    saved = _run_exactness(cluster, tmp_path, 2, 2, "--hierarchical", str(EVERY))
+    assert saved["world"] == 4
+    # 2. Hierarchical(across=LocalSGD(every=8)): the hosts' exact sync never crosses the link
+    ranks = saved["hierarchical"]
+    params = [r["params"] for r in ranks]
+    assert torch.equal(params[0], params[1]) and torch.equal(params[2], params[3])  # host-mates, every step
+    assert torch.equal(params[0], params[2])  # 32 steps: the hosts have just met
+    assert [r["syncs"] for r in ranks] == [4] * 4
+    model_bytes = ranks[0]["model_bytes"]
+    for host in (0, 1):  # both ranks of a host read the same link counter
+        link = ranks[2 * host]["link"]
+        claimed = ranks[2 * host]["across"] + ranks[2 * host + 1]["across"]
+        # one model per meeting from each host, split between its ranks (and a few numbers: the samples' weight)
+        assert 4 * model_bytes <= claimed <= 4 * (model_bytes + 64), (claimed, model_bytes)
+        print(f"host {'AB'[host]}: {link} bytes over the link, {claimed:.0f} claimed, a model is {model_bytes}")
+        # what crossed: the meetings, plus TCP/IP headers, heartbeats and two barriers; exact sync would send at
+        # least one model per step (32 here)
+        assert claimed <= link < 1.5 * claimed + 50_000, (host, link, claimed)
 
 
 @pytest.mark.e2e
