@@ -154,7 +154,7 @@ def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None 
     return out + rank + (["--loopback-store"] if one_machine else []) + list(argv[script_at:])
 
 
-def _world(argv: Sequence[str], torchrun_argv: Sequence[str]) -> int | None:
+def _world(torchrun_argv: Sequence[str]) -> int | None:
     """How many ranks the job has, when this machine's options tell (one node, a number of processes)."""
     args = _torchrun_parser().parse_args(list(torchrun_argv))
     if args.nnodes == "1" and str(args.nproc_per_node).isdigit():
@@ -164,7 +164,6 @@ def _world(argv: Sequence[str], torchrun_argv: Sequence[str]) -> int | None:
 
 def run(argv: Sequence[str]) -> int:
     """``autodist run``: launch through torchrun, supervised; returns the job's exit status."""
-
     if not argv or argv[0] in ("-h", "--help"):
         print(_RUN_HELP)
         return 0 if argv else 2
@@ -173,7 +172,7 @@ def run(argv: Sequence[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         launch = torchrun_args(argv, workdir)
-        return supervise(launch, os.path.join(workdir, "failures.json"), _world(argv, launch))
+        return supervise(launch, os.path.join(workdir, "failures.json"), _world(launch))
 
 
 # -- explain ---------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ Three processes take part, each a function here:
   torchrun gives every rank (``TORCHELASTIC_ERROR_FILE``).
 
 Example:
-    >>> code = supervise(["--nproc-per-node", "2", "-m", "autodist", "_rank", "train.py"], "/tmp/r.json")
+    >>> from autodist.cli import torchrun_args
+    >>> code = supervise(torchrun_args(["-n", "2", "train.py"], "/tmp/run"), "/tmp/run/failures.json", world=2)
 """
 from __future__ import annotations
 
