@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist import provenance
-from autodist.buckets import MB, Bucket, assign_buckets, average_
+from autodist.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
 from autodist import watchdog
 from autodist.buffer_sync import BufferSync
 from autodist.replicate import first_difference, model_tensors, signature
@@ -94,6 +94,9 @@ class GradSync:
         self.buckets = [Bucket([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
                         for k, idx in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        small = sum(p.numel() * p.element_size() for p in self.params) < COPY_BACK_BELOW_BYTES
+        for bucket in self.buckets:
+            bucket.copies_back = small
         for handle in self.param_handles:
             handle.remove()
         self.param_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
