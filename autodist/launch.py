@@ -146,6 +146,47 @@ def _stay_on_loopback() -> tuple[object, object] | None:
     return store, listener
 
 
+def interface_reaching(host: str) -> str | None:
+    """The name of the network interface this machine uses to reach ``host`` (None if none is found).
+
+    A UDP socket "connected" to the host sends nothing but picks the route; the interface holding the
+    source address it chose is the one gloo must bind, which the host name's own address often is not
+    (it resolves to 127.0.1.1 on many Linux machines).
+
+    Example:
+        >>> interface_reaching("127.0.0.1")
+        'lo'
+    """
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            source = probe.getsockname()[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(query.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                except OSError:
+                    continue  # no IPv4 address on this interface
+                if socket.inet_ntoa(packed[20:24]) == source:
+                    return name
+    except OSError:
+        return None
+    return None
+
+
+def _reach_the_other_hosts() -> None:
+    """A multi-node job's gloo connections go out through the interface that reaches the rendezvous host."""
+    master = os.environ.get("MASTER_ADDR")
+    if master and "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = interface_reaching(master)
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def run_script(argv: list[str]) -> None:
     """Run ``argv[0]`` with arguments ``argv[1:]`` as ``python script.py args`` would, in this process.
 
@@ -157,6 +198,8 @@ def run_script(argv: list[str]) -> None:
     if argv[0] == "--loopback-store":
         argv = argv[1:]
         _kept_alive.append(_stay_on_loopback())  # the store lives as long as the rank
+    else:
+        _reach_the_other_hosts()
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python script.py` puts the script's folder first

@@ -44,7 +44,7 @@ class Job:
             cmd = [sys.executable, "-m", "autodist.cli", "run", "--nnodes", str(len(cluster.hosts)),
                    "--node-rank", str(node), "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}",
                    "-n", str(nproc), SCRIPT, *args]
-            proc = cluster.popen(host, cmd, env=_env(host.dev) | (env or {}), stdout=subprocess.PIPE,
+            proc = cluster.popen(host, cmd, env=_env() | (env or {}), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
             self.procs.append(proc)
             self.lines.append([])
@@ -80,12 +80,13 @@ class Job:
         return "\n".join(f"--- host {'AB'[n]} (exit {p.poll()}):\n{self.output(n)}" for n, p in enumerate(self.procs))
 
 
-def _env(dev: str) -> dict[str, str]:
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_",
                                                                       "PET_", "GLOO_"))}
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    env["GLOO_SOCKET_IFNAME"] = dev  # gloo's own choice is the address the host name resolves to: loopback here
+    # no GLOO_SOCKET_IFNAME: autodist run picks the interface that reaches the rendezvous host (gloo's own
+    # choice, the address the host name resolves to, is loopback here)
     return env
 
 
