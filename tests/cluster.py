@@ -212,7 +212,7 @@ def main() -> None:
             cluster.limit(args.rate)
         for host in cluster.hosts:
             print(f"host {host.name}: {host.addr} on {host.dev}; a shell there: ip netns exec {host.netns} bash")
-        print(f"link: {args.rate or 'unlimited'}; set GLOO_SOCKET_IFNAME={cluster.a.dev} in each host's jobs")
+        print(f"link: {args.rate or 'unlimited'}; autodist run picks {cluster.a.dev} on each host (GLOO_SOCKET_IFNAME)")
         try:
             input("Enter (or Ctrl-C) deletes both hosts\n")
         except (KeyboardInterrupt, EOFError):
