@@ -51,6 +51,9 @@ Every torchrun option passes through unchanged (python -m torch.distributed.run
                          with --rdzv-backend c10d --rdzv-id JOB on every machine
   --max-restarts K       restart every rank up to K times after a failure
   --log-dir DIR --tee 3  also keep each rank's output in files under DIR
+  --keep-going           (autodist's, with -n only) start the ranks without
+                         torchrun, so that the others finish when one is lost:
+                         for autodist.Downpour / autodist.EASGD training
 
 On one machine (none of --nnodes, --node-rank, --rdzv-*, --master-*,
 --standalone given) nothing listens beyond 127.0.0.1.
@@ -170,9 +173,27 @@ def run(argv: Sequence[str]) -> int:
     # Restarted workers must not reuse the dead attempt's store (torch's shared rendezvous TCP store hands
     # them stale peer addresses: "connectFullMesh ... Connection refused" or a hang in init_process_group).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if "--keep-going" in argv:
+        return _keep_going([a for a in argv if a != "--keep-going"])
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         launch = torchrun_args(argv, workdir)
         return supervise(launch, os.path.join(workdir, "failures.json"), _world(launch))
+
+
+def _keep_going(argv: list[str]) -> int:
+    """``autodist run --keep-going -n N script.py``: the ranks outlive a lost peer (see autodist.keep_going)."""
+    from autodist.keep_going import run_each
+
+    args = _torchrun_parser().parse_args(argv)
+    script_at = len(argv) - len(args.training_script_args) - 1
+    options = _nproc_options(argv[:script_at])
+    if len(options) != 2 or options[0] != "--nproc-per-node" or not options[1].isdigit() or int(options[1]) < 1:
+        raise UsageError("--keep-going starts the ranks of this machine itself, without torchrun: it takes "
+                         "only -n N (a positive number of processes) before the script")
+    if not os.path.isfile(args.training_script):
+        raise UsageError(f"no such script {args.training_script!r}")
+    with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
+        return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir)
 
 
 # -- explain ---------------------------------------------------------------------------------------

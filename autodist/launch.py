@@ -221,7 +221,7 @@ def run_script(argv: list[str]) -> None:
 
 # -- the launcher ----------------------------------------------------------------------------------
 
-def _failure_of(rank: int, failure) -> Failure:
+def failure_of(rank: int, failure) -> Failure:
     line, when, exitcode = None, float(failure.timestamp), failure.exitcode
     try:
         with open(failure.error_file) as f:
@@ -263,7 +263,7 @@ def launch(report: str, torchrun_argv: list[str]) -> int:
     try:
         run(parse_args(torchrun_argv))
     except ChildFailedError as failed:
-        failures = [_failure_of(rank, f) for rank, f in sorted(failed.failures.items())]
+        failures = [failure_of(rank, f) for rank, f in sorted(failed.failures.items())]
         with open(report, "w") as f:
             json.dump([vars(failure) for failure in failures], f)
         return 1

@@ -217,6 +217,21 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_killed_worker_under_autodist_run_keep_going(tmp_path):
+    # torchrun would stop every rank when one dies; --keep-going starts the ranks without it
+    out = str(tmp_path / "final.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_"))}
+    env |= {"PYTHONPATH": os.pathsep.join([HERE, env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
+            "AUTODIST_TIMEOUT": "20"}
+    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "--keep-going", "-n", "3", __file__, "2", out],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "autodist run: finished with 2 of 3 ranks; lost rank 2 (killed by SIGKILL)" in proc.stderr, proc.stderr
+    final = torch.load(out, weights_only=True)
+    assert final["lost"] == [2] and final["epochs"] == 3 and final["accuracy"] > 0.8
+
+
+@pytest.mark.e2e
 def test_a_killed_server_ends_the_job_with_the_last_checkpoint_intact(tmp_path):
     out = str(tmp_path / "final.pt")
     codes, outputs, seconds = _launch(3, 0, out)
