@@ -274,3 +274,36 @@ def _script(victim: int, out: str) -> None:
 
 if __name__ == "__main__":
     _script(int(sys.argv[1]), sys.argv[2])
+
+
+# -- convergence on a small real task: scikit-learn's handwritten digits ------------------------------------
+
+def _digits_accuracy(mode: str) -> float:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    train, test = slice(0, 1500), slice(1500, None)
+    strategy = autodist.Downpour() if mode == "downpour" else autodist.EASGD()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[train], y[train]), batch_size=50,
+                                         shuffle=True, generator=torch.Generator().manual_seed(1))
+    model, data = autodist.parallelize(net, loader, sync=strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / 2, momentum=0.9)
+    for _ in range(8):
+        for xb, yb in data:
+            optimizer.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    strategy.close()  # every rank now holds the final model (Downpour: the servers'; EASGD: the center)
+    with torch.no_grad():
+        return (model(x[test]).argmax(1) == y[test]).float().mean().item()
+
+
+@pytest.mark.parametrize("mode", ["downpour", "easgd"])
+def test_converges_on_real_digits(ranks, mode):
+    accuracies = ranks(2, _digits_accuracy, mode)
+    assert accuracies[0] == accuracies[1]  # one final model on every rank
+    assert accuracies[0] > 0.85, accuracies  # chance is 0.1; bench_param_server.py compares with exact sync
