@@ -41,8 +41,7 @@ from autodist import watchdog
 from autodist.buffer_sync import BufferSync
 from autodist.replicate import first_difference, model_tensors, signature
 from autodist.runtime import log
-from autodist.shares import Counted, SampleCounter, combine
-from autodist.tree import tensor_leaves
+from autodist.shares import Counted, SampleCounter, combine, watch_outputs
 from autodist.watchdog import waiting
 from autodist.weights import Pack, Window
 
@@ -118,11 +117,7 @@ class GradSync:
         """Count this forward's samples; a backward that reaches its output takes that count."""
         if not torch.is_grad_enabled():
             return
-        counted = None
-        for _, t in tensor_leaves(output):
-            if t.requires_grad:
-                counted = counted or self.counter(args, kwargs)
-                t.register_hook(partial(self._reached, counted))
+        watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
         """A backward reached an output of a forward counted ``counted``."""

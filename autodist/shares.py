@@ -20,6 +20,7 @@ here, first match wins:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,7 +29,7 @@ import torch
 
 from autodist import provenance
 from autodist.runtime import log
-from autodist.tree import arguments
+from autodist.tree import arguments, tensor_leaves
 
 SampleFn = Callable[..., int]
 
@@ -154,3 +155,18 @@ class SampleCounter:
             listed = ", ".join(f"{path} has {size}" for path, size in sizes.items())
             return _unknown(f"its input tensors disagree on the size of dimension {dim} (batch_dim={dim}): {listed}")
         return Counted(float(candidates.pop()))
+
+
+def watch_outputs(output: Any, count: Callable[[], "Counted"], reached: Callable[["Counted", torch.Tensor], None]
+                  ) -> None:
+    """Call ``reached(counted, grad)`` whenever a backward reaches one of the forward's outputs needing a
+    gradient; ``counted = count()`` is taken once, at the first such output (a forward with none costs nothing).
+
+    Example:
+        >>> watch_outputs(model(x), lambda: counter((x,), {}), on_reached)
+    """
+    counted = None
+    for _, t in tensor_leaves(output):
+        if t.requires_grad:
+            counted = counted or count()
+            t.register_hook(functools.partial(reached, counted))

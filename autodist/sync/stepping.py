@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from functools import partial
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autodist.shares import Counted, SampleCounter
-from autodist.tree import tensor_leaves
+from autodist.shares import Counted, SampleCounter, watch_outputs
 
 
 _watches: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()
@@ -96,11 +94,7 @@ class SampleTally:
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        counted = None
-        for _, t in tensor_leaves(output):
-            if t.requires_grad:
-                counted = counted or self.counter(args, kwargs)
-                t.register_hook(partial(self._reached, counted))
+        watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
         key = counted.batch if counted.batch is not None else ("forward", id(counted))
