@@ -17,6 +17,7 @@ import torch
 from torch.testing import assert_close
 
 import autodist
+from alike import train_alike
 from collectives import counted
 
 transformers = pytest.importorskip("transformers")
@@ -108,13 +109,7 @@ def _train(kind: str, impl: str, *options: float):
     torch.manual_seed(0 if torch.distributed.get_rank() == 0 else 7)  # rank 0's weights are the ones kept
     model, _ = autodist.parallelize(BUILD[kind](impl, *options), mp=2, example={k: v[:2] for k, v in batch.items()})
     per_rank = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
-    for m in (ref, model):
-        torch.manual_seed(11)  # both draw their dropout masks from here
-        optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
-        for _ in range(3):
-            optimizer.zero_grad()
-            m(**batch).loss.backward()
-            optimizer.step()
+    train_alike((ref, model), lambda m: m(**batch).loss)
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), per_rank
 
 

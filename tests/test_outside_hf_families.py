@@ -13,6 +13,7 @@ import torch
 from torch.testing import assert_close
 
 import autodist
+from alike import train_alike
 
 T = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=96, max_position_embeddings=40)
@@ -55,13 +56,7 @@ def _train(kind: str):
     torch.manual_seed(0)
     model, _ = autodist.parallelize(FAMILIES[kind]().double(), mp=2, example={k: v[:2] for k, v in batch.items()})
     split = sum(p.numel() for p in ref.parameters()) - sum(p.numel() for p in model.parameters())
-    for m in (ref, model):
-        torch.manual_seed(11)
-        optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
-        for _ in range(2):
-            optimizer.zero_grad()
-            m(**batch).loss.backward()
-            optimizer.step()
+    train_alike((ref, model), lambda m: m(**batch).loss, steps=2)
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), split
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.testing import assert_close
 
 import autodist
+from alike import train_alike
 from collectives import counted
 from outside.nanogpt import GPT, GPTConfig
 
@@ -52,14 +53,7 @@ def _train_nanogpt(dropout: float = 0.0):
     ref = _gpt(0, dropout)
     model, _ = autodist.parallelize(_gpt(0 if torch.distributed.get_rank() == 0 else 5, dropout), (x, y), mp=2)
     per_rank = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in ref.parameters())
-    for m in (ref, model):
-        torch.manual_seed(11)  # both draw their dropout masks from here
-        optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
-        for _ in range(3):
-            optimizer.zero_grad()
-            _, loss = m(x, y)
-            loss.backward()
-            optimizer.step()
+    train_alike((ref, model), lambda m: m(x, y)[1])
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), per_rank
 
 

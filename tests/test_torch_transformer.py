@@ -13,6 +13,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import autodist
+from alike import train_alike
 from autodist.layers.attention import MPMultiheadAttention
 
 VOCAB, WIDTH, HEADS = 40, 32, 4
@@ -90,13 +91,7 @@ def _train(kind: str, directory: str):
                                     example=(tokens[:2],))
     assert sum(isinstance(m, MPMultiheadAttention) for m in model.modules()) == \
         sum(isinstance(m, nn.MultiheadAttention) for m in ref.modules())
-    for m in (ref, model):
-        torch.manual_seed(11)  # both draw their dropout masks from here
-        optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
-        for _ in range(3):
-            optimizer.zero_grad()
-            _loss(m, tokens).backward()
-            optimizer.step()
+    optimizer = train_alike((ref, model), lambda m: _loss(m, tokens))[1]
     evaluated = []
     for m in (ref, model):
         m.eval()
