@@ -147,32 +147,40 @@ def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int,
     return accuracy(model, test), sent / 1e6, seconds
 
 
+def print_table(title: str, metric: str, rows: list[tuple[str, str, float, float]]) -> None:
+    """On rank 0: one markdown row per (mode, metric as printed, MB sent, seconds); the first row is exact sync."""
+    if autodist.init().rank != 0:
+        return
+    exact_mb = rows[0][2]  # exact sync sends the same bytes whatever its optimizer
+    print(f"\n{autodist.init().size} ranks, {title}\n")
+    print(f"| mode | {metric} | MB sent / rank | less traffic than exact | seconds |")
+    print("|---|---|---|---|---|")
+    for mode, value, mb, seconds in rows:
+        print(f"| {mode} | {value} | {mb:.2f} | {exact_mb / mb:.0f}x | {seconds:.1f} |")
+
+
 def worker(epochs: int) -> None:
     train, test = digits()
     rows = []
     for mode in MODES + ADAMW_MODES:
-        rows.append((mode, *run(mode, train, test, epochs)))
-    if autodist.init().rank == 0:
-        exact_mb = rows[0][2]  # exact sync sends the same bytes whatever its optimizer
-        print(f"\n{autodist.init().size} ranks, digits, {epochs} epochs, global batch {BATCH}\n")
-        print("| mode | accuracy (%) | MB sent / rank | less traffic than exact | seconds |")
-        print("|---|---|---|---|---|")
-        for mode, acc, mb, seconds in rows:
-            print(f"| {mode} | {acc:.1f} | {mb:.2f} | {exact_mb / mb:.0f}x | {seconds:.1f} |")
+        acc, mb, seconds = run(mode, train, test, epochs)
+        rows.append((mode, f"{acc:.1f}", mb, seconds))
+    print_table(f"digits, {epochs} epochs, global batch {BATCH}", "accuracy (%)", rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20)
+def main(script: str = __file__, work: Callable[[int], None] = worker, epochs: int = 20) -> None:
+    """``script`` on ``--ranks`` processes through torchrun, each running ``work(epochs)``."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
-        worker(args.epochs)
+        work(args.epochs)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
-    sys.exit(subprocess.run(torchrun(__file__, args.ranks, ["--epochs", str(args.epochs)]), env=env).returncode)
+    sys.exit(subprocess.run(torchrun(script, args.ranks, ["--epochs", str(args.epochs)]), env=env).returncode)
 
 
 if __name__ == "__main__":

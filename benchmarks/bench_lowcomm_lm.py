@@ -19,12 +19,8 @@ How to run
 """
 from __future__ import annotations
 
-import argparse
 import argparse as _source  # the text the model learns
 import inspect
-import os
-import subprocess
-import sys
 import time
 
 import torch
@@ -33,8 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
-from bench_lowcomm import ADAMW_LR, BATCH, PERIOD, ring_bytes, sent_so_far, strategy_for
-from timing import torchrun  # benchmarks/timing.py, next to this file
+from bench_lowcomm import ADAMW_LR, BATCH, PERIOD, main, print_table, ring_bytes, sent_so_far, strategy_for
 
 WINDOW = 64
 MODES = ("exact sync, AdamW", "LocalSGD(every=16), AdamW", "DiLoCo(every=16), AdamW",
@@ -103,30 +98,13 @@ def run(mode: str, train: TensorDataset, test: torch.Tensor, vocab: int, epochs:
 
 def worker(epochs: int) -> None:
     train, test, vocab = text_windows()
-    rows = [(mode, *run(mode, train, test, vocab, epochs)) for mode in MODES]
-    if autodist.init().rank == 0:
-        exact_mb = rows[0][2]
-        print(f"\n{autodist.init().size} ranks, char LM on argparse's source ({len(train)} windows of {WINDOW}), "
-              f"{epochs} epochs, global batch {BATCH}, AdamW\n")
-        print("| mode | held-out loss (nats/char) | MB sent / rank | less traffic than exact | seconds |")
-        print("|---|---|---|---|---|")
-        for mode, loss, mb, seconds in rows:
-            print(f"| {mode} | {loss:.3f} | {mb:.2f} | {exact_mb / mb:.0f}x | {seconds:.1f} |")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        torch.set_num_threads(1)
-        worker(args.epochs)
-        return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
-    sys.exit(subprocess.run(torchrun(__file__, args.ranks, ["--epochs", str(args.epochs)]), env=env).returncode)
+    rows = []
+    for mode in MODES:
+        loss, mb, seconds = run(mode, train, test, vocab, epochs)
+        rows.append((mode, f"{loss:.3f}", mb, seconds))
+    print_table(f"char LM on argparse's source ({len(train)} windows of {WINDOW}), {epochs} epochs, global batch "
+                f"{BATCH}, AdamW", "held-out loss (nats/char)", rows)
 
 
 if __name__ == "__main__":
-    main()
+    main(__file__, worker, epochs=8)
