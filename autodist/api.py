@@ -58,6 +58,17 @@ def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float, sync_buffe
                          f"GPU of its own, gloo otherwise), got {backend!r}")
 
 
+def _device_of(model: nn.Module, world: World) -> str:
+    """Where the model's parameters are, for the summary line; a GPU left unused is said."""
+    device = next((p.device for p in model.parameters()), None)
+    if device is None:
+        return "no parameters"
+    if device.type == "cpu" and world.device.type == "cuda":
+        return (f"cpu (this rank's GPU {world.device} is unused: move the model there first, "
+                f"model.to(autodist.init().device), to train on it)")
+    return str(device)
+
+
 def _hand_placed_mp(model: nn.Module, mp: int, world: World) -> int:
     """mp as the model's own MP layers imply it (they default to the whole world as their group)."""
     for name, layer in rewrite.mp_modules(model):
@@ -246,6 +257,6 @@ def parallelize(
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
-                 "sync=%s", type(model).__name__, world.size, world.launcher, world.backend,
-                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy)
+                 "sync=%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
+                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _device_of(model, world))
     return model, shard

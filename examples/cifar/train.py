@@ -56,7 +56,7 @@ def main() -> None:
         log.info("dataset: %s (%d train / %d test images of %s)%s", data.name, len(data.train), len(data.test),
                  "x".join(map(str, data.image_shape)),
                  "" if data.name == "CIFAR-10" else f"; CIFAR-10 not found in {args.data_dir!r}")
-    model = models.build(args.model, data.image_shape, data.classes)
+    model = models.build(args.model, data.image_shape, data.classes).to(world.device)  # the GPU, if any
     shuffle = torch.Generator().manual_seed(args.seed)  # its state is saved with checkpoints
     loader = DataLoader(data.train, batch_size=args.batch_size, shuffle=True, generator=shuffle)
     mp = {"dp": 1, "mp": world.size, "hybrid": min(2, world.size)}[args.mode]
@@ -73,8 +73,8 @@ def main() -> None:
     for epoch in range(first_epoch, args.epochs + 1):
         start, metrics = time.perf_counter(), engine.Metrics()
         model.train()
-        for x, y in engine.progress(engine.prefetch(loader), total=len(loader), desc=f"epoch {epoch}",
-                                    disable=args.no_progress):
+        batches = engine.prefetch(loader, device=world.device)  # moved to the model's device in the background
+        for x, y in engine.progress(batches, total=len(loader), desc=f"epoch {epoch}", disable=args.no_progress):
             optimizer.zero_grad()
             out = model(x)
             loss = F.cross_entropy(out, y)

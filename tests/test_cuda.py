@@ -1,0 +1,167 @@
+"""The CUDA paths, each compared with one process on the same GPU; skipped where there is no GPU (CI).
+
+One GPU is enough for most: two ranks share it, which is the "several processes per GPU" set-up
+(``autodist.init`` picks gloo, since NCCL wants a GPU per rank; the tensors stay on the GPU). The NCCL
+test needs two GPUs. Everything runs in float64, so that any difference is a real one, not TF32 or a
+changed summation order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+from alike import train_alike
+from autodist import engine
+from outside.nanogpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def _train(model, batches, optimizer, device):
+    for x, y in engine.prefetch(batches, device=device):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x.double()), y).backward()
+        optimizer.step()
+
+
+def _data_parallel():
+    world = autodist.init()
+    device = world.device
+    x, y = w.digits_like(22)
+    ref = w.seeded(w.mlp, 0).double().to(device)
+    _train(ref, w.loader(x, y, 8), w.optimizer("adam", ref), device)
+    model = w.seeded(w.mlp, w.rank() * 7).double().to(device)  # ranks differ: rank 0's weights must win
+    model, data = autodist.parallelize(model, w.loader(x, y, 8))
+    _train(model, data, w.optimizer("adam", model), device)
+    on_gpu = all(p.is_cuda and p.grad.is_cuda for p in model.parameters())
+    return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu, world.backend, str(device)
+
+
+def test_two_ranks_sharing_one_gpu_train_as_one_process(ranks):
+    # 22 samples, batch 8: the last global batch of 6 splits 3/3; Adam in float64
+    for ref, par, on_gpu, backend, device in ranks(2, _data_parallel):
+        assert (on_gpu, backend, device) == (True, "gloo", "cuda:0")
+        assert_close(par, ref, rtol=1e-9, atol=1e-12)
+
+
+def _local_sgd_every_step():
+    device = autodist.init().device
+    x, y = w.digits_like(22)
+    ref = w.seeded(w.mlp, 0).double().to(device)
+    plain = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    _train(ref, w.loader(x, y, 8), plain(ref), device)
+    model, data = autodist.parallelize(w.seeded(w.mlp, 0).double().to(device), w.loader(x, y, 8),
+                                       sync=autodist.LocalSGD(every=1))
+    _train(model, data, plain(model), device)
+    return _cpu(ref.state_dict()), _cpu(model.state_dict())
+
+
+def test_local_sgd_every_step_on_gpu_is_the_exact_run(ranks):
+    for ref, par in ranks(2, _local_sgd_every_step):
+        assert_close(par, ref, rtol=1e-9, atol=1e-12)
+
+
+CONFIG = GPTConfig(block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=64, dropout=0.0, bias=True)
+
+
+def _nanogpt_mp2(dropout: float):
+    device = autodist.init().device
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CONFIG.vocab_size, (4, 12), generator=g).to(device)
+    y = torch.roll(x, -1, 1)
+
+    def gpt(seed):
+        torch.manual_seed(seed)
+        return GPT(dataclasses.replace(CONFIG, dropout=dropout)).double().to(device)
+
+    ref = gpt(0)
+    model, _ = autodist.parallelize(gpt(0 if w.rank() == 0 else 5), (x, y), mp=2)
+    train_alike((ref, model), lambda m: m(x, y)[1])
+    gathered = autodist.gather_state_dict(model, all_ranks=True)
+    return _cpu(gathered), _cpu(ref.state_dict())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_nanogpt_mp2_on_one_gpu_trains_as_one_process(ranks, dropout):
+    for gathered, expected in ranks(2, _nanogpt_mp2, dropout):
+        assert gathered.keys() == expected.keys()
+        for name in expected:
+            assert_close(gathered[name], expected[name], rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _checkpoint_round_trip(path: str):
+    device = autodist.init().device
+    x, y = w.digits_like(22)
+    model, data = autodist.parallelize(w.seeded(w.mlp, 0).double().to(device), w.loader(x, y, 8))
+    optimizer = w.optimizer("adam", model)
+    _train(model, data, optimizer, device)
+    autodist.save(path, model, optimizer, step=3)
+    fresh, _ = autodist.parallelize(w.seeded(w.mlp, 9).double().to(device), None)
+    fresh_optimizer = w.optimizer("adam", fresh)
+    extra = autodist.load(path, fresh, fresh_optimizer)
+    moments = [s["exp_avg"] for s in fresh_optimizer.state.values()]
+    return (extra["step"], _cpu(model.state_dict()), _cpu(fresh.state_dict()),
+            all(p.is_cuda for p in fresh.parameters()) and all(m.is_cuda for m in moments))
+
+
+def test_checkpoint_of_a_gpu_model_loads_onto_the_gpu(ranks, tmp_path):
+    for step, saved, loaded, on_gpu in ranks(2, _checkpoint_round_trip, str(tmp_path / "ckpt.pt")):
+        assert step == 3 and on_gpu
+        assert_close(loaded, saved, rtol=0, atol=0)
+
+
+@pytest.mark.e2e
+def test_example_trains_on_the_gpu_through_autodist_run(tmp_path):
+    # two processes on the machine's GPU(s): the model and every batch on the GPU, one epoch of digits
+    out = subprocess.run(
+        [sys.executable, "-m", "autodist", "run", "-n", "2", "examples/cifar/train.py", "--epochs", "1",
+         "--data-dir", str(tmp_path), "--no-progress", "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "model on cuda:0" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "final test accuracy" in out.stdout + out.stderr
+
+
+NCCL_SCRIPT = """
+import torch, torch.nn.functional as F, autodist, workloads as w
+world = autodist.init()
+x, y = w.digits_like(22)
+ref = w.seeded(w.mlp, 0).double().cuda()
+opt = w.optimizer("adam", ref)
+for xb, yb in w.loader(x, y, 8):
+    opt.zero_grad(); F.cross_entropy(ref(xb.double().cuda()), yb.cuda()).backward(); opt.step()
+model, data = autodist.parallelize(w.seeded(w.mlp, world.rank).double(), w.loader(x, y, 8))
+opt = w.optimizer("adam", model)
+for xb, yb in data:
+    opt.zero_grad(); F.cross_entropy(model(xb.double().cuda()), yb.cuda()).backward(); opt.step()
+assert world.backend == "nccl" and next(model.parameters()).is_cuda
+torch.testing.assert_close(model.state_dict(), ref.state_dict(), rtol=1e-9, atol=1e-12)
+print("nccl run matches one process", flush=True)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_nccl_data_parallel_matches_one_process(tmp_path):
+    script = tmp_path / "nccl_train.py"
+    script.write_text(NCCL_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    out = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", "2", str(script)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (out.stdout + out.stderr).count("nccl run matches one process") == 2
