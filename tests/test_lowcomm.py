@@ -70,18 +70,24 @@ def test_local_sgd_replicas_identical_after_each_average_and_apart_between(ranks
 def _warmup_is_exact():
     x, y = w.digits_like(16)
     ref = w.train(w.seeded(w.mlp, 0), w.loader(x, y, 8), "sgd", 1)  # 2 steps, SGD with momentum
-    model, data = _parallel(autodist.LocalSGD(every=100, warmup=2), n=16)
+    strategy = autodist.LocalSGD(every=100, warmup=2)
+    model, data = _parallel(strategy, n=16)
     opt = w.optimizer("sgd", model)
     _loop(model, data, opt, 1)
-    exact = w.state(model)
+    exact, sent = w.state(model), strategy.bytes_sent
     _loop(model, data, opt, 1)  # now local
-    return (w.state(ref), exact), w.state(model)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (w.state(ref), exact), w.state(model), sent, strategy.bytes_sent, gradient_bytes
 
 
 def test_local_sgd_warmup_steps_are_exact_then_local(ranks):
     results = ranks(2, _warmup_is_exact)
     assert_same_training([r[0] for r in results])
     assert not torch.equal(results[0][1]["0.weight"], results[1][1]["0.weight"])
+    _, _, sent, later, gradient_bytes = results[0]
+    # two exact steps: each all-reduced every gradient (ring volume, 2 ranks: one gradient's bytes) plus
+    # a few slots of counts and flags; the local steps after them sent nothing (no average yet)
+    assert 2 * gradient_bytes <= sent <= 2 * gradient_bytes + 400 and later == sent
 
 
 def _diloco_vs_local(outer):

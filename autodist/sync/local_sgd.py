@@ -20,7 +20,8 @@ class LocalSGD(Periodic):
         * with ``every=1`` and plain SGD (no momentum, no weight decay) it computes the exact run: the
           samples-weighted average of the replicas' steps is the step on the global batch's gradient;
         * it sends one model (parameters + float buffers) per ``every`` steps instead of one gradient per
-          step: about ``every`` times fewer bytes than exact sync (``bytes_sent``).
+          step: about ``every`` times fewer bytes than exact sync (``bytes_sent``, which counts the
+          warm-up's exact steps too).
         Between averages the replicas differ (``spread()`` says by how much), and optimizer state
         (momentum, Adam's moments) stays local, never averaged. ``autodist.save`` keeps the step count, so
         a restart averages at the same steps. Saved right after an average, with an optimizer whose state is

@@ -64,6 +64,7 @@ class Periodic(Strategy):
     def _after_step(self) -> None:
         self.steps += 1
         if self.steps <= self.warmup:
+            self._sent += self._exact_step_bytes()
             if self.steps == self.warmup:
                 self._end_warmup()
             return
@@ -75,6 +76,14 @@ class Periodic(Strategy):
             self._sending(self._sync)
             self.syncs += 1
             self.tally.reset()
+
+    def _exact_step_bytes(self) -> float:
+        """What a warm-up step's exact sync sent: its buckets (gradients, counts, buffers), ring volume."""
+        assert self._comm is not None
+        if self._exact is None or self._comm.size == 1:
+            return 0.0
+        p = self._comm.size
+        return 2 * (p - 1) / p * sum(b.flat.numel() * b.flat.element_size() for b in self._exact.buckets)
 
     def _sending(self, send: Callable[[], Any]) -> Any:
         """Run ``send`` and count the bytes it sent."""
