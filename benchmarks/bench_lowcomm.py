@@ -62,8 +62,8 @@ def digits() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:])
 
 
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
@@ -113,12 +113,13 @@ def sent_so_far(mode: str, strategy: Any, params: list[torch.Tensor], steps: int
 
 
 def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int,
-        probe: Probe | None = None) -> tuple[float, float, float]:
-    """Train with ``mode`` (one of MODES); test accuracy (%), MB this rank sent, seconds of training."""
+        probe: Probe | None = None, seed: int = 0) -> tuple[float, float, float]:
+    """Train with ``mode`` (one of MODES) from initial weights ``seed`` and the data shuffled by ``seed + 1``;
+    test accuracy (%), MB this rank sent, seconds of training."""
     size = autodist.init().size
     strategy = strategy_for(mode)
-    loader = DataLoader(train, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
-    model, data = autodist.parallelize(mlp(), loader, sync=strategy)
+    loader = DataLoader(train, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed + 1))
+    model, data = autodist.parallelize(mlp(seed), loader, sync=strategy)
     optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     if mode.endswith(", AdamW"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)

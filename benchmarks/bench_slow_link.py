@@ -13,8 +13,10 @@ What it measures
     timed nor counted.
 
 How to run (root, with iproute2: it makes the namespaces)
-    python benchmarks/bench_slow_link.py --out slow_link        # about 3 minutes
-    python benchmarks/bench_slow_link.py --epochs 3 --out /tmp/s  # smoke run
+    python benchmarks/bench_slow_link.py --out slow_link        # 5 seeds, about 15 minutes
+    python benchmarks/bench_slow_link.py --epochs 3 --seeds 1 --out /tmp/s  # smoke run
+    python benchmarks/bench_slow_link.py --seeds 20 --mode "exact sync" --mode "LocalSGD(every=16)" \\
+        --mode "torch PostLocalSGD(16)" --out slow_link_20   # three modes, 20 seeds
 
 How to read it
     accuracy: test accuracy of the final model (%). MB / rank: what autodist
@@ -24,11 +26,13 @@ How to read it
     included, the evaluations' averaging left out). steps / seconds to target:
     training steps and time until the averaged model first reached ``--target``
     % (checked every ``--eval-every`` steps; on 360 test images one image is
-    0.28 points, so near the target the step count is partly luck). seconds:
+    0.28 points, so near the target one run's step count is partly luck:
+    hence ``--seeds``, runs from other initial weights and data orders, and
+    the table's medians over them, each seed's steps beside). seconds:
     the whole training loop. ``--out DIR``
     gets ``slow_link.json`` (every evaluation) and ``slow_link.png``: accuracy
-    against seconds and against MB sent, one line per mode, a row of plots per
-    inner optimizer.
+    against seconds and against MB sent (the mean over the seeds), one line per
+    mode, a row of plots per inner optimizer.
 """
 from __future__ import annotations
 
@@ -82,16 +86,17 @@ class Curve:
         return time.perf_counter() - start
 
 
-def worker(epochs: int, every: int, out: str) -> None:
+def worker(epochs: int, every: int, out: str, seeds: int, modes: list[str]) -> None:
     train, test = lowcomm.digits()
-    results = {}
-    for mode in lowcomm.MODES + lowcomm.ADAMW_MODES:
-        curve, before = Curve(test, every), wire_bytes()
-        acc, mb, seconds = lowcomm.run(mode, train, test, epochs, probe=curve)
-        wire = torch.tensor([(wire_bytes() - before - curve.wire_off) / 1e6])
-        dist.all_reduce(wire)
-        results[mode] = {"accuracy": acc, "mb": mb, "wire_mb": float(wire) / dist.get_world_size(),
-                         "seconds": seconds, "points": curve.points}
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for seed in range(seeds):  # seed by seed, every mode within a seed: the machine's load hits all modes alike
+        for mode in results:
+            curve, before = Curve(test, every), wire_bytes()
+            acc, mb, seconds = lowcomm.run(mode, train, test, epochs, probe=curve, seed=seed)
+            wire = torch.tensor([(wire_bytes() - before - curve.wire_off) / 1e6])
+            dist.all_reduce(wire)
+            results[mode].append({"seed": seed, "accuracy": acc, "mb": mb, "seconds": seconds, "points": curve.points,
+                                  "wire_mb": float(wire) / dist.get_world_size()})
     if autodist.init().rank == 0:
         with open(os.path.join(out, "slow_link.json"), "w") as f:
             json.dump(results, f, indent=1)
@@ -102,15 +107,38 @@ def to_target(points: list, target: float) -> tuple[int, float] | None:
     return next(((steps, seconds) for steps, seconds, _, acc in points if acc >= target), None)
 
 
+def median(values: list[float]) -> float:
+    """The median; an infinite value (target not reached) counts as the largest."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def table(results: dict, target: float) -> str:
-    exact_mb = results["exact sync"]["mb"]
+    """One row per mode: the medians over the seeds, and each seed's steps to ``target``."""
+    exact = results.get("exact sync") or results.get("exact sync, AdamW")
+    exact_mb = median([r["mb"] for r in exact]) if exact else float("nan")
     lines = [f"| mode | accuracy (%) | MB sent / rank (counted) | MB on the link / rank | less traffic than exact "
-             f"| steps to {target:g}% | seconds to {target:g}% | seconds |", "|---|---|---|---|---|---|---|---|"]
-    for mode, r in results.items():
-        reach = to_target(r["points"], target)
-        lines.append(f"| {mode} | {r['accuracy']:.1f} | {r['mb']:.2f} | {r['wire_mb']:.2f} | {exact_mb / r['mb']:.0f}x "
-                     f"| {'not reached | -' if reach is None else f'{reach[0]} | {reach[1]:.1f}'} | {r['seconds']:.1f} |")
+             f"| steps to {target:g}% | steps to {target:g}%, each seed | seconds to {target:g}% | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode, runs in results.items():
+        reach = [to_target(r["points"], target) for r in runs]
+        steps = median([float("inf") if x is None else x[0] for x in reach])
+        seconds = median([float("inf") if x is None else x[1] for x in reach])
+        each = ", ".join("-" if x is None else str(x[0]) for x in reach)
+        mb = median([r["mb"] for r in runs])
+        lines.append(f"| {mode} | {median([r['accuracy'] for r in runs]):.1f} | {mb:.2f} "
+                     f"| {median([r['wire_mb'] for r in runs]):.2f} | {exact_mb / mb:.0f}x "
+                     f"| {'not reached' if steps == float('inf') else f'{steps:g}'} | {each} "
+                     f"| {'-' if seconds == float('inf') else f'{seconds:.2f}'} "
+                     f"| {median([r['seconds'] for r in runs]):.1f} |")
     return "\n".join(lines)
+
+
+def mean_curve(runs: list[dict]) -> list[tuple[float, float, float]]:
+    """(seconds, MB sent, accuracy %) at each checked step, each the mean over the seeds."""
+    return [tuple(sum(values) / len(values) for values in zip(*(p[1:] for p in same_step)))
+            for same_step in zip(*(r["points"] for r in runs))]
 
 
 def plot(results: dict, rate: str, path: str) -> None:
@@ -125,8 +153,8 @@ def plot(results: dict, rate: str, path: str) -> None:
     fig, axes = plt.subplots(len(rows), 2, figsize=(12, 4.2 * len(rows)), sharey=True, squeeze=False)
     for (by_time, by_bytes), modes in zip(axes, rows):
         for mode in modes:
-            points = results[mode]["points"]
-            _, seconds, mb, acc = zip(*points) if points else ((), (), (), ())
+            points = mean_curve(results[mode])
+            seconds, mb, acc = zip(*points) if points else ((), (), ())
             by_time.plot(seconds, acc, label=mode)
             by_bytes.plot(mb, acc, label=mode)
         by_time.set_xlabel("training seconds")
@@ -135,7 +163,7 @@ def plot(results: dict, rate: str, path: str) -> None:
         by_time.set_ylabel("test accuracy (%)")
         by_time.set_ylim(80, 100)
         by_time.legend(loc="lower right", fontsize="small")
-    fig.suptitle(f"digits, 2 hosts x 1 rank, link {rate}")
+    fig.suptitle(f"digits, 2 hosts x 1 rank, link {rate}, mean of {len(next(iter(results.values())))} seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -159,7 +187,8 @@ def launch(args: argparse.Namespace) -> int:
         for node, host in enumerate(cluster.hosts):
             cmd = [sys.executable, "-m", "autodist.cli", "run", "--nnodes", "2", "--node-rank", str(node),
                    "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", os.path.abspath(__file__),
-                   "--worker", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every), "--out", out]
+                   "--worker", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every), "--seeds", str(args.seeds), "--out", out,
+                   *(f"--mode={mode}" for mode in args.mode)]
             procs.append(cluster.popen(host, cmd, env=env | {"GLOO_SOCKET_IFNAME": host.dev}))
         codes = [p.wait() for p in procs]
     if any(codes):
@@ -169,7 +198,8 @@ def launch(args: argparse.Namespace) -> int:
         results = json.load(f)
     plot(results, args.rate, os.path.join(out, "slow_link.png"))
     print(f"\n2 hosts x 1 rank, link {args.rate}, digits, {args.epochs} epochs, global batch {lowcomm.BATCH}, "
-          f"accuracy checked every {args.eval_every} steps\n")
+          f"accuracy checked every {args.eval_every} steps; medians over {args.seeds} seeds (initial weights "
+          f"and data order)\n")
     print(table(results, args.target))
     print(f"\nplot: {os.path.join(args.out, 'slow_link.png')}")
     return 0
@@ -182,11 +212,19 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit", help="tc tbf rate of the link, e.g. 100mbit, 1gbit, or none")
     parser.add_argument("--target", type=float, default=95.0, help="accuracy (%%) for the time-to-target column")
     parser.add_argument("--eval-every", type=int, default=lowcomm.PERIOD, help="steps between accuracy checks")
+    parser.add_argument("--seeds", type=int, default=5, help="runs of every mode, from seeds 0, 1, ...")
+    all_modes = lowcomm.MODES + lowcomm.ADAMW_MODES
+    parser.add_argument("--mode", action="append", default=[], choices=all_modes, metavar="MODE",
+                        help="run only this mode (repeat for several; the first should be 'exact sync'); of: "
+                             + "; ".join(all_modes))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    args.mode = args.mode or list(all_modes)
     if args.worker:
         torch.set_num_threads(1)
-        worker(args.epochs, args.eval_every, args.out)
+        worker(args.epochs, args.eval_every, args.out, args.seeds, args.mode)
         return
     sys.exit(launch(args))
 
