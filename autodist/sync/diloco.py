@@ -2,11 +2,13 @@
 the whole model at once or (Streaming DiLoCo) one fragment at a time, its all-reduce overlapping inner steps."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from autodist.layers.shard import Shard
 from autodist.runtime import log
 from autodist.sync.averaging import Done, Pending
 from autodist.sync.base import SyncContext
@@ -18,24 +20,32 @@ Fragment = tuple[list[torch.Tensor], list[torch.Tensor]]  # (parameters, floatin
 def fragments_of(model: nn.Module, k: int) -> list[Fragment]:
     """The model cut into ``k`` runs of consecutive parameters of about the same number of elements (a
     parameter is never cut; each fragment has at least one); a float buffer goes with the parameter before it.
+    Sizes are the dense model's (a model-parallel layer's parameter counts whole), so every rank of a
+    model-parallel group cuts its shards alike, and the cut is the same at any mp degree.
 
     Example:
         >>> [len(params) for params, _ in fragments_of(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), 2)]
         [2, 2]
     """
     seen: set[int] = set()
-    items: list[tuple[torch.Tensor, bool]] = []
+    items: list[tuple[torch.Tensor, int | None]] = []  # (tensor, its dense size if a parameter)
     for module in model.modules():
-        for t, is_param in [(p, True) for p in module.parameters(recurse=False)] + \
-                           [(b, False) for b in module.buffers(recurse=False) if b.is_floating_point()]:
+        shards = getattr(module, "shards", None)  # a model-parallel layer: how each parameter is split
+        dense = {name: math.prod(part.shape) for name, part in shards.items() if isinstance(part, Shard)} \
+            if isinstance(shards, dict) else {}
+        for name, t in module.named_parameters(recurse=False):
             if id(t) not in seen:
                 seen.add(id(t))
-                items.append((t, is_param))
+                items.append((t, dense.get(name, t.numel())))
+        for t in module.buffers(recurse=False):
+            if t.is_floating_point() and id(t) not in seen:
+                seen.add(id(t))
+                items.append((t, None))
     starts, total = [], 0  # where each parameter starts among the parameters' elements
-    for t, is_param in items:
-        if is_param:
+    for _, size in items:
+        if size is not None:
             starts.append(total)
-            total += t.numel()
+            total += size
     if len(starts) < k:
         raise ValueError(f"DiLoCo(fragments={k}): the model has {len(starts)} parameter tensors, fewer than the "
                          f"fragments; use at most fragments={len(starts)}")
@@ -45,11 +55,11 @@ def fragments_of(model: nn.Module, k: int) -> list[Fragment]:
         firsts.append(min(max(first, firsts[-1] + 1), len(starts) - (k - j)))
     parts: list[Fragment] = [([], []) for _ in range(k)]
     index, fragment = -1, 0
-    for t, is_param in items:
-        if is_param:
+    for t, size in items:
+        if size is not None:
             index += 1
             fragment = sum(1 for f in firsts[1:] if f <= index)
-        parts[fragment][0 if is_param else 1].append(t)
+        parts[fragment][0 if size is not None else 1].append(t)
     return parts
 
 
