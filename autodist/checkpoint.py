@@ -22,8 +22,11 @@ dicts only); its top-level keys are
                 or None), ``python`` and ``numpy``
 ``sync``        only for a model trained with a low-communication mode (``parallelize(...,
                 sync=autodist.DiLoCo())``): ``{"mode": "DiLoCo", "state": ...}``, rank 0's
-                ``strategy.state_dict()`` (DiLoCo's outer parameters and optimizer, step counts);
-                ``load`` gives it back to the model's strategy
+                ``strategy.state_dict()`` (step counts; DiLoCo's outer parameters, their momentum
+                and the average under way). Its entries named in ``strategy.mirrors`` map the
+                model's tensor names to per-tensor state: dense (shards gathered) and keyed by the
+                original model's names, as ``model`` is; ``load`` cuts them to the loading
+                layout and gives the state back to the model's strategy
 ``checksum``    ``{"algorithm": "crc32", "structure": int, "tensors": [int, ...]}``: a CRC-32 of
                 every tensor's bytes (in the order the entries above are walked) and one of
                 everything else (names, dtypes, shapes, numbers, strings); ``load`` recomputes
@@ -460,23 +463,61 @@ def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> 
                            f"there, if any, is the previous checkpoint, unchanged")
 
 
-def _sync_state(model: nn.Module) -> dict[str, Any] | None:
-    """The state of the model's low-communication strategy, if it has any (every rank: it may wait for
-    an exchange under way)."""
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for _, leaf in _leaves(value, ""))
+
+
+def _dense_mirror(entries: dict[str, Any], layout: dict[str, _Slot], where: str) -> dict[str, torch.Tensor]:
+    """A strategy's per-tensor state keyed by dense names, shards gathered (collective over MP groups)."""
+    dense = {}
+    for name in sorted(entries):  # one order on every rank of a group: they gather the same tensor together
+        value, slot = entries[name], layout.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}[{name!r}] is a {type(value).__name__}; an entry the strategy names in "
+                            f"mirrors maps the model's tensor names to tensors")
+        if slot is None or slot.part is None:  # held whole (or a non-persistent buffer: no slot)
+            dense[name if slot is None else slot.name] = value.detach().to("cpu", copy=True)
+        elif tuple(value.shape) != slot.part.local_shape():
+            raise ValueError(f"{where}[{name!r}] has shape {tuple(value.shape)}; the model's {name!r} here has "
+                             f"{slot.part.local_shape()}: per-tensor state must have its tensor's shape")
+        else:
+            dense[slot.name] = slot.part.gather(value).cpu()
+    return dense
+
+
+def _local_mirror(entries: dict[str, torch.Tensor], layout: dict[str, _Slot]) -> dict[str, torch.Tensor]:
+    """Saved per-tensor state cut to this model's layout and keyed by its names; a name this model lacks
+    stays as it is (the strategy refuses what does not fit)."""
+    local = {key: slot.shard(entries[slot.name]) for key, slot in layout.items()
+             if slot.name in entries and tuple(entries[slot.name].shape) == slot.shape}
+    dense_names = {slot.name for key, slot in layout.items() if key in local}
+    return {**local, **{name: value for name, value in entries.items() if name not in dense_names}}
+
+
+def _sync_state(model: nn.Module, layout: dict[str, _Slot]) -> dict[str, Any] | None:
+    """The state of the model's low-communication strategy, if it has any, its per-tensor entries dense (every
+    rank: it may wait for an exchange under way, and gathers shards)."""
     strategy = strategy_of(model)
     state = strategy.state_dict() if strategy is not None else None
     if not state:
         return None
-    if mp_modules(model):  # its tensors are this rank's shards, which a dense checkpoint cannot hold as they are
-        log.warning("the checkpoint does not hold the state of %r with mp > 1; a restart starts its next round "
-                    "from the loaded model", strategy)
+    unnamed = [key for key, value in state.items() if key not in strategy.mirrors and _holds_tensor(value)]
+    if unnamed and mp_modules(model):
+        log.warning("the checkpoint does not hold the state of %r with mp > 1: its entries %s hold tensors it "
+                    "does not name in %s.mirrors, so they may be this rank's shards, which a dense checkpoint "
+                    "cannot hold as they are; a restart starts its next round from the loaded model",
+                    strategy, unnamed, type(strategy).__name__)
         return None
-    _check_loadable(state, f"the state of {strategy!r}")
+    where = f"the state of {strategy!r}"
+    state = {key: _dense_mirror(value, layout, f"{where}[{key!r}]") if key in strategy.mirrors else value
+             for key, value in state.items()}
+    _check_loadable(state, where)
     return {"mode": type(strategy).__name__, "state": state}
 
 
-def _restore_sync(model: nn.Module, saved: dict[str, Any] | None, path: str) -> None:
-    """Give the model's strategy its saved state, or tell it to start afresh from the loaded model."""
+def _restore_sync(model: nn.Module, saved: dict[str, Any] | None, path: str, layout: dict[str, _Slot]) -> None:
+    """Give the model's strategy its saved state, cut to this layout, or tell it to start afresh from the
+    loaded model."""
     strategy = strategy_of(model)
     if strategy is None:
         return
@@ -484,7 +525,9 @@ def _restore_sync(model: nn.Module, saved: dict[str, Any] | None, path: str) -> 
         log.info("the checkpoint %s holds the state of a %s run; this run uses %r, which starts afresh from the "
                  "loaded model", path, saved["mode"], strategy)
         saved = None
-    strategy.load_state_dict(None if saved is None else saved["state"])
+    state = None if saved is None else {key: _local_mirror(value, layout) if key in strategy.mirrors else value
+                                        for key, value in saved["state"].items()}
+    strategy.load_state_dict(state)
 
 
 def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
@@ -528,8 +571,8 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     _check_loadable(extra, "extra")
     world = init()
     rng = _rng_state()  # before anything below could draw
-    sync = _sync_state(model)
     layout = _layout(model)
+    sync = _sync_state(model, layout)
     optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
     state = gather_state_dict(model)
     payload = None
@@ -649,7 +692,7 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
             raise ValueError(f"the checkpoint {path!r} was saved without an optimizer; pass optimizer=None, or "
                              f"save with autodist.save(path, model, optimizer)")
         optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
-    _restore_sync(model, checkpoint.get("sync"), path)
+    _restore_sync(model, checkpoint.get("sync"), path, layout)
     _set_rng_state(checkpoint["rng"])
     return dict(checkpoint["extra"])
 

@@ -35,6 +35,10 @@ class Strategy:
     """
 
     name = "strategy"
+    # Entries of state_dict() that mirror the model's tensors: each a dict {the model tensor's name
+    # (tensor_names): a tensor of its shape here}. A checkpoint holds them dense (model-parallel shards
+    # gathered, keyed by the original model's names); load cuts them to the loading model's layout.
+    mirrors: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._model: weakref.ref | None = None
@@ -71,12 +75,17 @@ class Strategy:
         self._sent += self._comm.bytes_sent - before
 
     def state_dict(self) -> dict[str, Any]:
-        """What a restart needs besides the model and its optimizer (``autodist.save`` stores it)."""
+        """What a restart needs besides the model and its optimizer (``autodist.save`` stores it).
+
+        Per-tensor state goes in the entries named in :attr:`mirrors`, keyed by the model's tensor names
+        (:func:`tensor_names`); no other entry may hold tensors (with ``mp > 1`` they could be shards).
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Take back :meth:`state_dict`'s result, after the model itself was loaded (``autodist.load`` calls
-        it); None: the checkpoint holds no state of this strategy, so it starts afresh from the loaded model."""
+        it); None: the checkpoint holds no state of this strategy, so it starts afresh from the loaded model.
+        The :attr:`mirrors` entries come keyed by this model's tensor names, cut to its layout."""
 
     def spread(self) -> float:
         """How far the replicas have drifted apart: max over ranks of ||theta_r - mean|| / ||mean||.
@@ -95,3 +104,18 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def tensor_names(model: nn.Module, tensors: list[torch.Tensor]) -> list[str]:
+    """The name of each of ``tensors`` (parameters or buffers of ``model``): its ``model.state_dict()`` key (the
+    first one, for a tied tensor), or its ``named_buffers`` name for a non-persistent buffer.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> tensor_names(net, list(net.parameters()))
+        ['0.weight', '0.bias']
+    """
+    names: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        names.setdefault(id(t), name)
+    return [names[id(t)] for t in tensors]

@@ -11,7 +11,7 @@ from torch import nn
 from autodist.layers.shard import Shard
 from autodist.runtime import log
 from autodist.sync.averaging import Done, Pending
-from autodist.sync.base import SyncContext
+from autodist.sync.base import SyncContext, tensor_names
 from autodist.sync.periodic import Periodic, _positive
 
 Fragment = tuple[list[torch.Tensor], list[torch.Tensor]]  # (parameters, floating-point buffers)
@@ -98,7 +98,8 @@ class DiLoCo(Periodic):
         * with ``outer_lr=1`` and ``momentum=0`` it is :class:`LocalSGD` (the outer step lands on the
           weighted average of the replicas); ``fragments=1`` is plain DiLoCo;
         * one model's worth of bytes per ``every`` steps (``bytes_sent``), in ``fragments`` parts.
-        ``autodist.save`` / ``load`` / ``resume`` keep the outer state (theta, its momentum, the step count).
+        ``autodist.save`` / ``load`` / ``resume`` keep the outer state (theta, its momentum, the step count),
+        dense: a checkpoint taken at one mp degree resumes at another.
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, sync=autodist.DiLoCo(every=64))
@@ -117,6 +118,7 @@ class DiLoCo(Periodic):
     """
 
     name = "DiLoCo"
+    mirrors = ("outer_params", "outer_momentum", "pending")
 
     def __init__(self, *, every: int = 64, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
                  warmup: int = 0, fragments: int = 1, overlap: int = 0, mix: float = 0.5) -> None:
@@ -147,6 +149,7 @@ class DiLoCo(Periodic):
     def _start(self, model: nn.Module, ctx: SyncContext) -> Any:
         exact = super()._start(model, ctx)
         self.parts = fragments_of(model, self.fragments)
+        self.names = [(tensor_names(model, params), tensor_names(model, buffers)) for params, buffers in self.parts]
         self.outer_params = [[p.detach().clone() for p in params] for params, _ in self.parts]
         self.outer = torch.optim.SGD([p for ps in self.outer_params for p in ps], lr=self.outer_lr,
                                      momentum=self.momentum, nesterov=self.nesterov and self.momentum > 0)
@@ -194,6 +197,8 @@ class DiLoCo(Periodic):
 
     def _land(self, f: int) -> None:
         """Fragment f's outer step on the averaged delta; the replicas continue from it."""
+        if f not in self._pending:  # loaded from a checkpoint that holds no average of f under way
+            self._launch(f)
         averaged = self._pending.pop(f).wait()
         params, buffers = self.parts[f]
         outers = self.outer_params[f]
@@ -213,32 +218,65 @@ class DiLoCo(Periodic):
         self.syncs += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer parameters, the outer optimizer's state, the step count, and any fragment's average
-        under way (waited for: every rank holds the same result)."""
-        pending = [[f, [t.clone() for t in p.wait()]] for f, p in sorted(self._pending.items())]
-        return {**super().state_dict(), "outer_params": [t.clone() for ts in self.outer_params for t in ts],
-                "outer": self.outer.state_dict(), "samples": self._samples, "launched_at": list(self._launched_at),
-                "pending": pending}
+        """The outer parameters and their momentum, and the averages of fragments under way (waited for: every
+        rank holds the same result), each keyed by the model's tensor names; the outer SGD's hyperparameters,
+        the step and sample counts."""
+        names = [name for params, _ in self.names for name in params]
+        outers = [t for ts in self.outer_params for t in ts]
+        momentum = {name: self.outer.state[t]["momentum_buffer"].clone() for name, t in zip(names, outers)
+                    if self.outer.state.get(t, {}).get("momentum_buffer") is not None}
+        pending: dict[str, torch.Tensor] = {}
+        for f, average in sorted(self._pending.items()):
+            params, buffers = self.names[f]
+            pending.update({name: t.clone() for name, t in zip(params + buffers, average.wait())})
+        return {**super().state_dict(), "outer_params": {name: t.clone() for name, t in zip(names, outers)},
+                "outer_momentum": momentum, "outer": {k: v for k, v in self.outer.param_groups[0].items()
+                                                      if k != "params"},
+                "samples": self._samples, "launched_at": list(self._launched_at), "pending": pending,
+                "pending_fragments": sorted(self._pending)}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         super().load_state_dict(state)
         self._pending, self._error = {}, None
-        if state is None:
+        if state is None:  # the outer parameters are taken from the model at the next step; no momentum yet
             self._samples, self._launched_at = 0.0, [0.0] * self.fragments
+            self.outer.state.clear()
             return
-        flat = [t for ts in self.outer_params for t in ts]
+        names = [name for params, _ in self.names for name in params]
+        outers = [t for ts in self.outer_params for t in ts]
         saved = state["outer_params"]
-        if len(saved) != len(flat) or any(s.shape != o.shape for s, o in zip(saved, flat)):
-            raise ValueError(f"the saved DiLoCo state holds {len(saved)} outer parameters of shapes "
-                             f"{[tuple(s.shape) for s in saved][:4]}..., the model {len(flat)}: load "
-                             f"it into the model it was saved from")
+        missing, unexpected = sorted(set(names) - saved.keys()), sorted(saved.keys() - set(names))
+        wrong = [f"{n!r}: saved {tuple(saved[n].shape)}, here {tuple(t.shape)}" for n, t in zip(names, outers)
+                 if n in saved and saved[n].shape != t.shape]
+        if missing or unexpected or wrong:
+            raise ValueError(f"the saved DiLoCo state does not fit the model: outer parameters missing "
+                             f"{missing[:4]}, unexpected {unexpected[:4]}, of other shapes {wrong[:4]}; load it into "
+                             f"the model it was saved from")
         with torch.no_grad():
-            for outer, s in zip(flat, saved):
-                outer.copy_(s)
-        self.outer.load_state_dict(state["outer"])
+            for name, outer in zip(names, outers):
+                outer.copy_(saved[name])
+        momentum = state["outer_momentum"]
+        self.outer.load_state_dict({"state": {i: {"momentum_buffer": momentum[n]} for i, n in enumerate(names)
+                                              if n in momentum},
+                                    "param_groups": [{**state["outer"], "params": list(range(len(outers)))}]})
         self._samples, self._launched_at = float(state["samples"]), [float(x) for x in state["launched_at"]]
-        self._pending = {int(f): Done(list(ts)) for f, ts in state["pending"]}
+        self._pending = self._restored(state["pending"], state["pending_fragments"])
         self._fresh = False
+
+    def _restored(self, pending: dict[str, torch.Tensor], fragments: list[int]) -> dict[int, Pending]:
+        """The saved averages under way, per fragment; a fragment the checkpoint holds only in part (its model
+        was cut otherwise: another mp degree) takes its average again at its outer step."""
+        restored: dict[int, Pending] = {}
+        for f in fragments:
+            names = self.names[f][0] + self.names[f][1]
+            tensors = self.parts[f][0] + self.parts[f][1]
+            if all(name in pending for name in names):
+                restored[int(f)] = Done([pending[n].to(t.device, t.dtype) for n, t in zip(names, tensors)])
+            elif self._comm is not None and self._comm.rank == 0:
+                log.warning("the checkpoint holds the average under way of fragment %d of %r for other tensors than "
+                            "this model's (its model was cut otherwise, e.g. at another mp degree): the fragment's "
+                            "average is taken again at its outer step, without the overlap", f, self)
+        return restored
 
     def __repr__(self) -> str:
         streamed = f", fragments={self.fragments}, overlap={self.overlap}, mix={self.mix}" \
