@@ -68,19 +68,33 @@ class Bucket:
         self.work: dist.Work | None = None
 
     def pack(self, count: float, scale: float) -> None:
-        meta = [count]
-        for p, view in zip(self.params, self.views):
-            grad = p.grad
-            meta.append(0.0 if grad is None else 1.0)
-            if grad is not None and grad.is_sparse:
-                raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
-                                          "use dense gradients")
-            if grad is None or scale == 0.0:  # an empty batch may leave NaN grads: weight 0 means zero
-                view.zero_()
-            elif scale == 1.0:
-                view.copy_(grad)
-            else:
-                torch.mul(grad, scale, out=view)
+        """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.
+
+        A small model's bucket (``copies_back``) is packed with two batched ops (copy every gradient, scale
+        the region), whose per-op cost in Python would otherwise be most of the packing; a large one's with
+        one multiply per gradient, a single pass over its many bytes.
+        """
+        grads = [p.grad for p in self.params]
+        meta = [count, *(0.0 if g is None else 1.0 for g in grads)]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
+                                      "use dense gradients")
+        present = [(view, g) for view, g in zip(self.views, grads) if g is not None]
+        region = self.flat[:self.count_slot]
+        if scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
+            region.zero_()
+        elif self.copies_back or scale == 1.0:
+            if len(present) < len(grads):
+                region.zero_()
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+            if scale != 1.0:
+                region.mul_(scale)
+        else:
+            for view, g in zip(self.views, grads):
+                if g is None:
+                    view.zero_()
+                else:
+                    torch.mul(g, scale, out=view)
         self.flat[self.count_slot:self.count_slot + len(meta)].copy_(to_device(meta, self.flat), non_blocking=True)
 
     def start(self, count: float, scale: float, group: dist.ProcessGroup | None) -> None:
@@ -106,16 +120,21 @@ class Bucket:
         self.work = None
         self.ready.clear()
         used = self.flat[self.count_slot + 1:self.count_slot + 1 + len(self.params)].tolist()
+        if correction != 1.0:
+            self.flat[:self.count_slot].mul_(correction)
+        copy_back = copy_back or self.copies_back
+        into, sources = [], []  # autograd's gradients and their averages, copied with one batched op
         for p, view, flag in zip(self.params, self.views, used):
+            grad = p.grad
             if flag <= 0.0:
                 p.grad = None
-                continue
-            if correction != 1.0:
-                view.mul_(correction)
-            if (copy_back or self.copies_back) and p.grad is not None and p.grad is not view and p.grad.shape == view.shape:
-                p.grad.copy_(view)
-            elif p.grad is not view:
+            elif copy_back and grad is not None and grad is not view and grad.shape == view.shape:
+                into.append(grad)
+                sources.append(view)
+            elif grad is not view:
                 p.grad = view
+        if into:
+            torch._foreach_copy_(into, sources)
 
 
 def to_device(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ Used by :mod:`autodist.grad_sync`.
 """
 from __future__ import annotations
 
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -33,8 +32,10 @@ class BufferSync:
     """The floating-point buffers of one model, their snapshot at the last sync, and how they travel."""
 
     def __init__(self, model: nn.Module, enabled: bool) -> None:
-        self.model = weakref.ref(model)
         self.enabled = enabled
+        # the modules holding buffers, found once: walking every module at every sync costs a small model's
+        # step more than its buffers (their tensors are still read at each sync, see buffers())
+        self.owners = [m for m in model.modules() if m._buffers] if enabled else []
         self.carried: Key | None = None  # the dtype/device that rides in the last gradient bucket
         self.carried_sizes: list[int] = []  # its buffers' sizes when the bucket was built
         self.snapshot = _Snapshot(self.buffers())
@@ -42,10 +43,16 @@ class BufferSync:
         self.warned_late_change = False
 
     def buffers(self) -> list[torch.Tensor]:
-        model = self.model()  # read at every sync: model.to() may have replaced the tensors
-        if not self.enabled or model is None:
-            return []
-        return [b for b in model.buffers() if b.is_floating_point()]
+        """The floating-point buffers, as ``model.buffers()`` gives them now (``model.to()`` may have replaced
+        the tensors since the last sync)."""
+        seen: set[int] = set()
+        found = []
+        for module in self.owners:
+            for b in module._buffers.values():
+                if b is not None and b.is_floating_point() and id(b) not in seen:
+                    seen.add(id(b))
+                    found.append(b)
+        return found
 
     def forget(self) -> None:
         """Count every buffer as changed at the next sync (their state before is unknown)."""
