@@ -342,6 +342,17 @@ def test_layouts_agree_on_test_accuracy(two_ranks_dp, interrupted):
 
 
 @pytest.mark.e2e
+def test_local_sgd_run_reports_the_spread_and_ends_near_exact_sync(two_ranks_dp, tmp_path):
+    run = _run(tmp_path, 2, "--epochs", "2", "--sync", "local-sgd")
+    assert run.metrics["sync"] == "local-sgd" and two_ranks_dp.metrics["sync"] == "exact"
+    epochs = [line for line in _log_lines(run.output) if "| train loss" in line]
+    assert len(epochs) == 2 and all(float(line.split("spread ")[1].split()[0]) > 0 for line in epochs)
+    local, exact = run.metrics["history"][-1], two_ranks_dp.metrics["history"][-1]
+    assert local["test_accuracy"] > 80 and abs(local["test_accuracy"] - exact["test_accuracy"]) <= 3
+    assert "sync=LocalSGD(every=16" in "\n".join(run.output)
+
+
+@pytest.mark.e2e
 def test_resume_at_another_layout_continues_the_run(two_ranks_dp, interrupted):
     saved, resumed = (run.metrics["history"] for run in interrupted)
     assert any(line.startswith("[rank 0/2] resumed from ") and line.endswith("ckpt.pt after epoch 1")

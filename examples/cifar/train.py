@@ -4,10 +4,11 @@
     autodist run -n 2 examples/cifar/train.py --mode dp             # 2 ranks, data parallel
     autodist run -n 2 examples/cifar/train.py --mode mp             # 2 ranks, Linear layers split
     autodist run -n 4 examples/cifar/train.py --mode hybrid         # 2 data-parallel x 2 model-parallel
+    autodist run -n 2 examples/cifar/train.py --sync local-sgd      # replicas average every 16 steps
 
 The distributed part is the one `autodist.parallelize` line; everything else is
 an ordinary single-process training script, and all modes train the same model
-on the same global batches.
+on the same global batches (``--sync local-sgd`` / ``diloco`` trade that for 16x less traffic).
 """
 from __future__ import annotations
 
@@ -28,10 +29,18 @@ import models
 import plots
 
 
+# the sync= of parallelize for each --sync (a new strategy object per run)
+SYNCS = {"exact": lambda: "backward", "local-sgd": lambda: autodist.LocalSGD(every=16),
+         "diloco": lambda: autodist.DiLoCo(every=16, momentum=0.5)}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["dp", "mp", "hybrid"], default="dp",
                    help="dp: data parallel; mp: every rank splits the Linear layers; hybrid: groups of 2 split them")
+    p.add_argument("--sync", choices=list(SYNCS), default="exact",
+                   help="exact: the same training as one process; local-sgd: LocalSGD(every=16), replicas step alone "
+                        "and average every 16 steps; diloco: DiLoCo(every=16, momentum=0.5) over the SGD below")
     p.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
     p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
     p.add_argument("--download", action="store_true",
@@ -61,7 +70,7 @@ def main() -> None:
     loader = DataLoader(data.train, batch_size=args.batch_size, shuffle=True, generator=shuffle)
     mp = {"dp": 1, "mp": world.size, "hybrid": min(2, world.size)}[args.mode]
 
-    model, loader = autodist.parallelize(model, loader, mp=mp)
+    model, loader = autodist.parallelize(model, loader, mp=mp, sync=SYNCS[args.sync]())
 
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     first_epoch, history = 1, []
@@ -81,7 +90,9 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             metrics.update(loss.detach() * len(y), (out.argmax(1) == y).sum(), len(y))
-        train, seconds = metrics.reduce(model), time.perf_counter() - start
+        train, seconds = metrics.reduce(model), time.perf_counter() - start  # with the replicas' spread, if any
+        if args.sync != "exact":  # the replicas differ between averages: evaluate (and save) their average
+            autodist.synchronize_model(model, what="parameters")
         test = engine.evaluate(model, data.test)
         engine.log_epoch(epoch, train, test, seconds)
         history.append({"epoch": epoch, "train_loss": train["loss"], "train_accuracy": train["accuracy"],
@@ -91,11 +102,12 @@ def main() -> None:
                           shuffle_state=shuffle.get_state())
     if world.is_main and history:
         last = history[-1]
-        log.info("final test accuracy %.2f%% (train loss %.4f) on %s, %d rank(s), mode %s, model %s",
-                 last["test_accuracy"], last["train_loss"], data.name, world.size, args.mode, args.model)
+        log.info("final test accuracy %.2f%% (train loss %.4f) on %s, %d rank(s), mode %s, model %s%s",
+                 last["test_accuracy"], last["train_loss"], data.name, world.size, args.mode, args.model,
+                 "" if args.sync == "exact" else f", sync {args.sync}")
     if world.is_main and args.out:
         os.makedirs(args.out, exist_ok=True)
-        summary = {"dataset": data.name, "mode": args.mode, "model": args.model, "ranks": world.size, "mp": mp,
+        summary = {"dataset": data.name, "mode": args.mode, "sync": args.sync, "model": args.model, "ranks": world.size, "mp": mp,
                    "batch_size": args.batch_size, "lr": args.lr, "history": history}
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
             json.dump(summary, f, indent=1)
