@@ -11,11 +11,12 @@ from autodist.gather import gather_state_dict
 from autodist.grad_sync import no_sync, synchronize_model
 from autodist.rewrite import Plan, explain
 from autodist.runtime import World, init, rank, world_size
+from autodist.structure import ModelChanged
 from autodist.sync import DiLoCo, Gossip, Hierarchical, LocalSGD
 from autodist.ps import EASGD, Downpour
 from autodist import engine  # the training-loop helpers, as autodist.engine
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
-           "rank", "world_size", "engine"]
+           "rank", "world_size", "engine", "ModelChanged"]
 __version__ = "0.1.0"

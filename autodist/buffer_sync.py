@@ -33,14 +33,19 @@ class BufferSync:
 
     def __init__(self, model: nn.Module, enabled: bool) -> None:
         self.enabled = enabled
-        # the modules holding buffers, found once: walking every module at every sync costs a small model's
-        # step more than its buffers (their tensors are still read at each sync, see buffers())
-        self.owners = [m for m in model.modules() if m._buffers] if enabled else []
+        self.owners: list[nn.Module] = []
+        self.find_owners(model)
         self.carried: Key | None = None  # the dtype/device that rides in the last gradient bucket
         self.carried_sizes: list[int] = []  # its buffers' sizes when the bucket was built
         self.snapshot = _Snapshot(self.buffers())
         self.sent: torch.Tensor | None = None  # the carried buffers as packed this sync; None: they did not ride
         self.warned_late_change = False
+
+    def find_owners(self, model: nn.Module) -> None:
+        """Find the modules holding buffers: once, and again when something was registered since
+        (:mod:`autodist.structure`). Walking every module at every sync cost a small model's step more than
+        its buffers; their tensors are still read at each sync (see buffers())."""
+        self.owners = [m for m in model.modules() if m._buffers] if self.enabled else []
 
     def buffers(self) -> list[torch.Tensor]:
         """The floating-point buffers, as ``model.buffers()`` gives them now (``model.to()`` may have replaced

@@ -42,6 +42,7 @@ from autodist.buffer_sync import BufferSync
 from autodist.replicate import first_difference, model_tensors, signature
 from autodist.runtime import log
 from autodist.shares import Counted, SampleCounter, combine, watch_outputs
+from autodist.structure import Watch
 from autodist.watchdog import waiting
 from autodist.weights import Pack, Window
 
@@ -71,6 +72,7 @@ class GradSync:
         self.grads_arrived = False  # this backward brought gradients to the parameters
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
+        self.structure = Watch(model, [p for _, p in self.named])
         self._build()
         self.handles = [model.register_forward_pre_hook(self._on_forward),
                         model.register_forward_hook(self._count_forward, with_kwargs=True)]
@@ -104,6 +106,9 @@ class GradSync:
     def _on_forward(self, module: nn.Module, args: tuple) -> None:
         if not torch.is_grad_enabled():
             return
+        if self.structure.moved():  # something was registered somewhere: new parameters here are refused
+            self.structure.check()
+            self.buffer_sync.find_owners(module)
         if self.in_backward:
             self._discard_aborted_backward()
         if tuple(p.requires_grad for _, p in self.named) != self.trainable:

@@ -22,6 +22,8 @@ CASES = [
     ("backend type", lambda: autodist.parallelize(_mlp(), backend=5), ValueError, "got 5"),
     ("meta model", lambda: autodist.parallelize(nn.Linear(4, 4, device="meta")), ValueError, "to_empty"),
     ("model class", lambda: autodist.parallelize(nn.Linear), TypeError, "Expect nn.Module"),
+    ("lazy model", lambda: autodist.parallelize(nn.Sequential(nn.LazyLinear(4), nn.ReLU())), ValueError,
+     "lazy parameters not created yet (0.weight, 0.bias"),
     ("frozen model", lambda: autodist.parallelize(_mlp().requires_grad_(False)), ValueError, "no trainable"),
     ("mp zero", lambda: autodist.parallelize(_mlp(), mp=0), ValueError, "mp must be a positive int"),
     ("mp float", lambda: autodist.parallelize(_mlp(), mp=2.0), ValueError, "mp must be a positive int"),

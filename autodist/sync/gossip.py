@@ -75,7 +75,7 @@ class Gossip(Strategy):
         self.by_kind: dict[tuple, list[torch.Tensor]] = {}
         for t in self.tensors:
             self.by_kind.setdefault((t.dtype, t.device), []).append(t)
-        self.watch = StepWatch(list(model.parameters()), self._after_step)
+        self.watch = StepWatch(model, self._after_step)
         return None
 
     def _after_step(self) -> None:

@@ -89,7 +89,7 @@ class Hierarchical(Strategy):
         k = self.host.size
         self._per_step = 2 * (k - 1) / k * sum(p.numel() * p.element_size() for p in model.parameters()
                                                if p.requires_grad)
-        self.watch = StepWatch(list(model.parameters()), self._after_step)
+        self.watch = StepWatch(model, self._after_step)
         return exact
 
     def _after_step(self) -> None:

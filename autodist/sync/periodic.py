@@ -39,7 +39,7 @@ class Periodic(Strategy):
         self.averager = self.averager or Averager(self._comm)
         self.tensors = float_state(model)
         self.tally = SampleTally(model, ctx.counter)
-        self.watch = StepWatch(list(model.parameters()), self._after_step, self._before_step)
+        self.watch = StepWatch(model, self._after_step, self._before_step)
         if self.warmup > 0:
             self._exact = GradSync(model, ctx.group, hooks=True, first_bucket_mb=ctx.first_bucket_mb,
                                    bucket_mb=ctx.bucket_mb, sync_buffers=ctx.sync_buffers, counter=ctx.counter)

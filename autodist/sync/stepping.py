@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autodist.shares import Counted, SampleCounter, watch_outputs
+from autodist.structure import Watch
 
 
 _watches: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()
@@ -41,12 +42,15 @@ def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 
 
 class StepWatch:
-    """Calls ``on_step()`` after every step of an optimizer holding any of ``params`` (and
+    """Calls ``on_step()`` after every step of an optimizer holding any of ``model``'s parameters (and
     ``before_step(optimizer)`` before it, if given); lives as long as the strategy owning ``on_step``
-    (bound methods, held weakly)."""
+    (bound methods, held weakly). Before such a step it refuses parameters added to the model since
+    (:class:`autodist.structure.Watch`): the strategy would leave them out."""
 
-    def __init__(self, params: list[torch.Tensor], on_step: Callable[[], None],
+    def __init__(self, model: nn.Module, on_step: Callable[[], None],
                  before_step: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
+        params = list(model.parameters())
+        self.structure = Watch(model, params)
         self.ids = {id(p) for p in params}
         self.mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.on_step = weakref.WeakMethod(on_step)  # type: ignore[arg-type]
@@ -64,7 +68,10 @@ class StepWatch:
         return holds
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        callback = self.on_before() if self.on_before is not None and self._holds(optimizer) else None
+        if not self._holds(optimizer):
+            return
+        self.structure.check()
+        callback = self.on_before() if self.on_before is not None else None
         if callback is not None:
             callback(optimizer)
 
