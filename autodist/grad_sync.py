@@ -86,7 +86,7 @@ class GradSync:
                 f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
                 f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
                 f"and compute in low precision with torch.autocast")
-        self.trainable = tuple(p.requires_grad for _, p in self.named)
+        self.trainable = self._layout()
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]
         groups = assign_buckets(self.params, *self.caps)
@@ -111,12 +111,18 @@ class GradSync:
             self.buffer_sync.find_owners(module)
         if self.in_backward:
             self._discard_aborted_backward()
-        if tuple(p.requires_grad for _, p in self.named) != self.trainable:
-            # requires_grad changed since parallelize (unfreezing a layer, say): every rank must make the
-            # same change, as it would to its optimizer, and the buckets follow
+        if self._layout() != self.trainable:
+            # requires_grad changed since parallelize (unfreezing a layer, say), or dtype or device
+            # (model.double(), model.to(...)): every rank must make the same change, as it would to its
+            # optimizer, and the buckets follow (a float32 bucket would round a float64 model's gradients)
             if dist.get_rank() == 0:
-                log.info("the set of trainable parameters changed: gradient buckets rebuilt")
+                log.info("the model's trainable parameters changed (which ones, their dtype or device): "
+                         "gradient buckets rebuilt")
             self._build()
+
+    def _layout(self) -> tuple:
+        """What the buckets are built from: each parameter's requires_grad, dtype and device."""
+        return tuple((p.requires_grad, p.dtype, p.device) for _, p in self.named)
 
     def _count_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Count this forward's samples; a backward that reaches its output takes that count."""

@@ -68,3 +68,16 @@ def test_parameters_added_after_parallelize_are_refused_on_every_rank(ranks, cha
 @pytest.mark.parametrize("change", [_build_another_model, _buffer_made_in_forward])
 def test_registrations_that_add_no_parameter_to_the_model_change_nothing(ranks, change):
     assert ranks(2, _train_after, change, "backward") == [None, None]
+
+
+def _double_after_parallelize():
+    x, y = w.digits_like(22)
+    ref = w.train(w.seeded(w.mlp, 0).double(), w.loader(x.double(), y, 8), "adam", 2)
+    model, data = autodist.parallelize(w.seeded(w.mlp, 0), w.loader(x.double(), y, 8))
+    model.double()  # after parallelize: the float32 buckets must not round its float64 gradients
+    return w.state(ref), w.state(w.train(model, data, "adam", 2))
+
+
+def test_a_model_converted_to_float64_after_parallelize_syncs_float64_gradients(ranks):
+    for ref, par in ranks(2, _double_after_parallelize):
+        torch.testing.assert_close(par, ref, rtol=1e-12, atol=1e-14)
