@@ -216,6 +216,16 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def ring_bytes(tensors: list[torch.Tensor], size: int) -> float:
+    """What one rank sends to all-reduce ``tensors`` over ``size`` ranks by a ring: 2(P-1)/P x their bytes.
+
+    Example:
+        >>> ring_bytes([torch.zeros(256)], size=2)   # 1 KiB over 2 ranks
+        1024.0
+    """
+    return 2 * (size - 1) / size * _nbytes(tensors)
+
+
 def all_reduce(tensors: Tensors, op: Reduce = "sum", *, comm: Communicator | None = None, inplace: bool = True,
                async_op: bool = False) -> Any:
     """Sum (or average) each tensor over the communicator's ranks.
@@ -233,7 +243,7 @@ def all_reduce(tensors: Tensors, op: Reduce = "sum", *, comm: Communicator | Non
     ts, single = _as_list(tensors, "all_reduce")
     ts = ts if inplace else [t.clone() for t in ts]
     works = [] if comm.size == 1 else [dist.all_reduce(t, group=comm.group, async_op=True) for t in ts]
-    comm.bytes_sent += 2 * (comm.size - 1) / comm.size * _nbytes(ts)
+    comm.bytes_sent += ring_bytes(ts, comm.size)
 
     def result() -> Any:
         if op == "mean" and comm.size > 1:

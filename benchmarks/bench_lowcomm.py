@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
+from autodist.comm import ring_bytes
 from timing import torchrun  # benchmarks/timing.py, next to this file
 
 BATCH, LR, MOMENTUM, PERIOD = 32, 0.05, 0.9, 16
@@ -65,10 +66,6 @@ def digits() -> tuple[TensorDataset, TensorDataset]:
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-def ring_bytes(tensors: list[torch.Tensor], size: int) -> float:
-    return 2 * (size - 1) / size * sum(t.numel() * t.element_size() for t in tensors)
 
 
 def accuracy(model: nn.Module, test: TensorDataset) -> float:

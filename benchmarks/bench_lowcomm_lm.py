@@ -29,7 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
-from bench_lowcomm import ADAMW_LR, BATCH, PERIOD, main, print_table, ring_bytes, sent_so_far, strategy_for
+from autodist.comm import ring_bytes
+from bench_lowcomm import ADAMW_LR, BATCH, PERIOD, main, print_table, sent_so_far, strategy_for
 
 WINDOW = 64
 MODES = ("exact sync, AdamW", "LocalSGD(every=16), AdamW", "DiLoCo(every=16), AdamW",

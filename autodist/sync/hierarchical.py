@@ -87,8 +87,7 @@ class Hierarchical(Strategy):
                          bucket_mb=ctx.bucket_mb, sync_buffers=ctx.sync_buffers, counter=_HostCounter(ctx.counter))
         self.across.start_two_level(model, ctx, self.host, self.between)
         k = self.host.size
-        self._per_step = 2 * (k - 1) / k * sum(p.numel() * p.element_size() for p in model.parameters()
-                                               if p.requires_grad)
+        self._per_step = comm.ring_bytes([p for p in model.parameters() if p.requires_grad], k)
         self.watch = StepWatch(model, self._after_step)
         return exact
 

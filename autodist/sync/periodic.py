@@ -82,8 +82,7 @@ class Periodic(Strategy):
         assert self._comm is not None
         if self._exact is None or self._comm.size == 1:
             return 0.0
-        p = self._comm.size
-        return 2 * (p - 1) / p * sum(b.flat.numel() * b.flat.element_size() for b in self._exact.buckets)
+        return comm.ring_bytes([b.flat for b in self._exact.buckets], self._comm.size)
 
     def _sending(self, send: Callable[[], Any]) -> Any:
         """Run ``send`` and count the bytes it sent."""
