@@ -326,7 +326,7 @@ def _temporary_name(path: str) -> str:
                         f".{os.path.basename(path)}.{_MACHINE}-{os.getpid()}-{secrets.token_hex(6)}.tmp")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` of this machine still runs (a zombie, killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
@@ -359,7 +359,7 @@ def _remove_stale_temporaries(path: str) -> None:
         machine, pid = match.group(1), match.group(2)
         try:
             if machine == _MACHINE:
-                stale = int(pid) != os.getpid() and not _alive(int(pid))
+                stale = int(pid) != os.getpid() and not process_alive(int(pid))
             else:
                 stale = time.time() - entry.stat().st_mtime > _STALE_AFTER_S
             if stale:

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from autodist.checkpoint import process_alive
+
 _PREFIX = "autodist-"
 _SUBNET = "10.77.0"
 _counter = itertools.count()
@@ -70,16 +72,6 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _pids(netns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30).stdout
     return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
@@ -107,7 +99,7 @@ def _remove_orphans() -> None:
     """Namespaces of earlier clusters whose process died without closing them."""
     for netns in _namespaces():
         m = re.fullmatch(rf"{_PREFIX}(\d+)-\d+-[ab]", netns)
-        if m and not _alive(int(m.group(1))):
+        if m and not process_alive(int(m.group(1))):
             _delete(netns)
 
 
