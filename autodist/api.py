@@ -29,13 +29,14 @@ def _check_model(model: nn.Module) -> None:
                          f"requires_grad=True), so there is nothing to train in parallel")
     if is_parallelized(model):
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
-    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    lazy = [name for name, t in tensors if is_lazy(t)]
     if lazy:
         raise ValueError(f"{type(model).__name__} has lazy parameters not created yet ({', '.join(lazy[:4])}"
                          f"{', ...' if len(lazy) > 4 else ''}: nn.LazyLinear and friends make them at their first "
                          f"forward): run one forward first, e.g. `with torch.no_grad(): model(example_batch)`, "
                          f"then call parallelize, which starts every rank from rank 0's weights")
-    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    meta = next((name for name, t in tensors if t.is_meta), None)
     if meta is not None:
         raise ValueError(f"{type(model).__name__}.{meta} is on the meta device (shapes, no values): create the "
                          f"weights first, e.g. model.to_empty(device='cpu') and initialize them, or load a "

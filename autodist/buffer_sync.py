@@ -16,7 +16,6 @@ Used by :mod:`autodist.grad_sync`.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -86,7 +86,7 @@ class GradSync:
                 f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
                 f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
                 f"and compute in low precision with torch.autocast")
-        self.trainable = self._layout()
+        self.built_for = self._layout()
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]
         groups = assign_buckets(self.params, *self.caps)
@@ -111,7 +111,7 @@ class GradSync:
             self.buffer_sync.find_owners(module)
         if self.in_backward:
             self._discard_aborted_backward()
-        if self._layout() != self.trainable:
+        if self._layout() != self.built_for:
             # requires_grad changed since parallelize (unfreezing a layer, say), or dtype or device
             # (model.double(), model.to(...)): every rank must make the same change, as it would to its
             # optimizer, and the buckets follow (a float32 bucket would round a float64 model's gradients)

@@ -27,12 +27,6 @@ def _bump(*args: Any) -> None:
     _generation += 1
 
 
-def generation() -> int:
-    """How many parameters, buffers and submodules were registered in this process so far (hooks installed
-    by the first :class:`Watch`)."""
-    return _generation
-
-
 class ModelChanged(RuntimeError):
     """The model holds parameters that ``parallelize`` never saw."""
 
