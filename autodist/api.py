@@ -66,6 +66,12 @@ def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float, sync_buffe
                          f"GPU of its own, gloo otherwise), got {backend!r}")
 
 
+def _through(sync_state: object | None) -> str:
+    """" through shared memory" where the gradient buckets of rank 0's group go that way (:mod:`autodist.exchange`)."""
+    exchange = getattr(sync_state, "exchange", None)
+    return f" through {exchange.name}" if getattr(exchange, "name", "") == "shared memory" else ""
+
+
 def _device_of(model: nn.Module, world: World) -> str:
     """Where the model's parameters are, for the summary line; a GPU left unused is said."""
     device = next((p.device for p in model.parameters()), None)
@@ -265,6 +271,7 @@ def parallelize(
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
-                 "sync=%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
-                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _device_of(model, world))
+                 "sync=%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
+                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),
+                 _device_of(model, world))
     return model, shard

@@ -65,7 +65,7 @@ class Bucket:
         # a large one's become views of the bucket (see unpack). Set by the owner, who sees every bucket.
         self.copies_back = False
         self.ready: set[int] = set()
-        self.work: dist.Work | None = None
+        self.sent = False  # packed and handed to the exchange in this sync
 
     def pack(self, count: float, scale: float) -> None:
         """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.
@@ -97,10 +97,6 @@ class Bucket:
                     torch.mul(g, scale, out=view)
         self.flat[self.count_slot:self.count_slot + len(meta)].copy_(to_device(meta, self.flat), non_blocking=True)
 
-    def start(self, count: float, scale: float, group: dist.ProcessGroup | None) -> None:
-        self.pack(count, scale)
-        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
-
     def total(self) -> float:
         return float(self.flat[self.count_slot])
 
@@ -117,7 +113,7 @@ class Bucket:
         tensors changed the heap so that the next forward page-faulted its activations in again
         (ResNet-20: 1.10 x DDP's step with views, 0.97 with the copy): a small model always copies back.
         """
-        self.work = None
+        self.sent = False
         self.ready.clear()
         used = self.flat[self.count_slot + 1:self.count_slot + 1 + len(self.params)].tolist()
         if correction != 1.0:

@@ -39,6 +39,7 @@ from autodist import provenance
 from autodist.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
 from autodist import watchdog
 from autodist.buffer_sync import BufferSync
+from autodist.exchange import choose as choose_exchange
 from autodist.replicate import first_difference, model_tensors, signature
 from autodist.runtime import log
 from autodist.shares import Counted, SampleCounter, combine, watch_outputs
@@ -95,6 +96,7 @@ class GradSync:
         self.buckets = [Bucket([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
                         for k, idx in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
         small = sum(p.numel() * p.element_size() for p in self.params) < COPY_BACK_BELOW_BYTES
         for bucket in self.buckets:
             bucket.copies_back = small
@@ -185,7 +187,7 @@ class GradSync:
         if not (self.enabled and self.hooks):
             return
         bucket = self.bucket_of[p]
-        if bucket.work is not None:
+        if bucket.sent:
             raise RuntimeError(
                 f"parameter {self.names[p]!r} received a second gradient after its bucket was already sent "
                 f"in this backward pass (reentrant checkpointing does this); use "
@@ -193,7 +195,7 @@ class GradSync:
         bucket.ready.add(id(p))
         while self.next_bucket < len(self.buckets) and \
                 len(self.buckets[self.next_bucket].ready) == len(self.buckets[self.next_bucket].params):
-            self._start(self.buckets[self.next_bucket])
+            self._start(self.next_bucket)
             self.next_bucket += 1
 
     def _end_of_backward(self) -> None:
@@ -226,33 +228,34 @@ class GradSync:
         self.reached = []
 
     def _reset_buckets(self) -> None:
+        self.exchange.abandon()  # every rank started the same buckets before failing alike
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()  # every rank started the same buckets before failing alike
-            bucket.work = None
+            bucket.sent = False
             bucket.ready.clear()
         self.next_bucket, self.packing = 0, None
         self.buffer_sync.sent = None
 
     # -- the sync ------------------------------------------------------------------------------
-    def _start(self, bucket: Bucket) -> None:
+    def _start(self, index: int) -> None:
+        bucket = self.buckets[index]
         if self.packing is None:  # the first bucket of this sync: the window is complete
             if self.in_backward:
                 self.window.add(combine(self.reached))
             self.packing = self.window.pack(self.previous_total)
         if bucket is self.buckets[-1] and bucket.extra.numel():
             self.buffer_sync.pack(bucket.extra, self.packing.count)
-        bucket.start(self.packing.count, self.packing.scale, self.group)
+        bucket.pack(self.packing.count, self.packing.scale)
+        bucket.sent = True
+        self.exchange.send(index, bucket.flat)
 
     def flush(self) -> None:
         """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
         if not self.window.backwards and self.packing is None:  # nothing counted: synchronize_model by hand
             self.window.add(self._fallback_count())
-        for bucket in self.buckets[self.next_bucket:]:
-            self._start(bucket)
+        for index in range(self.next_bucket, len(self.buckets)):
+            self._start(index)
         with waiting("sync"):  # the watchdog names the ranks that never arrive
-            for bucket in self.buckets:
-                bucket.work.wait()  # type: ignore[union-attr]
+            self.exchange.finish()
         packing = self.packing
         assert packing is not None or not self.buckets
         total = self.buckets[0].total() if self.buckets else packing.count if packing else 0.0

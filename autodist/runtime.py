@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -193,6 +194,34 @@ def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
     if not value > 0:
         raise ValueError(f"AUTODIST_TIMEOUT={text!r}: give a positive number of seconds")
     return value
+
+
+def machine(env: Mapping[str, str] = os.environ) -> str:
+    """This rank's machine as the launcher placed it: the host name, and the launcher's node number where
+    it gives one (torchrun's ``GROUP_RANK``, Slurm's ``SLURM_NODEID``), so that ranks the launcher put on
+    two nodes never count as one machine, even where the nodes share a host name and a file system.
+
+    Example:
+        >>> machine({"GROUP_RANK": "1"}).endswith("/node 1")
+        True
+    """
+    node = env.get("GROUP_RANK", env.get("SLURM_NODEID"))
+    return socket.gethostname() + ("" if node is None else f"/node {node}")
+
+
+def shared_memory_allowed(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ranks on one machine may sum gradients through shared memory: ``AUTODIST_SHARED_MEMORY``,
+    1 (the default) or 0 (always gloo's all-reduce).
+
+    Example:
+        >>> shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "0"})
+        False
+    """
+    text = env.get("AUTODIST_SHARED_MEMORY", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"AUTODIST_SHARED_MEMORY={text!r}: give 1 (sum gradients of ranks on one machine "
+                         f"through shared memory, the default) or 0 (always through the backend's all-reduce)")
+    return text == "1"
 
 
 def _setup_logging(rank: int) -> None:
