@@ -7,7 +7,7 @@
   gloo. Gloo moves a tensor between two processes of one machine through TCP on
   loopback, every byte copied into the kernel and out again on both sides at
   every step of its ring. Here every rank maps one shared file instead
-  (:mod:`autodist.shared_memory`): a rank copies each full bucket into its own
+  (:mod:`autodist.shared_memory`): a rank packs each full bucket into its own
   slot there, one all-reduce of a single number at the end of backward says
   that every slot is written, and each rank adds the slots up, in rank order,
   into its own bucket. Every rank does the same additions in the same order, so
@@ -29,6 +29,8 @@ rank 0 logs why.
 Example:
     >>> exchange = choose([b.flat for b in buckets], group)   # every rank of the group, the same buckets
     >>> for i, bucket in enumerate(buckets):                  # in order, as each fills during backward
+    ...     exchange.writable()                                # waits only where the slots are still read
+    ...     exchange.outbox(i, bucket.flat).copy_(mine[i])     # this rank's part
     ...     exchange.send(i, bucket.flat)
     >>> exchange.finish()                                      # each flat now holds the sum over the ranks
 """
@@ -52,6 +54,13 @@ class AllReduce:
     def __init__(self, flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.works: list[Any] = [None] * len(flats)
+
+    def outbox(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``index`` is packed: the bucket itself, summed in place."""
+        return flat
+
+    def writable(self) -> None:
+        """The outboxes may be written (always: each all-reduce ended before its bucket is packed again)."""
 
     def send(self, index: int, flat: torch.Tensor) -> None:
         self.works[index] = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -82,11 +91,18 @@ class SharedSum:
         self.read = torch.zeros(1)
         self.reading: Any = None  # the others are still reading the last sync's slots until this completes
 
-    def send(self, index: int, flat: torch.Tensor) -> None:
+    def outbox(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``index`` is packed: this rank's slot, so that sending copies nothing."""
+        return self.slots[index][self.rank]
+
+    def writable(self) -> None:
+        """Return once every rank has read the slots of the last sync, so that they may be written again."""
         if self.reading is not None:
             self.reading.wait()
             self.reading = None
-        self.slots[index][self.rank].copy_(flat)
+
+    def send(self, index: int, flat: torch.Tensor) -> None:
+        """Nothing to do: the bucket was packed into this rank's slot."""
 
     def finish(self) -> None:
         dist.all_reduce(self.written.zero_(), group=self.group)  # every rank has written every slot

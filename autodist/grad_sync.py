@@ -97,6 +97,8 @@ class GradSync:
                         for k, idx in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
+        for index, bucket in enumerate(self.buckets):
+            bucket.write_into(self.exchange.outbox(index, bucket.flat))
         small = sum(p.numel() * p.element_size() for p in self.params) < COPY_BACK_BELOW_BYTES
         for bucket in self.buckets:
             bucket.copies_back = small
@@ -242,8 +244,9 @@ class GradSync:
             if self.in_backward:
                 self.window.add(combine(self.reached))
             self.packing = self.window.pack(self.previous_total)
+        self.exchange.writable()
         if bucket is self.buckets[-1] and bucket.extra.numel():
-            self.buffer_sync.pack(bucket.extra, self.packing.count)
+            self.buffer_sync.pack(bucket.outbox_extra, self.packing.count)
         bucket.pack(self.packing.count, self.packing.scale)
         bucket.sent = True
         self.exchange.send(index, bucket.flat)
@@ -349,9 +352,11 @@ def no_sync(model: nn.Module) -> ContextManager[None]:
     everything accumulated. Each micro-batch's gradient is weighted by this
     rank's share of that micro-batch, so the result equals one process
     accumulating the same global micro-batches, also when the shares differ
-    (a short last batch). For those weights every forward from the first one
-    inside the block until the sync all-reduces its sample count: one number,
-    asynchronously, so every rank must run the same forwards.
+    (a short last batch). The shares of batches from the DataLoader that
+    ``parallelize`` sharded are known; otherwise each backward inside the
+    block, and the backward after it that syncs, first all-reduces its
+    micro-batch's sample count (one number, waited for), so every rank must
+    run the same backwards.
 
     Example:
         >>> with autodist.no_sync(model):

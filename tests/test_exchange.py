@@ -44,7 +44,8 @@ def _sums(syncs: int, slow_rank: int | None = None) -> tuple[str, list[list[torc
     got, want = [], []
     for sync in range(syncs):
         for i, (n, dtype) in enumerate(sizes):
-            flats[i].copy_(_contribution(sync, i, n, dtype, dist.get_rank()))
+            ex.writable()
+            ex.outbox(i, flats[i]).copy_(_contribution(sync, i, n, dtype, dist.get_rank()))
             ex.send(i, flats[i])
         ex.finish()
         got.append([f.clone() for f in flats])
