@@ -14,8 +14,8 @@
   all hold the same bits, as after gloo's all-reduce. Another one-number
   all-reduce, started without waiting, says that every rank has read the
   slots; the next sync waits for it before writing into them again.
-  On 2 ranks of a 2-core machine this sums 2.8 MB in 0.7 ms against gloo's
-  2.5 ms, 40 MB in 9 ms against 31 ms.
+  On 2 ranks of a 2-core machine a 2.8 MB bucket is summed in 1.4 ms against
+  gloo's 3.3 ms, 40 MB in 11 ms against 37 ms (``benchmarks/bench_exchange.py``).
 
 :func:`choose` takes shared memory when every rank of the group is on this
 machine as the launcher placed it (:func:`autodist.runtime.machine`), every rank
@@ -129,7 +129,8 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
     size = dist.get_world_size(group)
     if size < 2 or not flats or dist.get_backend(group) != "gloo":
         return AllReduce(flats, group)
-    wish = (machine(), shared_memory_allowed(), all(f.device.type == "cpu" for f in flats))
+    wish = (machine(), shared_memory_allowed() and shared_memory.available(),
+            all(f.device.type == "cpu" for f in flats))
     wishes: list[Any] = [None] * size
     dist.all_gather_object(wishes, wish, group=group)
     if len({w[0] for w in wishes}) > 1 or not all(w[1] and w[2] for w in wishes):

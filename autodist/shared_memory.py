@@ -24,6 +24,11 @@ DIRECTORY = "/dev/shm"
 ALIGN = 64  # bytes: every region starts on a cache line
 
 
+def available() -> bool:
+    """Whether this machine has a ``/dev/shm`` (Linux does; macOS does not)."""
+    return os.path.isdir(DIRECTORY)
+
+
 def free_bytes() -> int:
     """Bytes that can still be allocated in ``/dev/shm``; 0 where there is none (not Linux)."""
     try:
