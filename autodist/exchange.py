@@ -14,17 +14,22 @@
   all hold the same bits, as after gloo's all-reduce. Another one-number
   all-reduce, started without waiting, says that every rank has read the
   slots; the next sync waits for it before writing into them again.
-  On 2 ranks of a 2-core machine a 2.8 MB bucket is summed in 1.4 ms against
+  The packing happens during backward, as buckets fill; the adding up after
+  it, so none of the sum overlaps backward (where every core computes, as on
+  the benchmark machine, gloo's thread would compete for them anyway). The
+  slots are memory on top of each rank's buckets: the machine holds its
+  gradient buffers twice. On 2 ranks of a 2-core machine a 2.8 MB bucket is summed in 1.4 ms against
   gloo's 3.3 ms, 40 MB in 11 ms against 37 ms (``benchmarks/bench_exchange.py``).
 
 :func:`choose` takes shared memory when every rank of the group is on this
 machine as the launcher placed it (:func:`autodist.runtime.machine`), every rank
 could map the file the group's first rank made (the final word on "one
-machine"), the slots (ranks x bucket bytes) fit in half of ``/dev/shm``'s free
-space, and ``AUTODIST_SHARED_MEMORY`` is not 0; the backend's all-reduce
+machine"), the group has at most :data:`MAX_RANKS` ranks, the slots (ranks x
+bucket bytes) fit in half of ``/dev/shm``'s free space and of the memory still
+available, and ``AUTODIST_SHARED_MEMORY`` is not 0; the backend's all-reduce
 otherwise. ``parallelize``'s summary line says "through shared memory" where it is
-used; where it would have been but the file could not be made or mapped, group
-rank 0 logs why.
+used; where it would have been but the group is too large or the file could not
+be made or mapped, group rank 0 logs why.
 
 Example:
     >>> exchange = choose([b.flat for b in buckets], group)   # every rank of the group, the same buckets
@@ -44,6 +49,7 @@ import torch.distributed as dist
 
 from autodist import shared_memory
 from autodist.runtime import log, machine, shared_memory_allowed
+from autodist.watchdog import waiting
 
 
 class AllReduce:
@@ -97,9 +103,12 @@ class SharedSum:
 
     def writable(self) -> None:
         """Return once every rank has read the slots of the last sync, so that they may be written again."""
-        if self.reading is not None:
-            self.reading.wait()
-            self.reading = None
+        pending, self.reading = self.reading, None
+        if pending is None or pending.is_completed():
+            pending is not None and pending.wait()  # raises if it failed
+            return
+        with waiting("slots"):  # a rank that died meanwhile is named, not waited for
+            pending.wait()
 
     def send(self, index: int, flat: torch.Tensor) -> None:
         """Nothing to do: the bucket was packed into this rank's slot."""
@@ -121,6 +130,7 @@ class SharedSum:
 
 
 Exchange = Union[AllReduce, SharedSum]
+MAX_RANKS = 8  # more ranks on one machine: gloo (measured here up to 4, each at half of gloo's time or less)
 
 
 def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchange:
@@ -135,6 +145,12 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
     dist.all_gather_object(wishes, wish, group=group)
     if len({w[0] for w in wishes}) > 1 or not all(w[1] and w[2] for w in wishes):
         return AllReduce(flats, group)
+    if size > MAX_RANKS:
+        if dist.get_rank(group) == 0:
+            log.info("gradient buckets go through gloo's all-reduce, not shared memory: %d ranks on this machine; "
+                     "each rank adds up every rank's slot, so the memory read grows with the ranks squared, and "
+                     "beyond %d ranks it was not measured to beat gloo", size, MAX_RANKS)
+        return AllReduce(flats, group)
     shared = _open(flats, group, size)
     return shared if shared is not None else AllReduce(flats, group)
 
@@ -145,18 +161,21 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, size: int)
     strides = [shared_memory.aligned(f.numel() * f.element_size()) for f in flats]
     nbytes = size * sum(strides)
     made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
-    dist.broadcast_object_list(made, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     path, why = made
-    mapping = None
-    if path is not None:
-        try:
-            mapping = shared_memory.map_file(path, nbytes)
-        except OSError:  # another machine's file system: said below by rank 0, in general terms
-            pass
-    mapped = torch.tensor([0.0 if mapping is None else 1.0])
-    dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)
-    if me == 0 and path is not None:
-        shared_memory.remove(path)
+    try:
+        dist.broadcast_object_list(made, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        path, why = made
+        mapping = None
+        if path is not None:
+            try:
+                mapping = shared_memory.map_file(path, nbytes)
+            except OSError as e:  # another machine's file system (rank 0 speaks for the others below)
+                why = f"this rank cannot map the file it made ({e})" if me == 0 else why
+        mapped = torch.tensor([0.0 if mapping is None else 1.0])
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)
+    finally:  # removed as soon as every rank has it mapped, or on any error: nothing is left in /dev/shm
+        if me == 0 and path is not None:
+            shared_memory.remove(path)
     if mapped.item() < 1.0:
         if me == 0:
             log.info("gradient buckets go through gloo's all-reduce, not shared memory: %s",

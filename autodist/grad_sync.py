@@ -39,6 +39,7 @@ from autodist import provenance
 from autodist.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
 from autodist import watchdog
 from autodist.buffer_sync import BufferSync
+from autodist.exchange import Exchange
 from autodist.exchange import choose as choose_exchange
 from autodist.replicate import first_difference, model_tensors, signature
 from autodist.runtime import log
@@ -75,6 +76,7 @@ class GradSync:
         self.param_handles: list[Any] = []
         self.structure = Watch(model, [p for _, p in self.named])
         self._build()
+        self._ready_exchange()  # now, inside parallelize (a collective), so that its summary line can say which
         self.handles = [model.register_forward_pre_hook(self._on_forward),
                         model.register_forward_hook(self._count_forward, with_kwargs=True)]
 
@@ -96,9 +98,9 @@ class GradSync:
         self.buckets = [Bucket([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
                         for k, idx in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
-        for index, bucket in enumerate(self.buckets):
-            bucket.write_into(self.exchange.outbox(index, bucket.flat))
+        # Chosen at the next sync (_ready_exchange): choosing is a collective, and a rebuild happens in a forward,
+        # which need not be one every rank runs; dropping the old one first frees its shared memory.
+        self.exchange: Exchange | None = None
         small = sum(p.numel() * p.element_size() for p in self.params) < COPY_BACK_BELOW_BYTES
         for bucket in self.buckets:
             bucket.copies_back = small
@@ -123,6 +125,16 @@ class GradSync:
                 log.info("the model's trainable parameters changed (which ones, their dtype or device): "
                          "gradient buckets rebuilt")
             self._build()
+
+    def _ready_exchange(self) -> Exchange:
+        """How this layout's buckets are summed, chosen with the other ranks (at the first sync after a build:
+        every rank reaches that in the same order relative to its other collectives)."""
+        if self.exchange is None:
+            with waiting("exchange"):
+                self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
+            for index, bucket in enumerate(self.buckets):
+                bucket.write_into(self.exchange.outbox(index, bucket.flat))
+        return self.exchange
 
     def _layout(self) -> tuple:
         """What the buckets are built from: each parameter's requires_grad, dtype and device."""
@@ -230,7 +242,8 @@ class GradSync:
         self.reached = []
 
     def _reset_buckets(self) -> None:
-        self.exchange.abandon()  # every rank started the same buckets before failing alike
+        if self.exchange is not None:
+            self.exchange.abandon()  # every rank started the same buckets before failing alike
         for bucket in self.buckets:
             bucket.sent = False
             bucket.ready.clear()
@@ -244,12 +257,13 @@ class GradSync:
             if self.in_backward:
                 self.window.add(combine(self.reached))
             self.packing = self.window.pack(self.previous_total)
-        self.exchange.writable()
+        exchange = self._ready_exchange()
+        exchange.writable()
         if bucket is self.buckets[-1] and bucket.extra.numel():
             self.buffer_sync.pack(bucket.outbox_extra, self.packing.count)
         bucket.pack(self.packing.count, self.packing.scale)
         bucket.sent = True
-        self.exchange.send(index, bucket.flat)
+        exchange.send(index, bucket.flat)
 
     def flush(self) -> None:
         """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
@@ -257,8 +271,9 @@ class GradSync:
             self.window.add(self._fallback_count())
         for index in range(self.next_bucket, len(self.buckets)):
             self._start(index)
+        exchange = self._ready_exchange()
         with waiting("sync"):  # the watchdog names the ranks that never arrive
-            self.exchange.finish()
+            exchange.finish()
         packing = self.packing
         assert packing is not None or not self.buckets
         total = self.buckets[0].total() if self.buckets else packing.count if packing else 0.0

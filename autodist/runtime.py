@@ -337,6 +337,7 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
         return _world
     launch = detect_launch(os.environ)
     _setup_logging(launch.rank)
+    shared_memory_allowed()  # a bad value raises here, before any rank waits for this one
     if dist.is_available() and dist.is_initialized():
         _world = _adopt_existing_group(launch)
         return _world

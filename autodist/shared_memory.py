@@ -38,17 +38,43 @@ def free_bytes() -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+def memory_headroom() -> int | None:
+    """Bytes of memory that may still be taken: the machine's available memory, and a container's limit
+    (cgroup v2) less what it uses where there is one; None where neither can be read."""
+    values = []
+    try:
+        with open("/proc/meminfo") as f:
+            values += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                values.append(int(limit) - int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return min(values) if values else None
+
+
 def make(nbytes: int) -> tuple[str | None, str]:
     """A new file of ``nbytes`` reserved bytes: its path, or None and why not.
 
-    Only half of what ``/dev/shm`` has free is ever taken, so that the data
-    loaders' workers (which share their batches through it) keep room.
+    At most half of what ``/dev/shm`` has free is taken, so that the data
+    loaders' workers (which share their batches through it) keep room, and at
+    most half of the memory still available (the file's pages are memory, and
+    ``/dev/shm``'s size is only a ceiling: a container may allow less).
     """
     free = free_bytes()
     if 2 * nbytes > free:
         return None, (f"the buckets need {nbytes / 2**20:.1f} MiB of {DIRECTORY} and it has "
                       f"{free / 2**20:.1f} MiB free (half of it at most is used; a container's is 64 MB "
                       f"unless started with a larger --shm-size)")
+    headroom = memory_headroom()
+    if headroom is not None and 2 * nbytes > headroom:
+        return None, (f"the buckets need {nbytes / 2**20:.1f} MiB of shared memory and only "
+                      f"{headroom / 2**20:.1f} MiB of memory are available (half of it at most is used)")
     path = os.path.join(DIRECTORY, f"autodist-{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

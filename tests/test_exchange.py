@@ -73,16 +73,17 @@ def test_a_rank_still_reading_is_not_overwritten_by_the_next_sync(ranks):
             assert_close(g, e, rtol=0, atol=0)
 
 
-def _choice_with(env: dict[str, str], free: int | None = None) -> str:
+def _choice_with(env: dict[str, str], free: int | None = None, max_ranks: int = exchange.MAX_RANKS) -> str:
     saved = {k: os.environ.get(k) for k in env}
-    saved_free = shared_memory.free_bytes
+    saved_free, saved_max = shared_memory.free_bytes, exchange.MAX_RANKS
     os.environ.update(env)
+    exchange.MAX_RANKS = max_ranks
     if free is not None:
         shared_memory.free_bytes = lambda: free
     try:
         return exchange.choose(_buckets([(100_000, torch.float32)]), None).name
     finally:
-        shared_memory.free_bytes = saved_free
+        shared_memory.free_bytes, exchange.MAX_RANKS = saved_free, saved_max
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -95,12 +96,13 @@ def _choices() -> list[str]:
     return [_choice_with({"AUTODIST_SHARED_MEMORY": "0"}),
             _choice_with({"GROUP_RANK": rank}),  # the launcher put each rank on a node of its own
             _choice_with({}, free=1000),  # /dev/shm nearly full
+            _choice_with({}, max_ranks=1),  # more ranks on this machine than shared memory is used for
             _choice_with({})]
 
 
 def test_the_all_reduce_where_shared_memory_is_off_or_impossible(ranks):
     for choices in ranks(2, _choices):
-        assert choices == ["all-reduce", "all-reduce", "all-reduce", "shared memory"]
+        assert choices == ["all-reduce", "all-reduce", "all-reduce", "all-reduce", "shared memory"]
 
 
 def test_nothing_is_left_in_dev_shm(ranks):
@@ -153,3 +155,60 @@ def test_a_file_of_another_size_or_absent_is_refused():
     with pytest.raises(FileNotFoundError):
         shared_memory.map_file(path, 4096)
     assert shared_memory.make(10**15)[0] is None
+
+
+def _accumulate(model: torch.nn.Module, loader, no_sync, unfreeze_at: int) -> tuple[torch.nn.Module, list[str]]:
+    """SGD over pairs of micro-batches (the first under ``no_sync``); the first layer frozen until step
+    ``unfreeze_at`` (a bucket rebuild under parallelize); the exchange in use after every step."""
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches, used = list(loader), []
+    for step in range(len(batches) // 2):
+        if step == unfreeze_at:
+            model[0].weight.requires_grad_(True)
+        opt.zero_grad()
+        (x1, y1), (x2, y2) = batches[2 * step:2 * step + 2]
+        with no_sync():
+            torch.nn.functional.cross_entropy(model(x1), y1).backward()
+        torch.nn.functional.cross_entropy(model(x2), y2).backward()
+        opt.step()
+        sync = state_of(model)
+        used.append(sync.exchange.name if sync is not None else "")
+    return model, used
+
+
+class InputMean(torch.nn.Module):
+    """A running mean of its input, kept in a buffer, as BatchNorm keeps its running_mean; passes the input on."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x
+
+
+def _buffer_accumulation_rebuild() -> tuple[list[str], dict, dict, int]:
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), InputMean(8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+    x, y = w.digits_like(40)
+    data = lambda: w.loader(x.double(), y, 5, shuffle=False)  # noqa: E731 - 8 micro-batches of 5: 4 steps
+    ref, _ = _accumulate(w.seeded(build, 0), data(), lambda: torch.enable_grad(), unfreeze_at=2)
+    model, shards = autodist.parallelize(w.seeded(build, 0), data())
+    model, used = _accumulate(model, shards, lambda: autodist.no_sync(model), unfreeze_at=2)
+    rode = state_of(model).buckets[-1].outbox_extra.numel()
+    return used, w.state(ref), w.state(model), rode
+
+
+def test_buffers_accumulation_and_a_rebuild_go_through_shared_memory_exactly(ranks):
+    # A running-mean buffer (as BatchNorm's running_mean) rides in the last bucket's outbox; no_sync
+    # accumulates two micro-batches per step; unfreezing the first layer at step 2 rebuilds the buckets
+    # and chooses the exchange again. 3 ranks share micro-batches of 5 unevenly (2, 2, 1).
+    for used, ref, par, rode in ranks(3, _buffer_accumulation_rebuild):
+        assert used == ["shared memory"] * 4
+        assert rode > 0
+        assert_close(par, ref, rtol=1e-12, atol=1e-12)
