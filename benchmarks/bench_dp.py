@@ -26,6 +26,11 @@ How to read it
     the two blocks' medians in that round; it cancels slow drift of the machine
     (thermal, other load), so when it disagrees with the headline the run was
     noisy. The spread between min and median shows how noisy.
+
+    autodist's summary line says "sync=backward through shared memory" where its ranks sum
+    their buckets that way (both ranks are on this machine), which DDP cannot;
+    ``AUTODIST_SHARED_MEMORY=0 python benchmarks/...`` times autodist with
+    gloo's all-reduce instead, as DDP's buckets travel.
 """
 from __future__ import annotations
 

@@ -42,6 +42,11 @@ How to read it
     per-round ratio, which cancels slow drift of the machine: when it disagrees
     with the headline the run was noisy. A markdown table of the medians and
     ratios closes the run.
+
+    autodist's summary line says "sync=backward through shared memory" where its ranks sum
+    their buckets that way (both ranks are on this machine), which DDP cannot;
+    ``AUTODIST_SHARED_MEMORY=0 python benchmarks/...`` times autodist with
+    gloo's all-reduce instead, as DDP's buckets travel.
 """
 from __future__ import annotations
 
