@@ -57,7 +57,6 @@ class Bucket:
         self.flat = torch.zeros(numel + 1 + len(params) + extra, dtype=params[0].dtype, device=params[0].device)
         self.count_slot = numel
         self.views, self.extra = self._layout(self.flat)
-        self.write_into(self.flat)
         # A small model's gradients are copied back into autograd's tensors after every sync, as DDP does;
         # a large one's become views of the bucket (see unpack). Set by the owner, who sees every bucket.
         self.copies_back = False
@@ -72,15 +71,16 @@ class Bucket:
             offset += p.numel()
         return views, flat[self.count_slot + 1 + len(self.params):]
 
-    def write_into(self, outbox: torch.Tensor) -> None:
-        """Where :meth:`pack` writes: the bucket itself (summed in place by an all-reduce), or this rank's slot
-        in shared memory (summed into the bucket; see :mod:`autodist.exchange`). The sum is always read from
-        ``flat``."""
-        self.outbox = outbox
-        self.outbox_views, self.outbox_extra = self._layout(outbox)
+    def move_into(self, home: torch.Tensor) -> None:
+        """Keep the bucket in ``home`` (as large, the same dtype) from now on: this rank's slot in shared memory,
+        where the other ranks read it (see :mod:`autodist.exchange`)."""
+        if home is not self.flat:
+            home.copy_(self.flat)
+            self.flat = home
+            self.views, self.extra = self._layout(home)
 
     def pack(self, count: float, scale: float) -> None:
-        """Copy ``scale`` x each gradient into the outbox (zeros for a missing one), then the count and flags.
+        """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.
 
         A small model's bucket (``copies_back``) is packed with two batched ops (copy every gradient, scale
         the region), whose per-op cost in Python would otherwise be most of the packing; a large one's with
@@ -91,8 +91,8 @@ class Bucket:
         if any(g is not None and g.is_sparse for g in grads):
             raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
                                       "use dense gradients")
-        present = [(view, g) for view, g in zip(self.outbox_views, grads) if g is not None]
-        region = self.outbox[:self.count_slot]
+        present = [(view, g) for view, g in zip(self.views, grads) if g is not None]
+        region = self.flat[:self.count_slot]
         if scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
             region.zero_()
         elif self.copies_back or scale == 1.0:
@@ -102,12 +102,12 @@ class Bucket:
             if scale != 1.0:
                 region.mul_(scale)
         else:
-            for view, g in zip(self.outbox_views, grads):
+            for view, g in zip(self.views, grads):
                 if g is None:
                     view.zero_()
                 else:
                     torch.mul(g, scale, out=view)
-        self.outbox[self.count_slot:self.count_slot + len(meta)].copy_(to_device(meta, self.flat), non_blocking=True)
+        self.flat[self.count_slot:self.count_slot + len(meta)].copy_(to_device(meta, self.flat), non_blocking=True)
 
     def total(self) -> float:
         return float(self.flat[self.count_slot])

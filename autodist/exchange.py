@@ -6,37 +6,41 @@
 * :class:`SharedSum`: every rank of the group on one machine, CPU buckets under
   gloo. Gloo moves a tensor between two processes of one machine through TCP on
   loopback, every byte copied into the kernel and out again on both sides at
-  every step of its ring. Here every rank maps one shared file instead
-  (:mod:`autodist.shared_memory`): a rank packs each full bucket into its own
-  slot there, one all-reduce of a single number at the end of backward says
-  that every slot is written, and each rank adds the slots up, in rank order,
-  into its own bucket. Every rank does the same additions in the same order, so
-  all hold the same bits, as after gloo's all-reduce. Another one-number
-  all-reduce, started without waiting, says that every rank has read the
-  slots; the next sync waits for it before writing into them again.
-  The packing happens during backward, as buckets fill; the adding up after
-  it, so none of the sum overlaps backward (where every core computes, as on
-  the benchmark machine, gloo's thread would compete for them anyway). The
-  slots are memory on top of each rank's buckets: the machine holds its
-  gradient buffers twice. On 2 ranks of a 2-core machine a 2.8 MB bucket is summed in 1.4 ms against
-  gloo's 3.3 ms, 40 MB in 11 ms against 37 ms (``benchmarks/bench_exchange.py``).
+  every step of its ring. Here the buckets themselves live in one file of
+  shared memory that every rank maps (:mod:`autodist.shared_memory`): rank r's
+  bucket is its slot r there, so packing writes straight into it, and the file
+  holds one more bucket's room for the sum. At the end of backward one
+  all-reduce of a single number says that every slot is packed; rank r adds up
+  part r of every slot, in rank order, into part r of the shared sum (a
+  reduce-scatter); a second says the sum is complete, and every rank copies it
+  into its own bucket (an all-gather). Each part is added up once, by one rank,
+  so every rank holds the same bits, as after gloo's all-reduce, and every
+  rank reads about twice the bucket however many ranks there are. Nobody reads
+  a slot once the sum is complete, so what a rank does to its gradients after
+  backward (clipping them in place, say) stays its own; and the next sync
+  writes the sum only after its first all-reduce, which every rank enters
+  after copying this one's out. Packing happens during backward, as buckets
+  fill; the sum after it, so none of the sum overlaps backward (where every
+  core computes, as on the benchmark machine, gloo's thread would compete for
+  them anyway). The machine holds one bucket's worth more than with gloo. On
+  2 ranks of a 2-core machine a bucket is summed in 0.3-0.4x of gloo's time
+  from 2.8 MB up, 0.7x at 1 MB (``benchmarks/bench_exchange.py``).
 
 :func:`choose` takes shared memory when every rank of the group is on this
 machine as the launcher placed it (:func:`autodist.runtime.machine`), every rank
 could map the file the group's first rank made (the final word on "one
-machine"), the group has at most :data:`MAX_RANKS` ranks, the slots (ranks x
-bucket bytes) fit in half of ``/dev/shm``'s free space and of the memory still
-available, and ``AUTODIST_SHARED_MEMORY`` is not 0; the backend's all-reduce
-otherwise. ``parallelize``'s summary line says "through shared memory" where it is
-used; where it would have been but the group is too large or the file could not
-be made or mapped, group rank 0 logs why.
+machine"), the buckets (ranks + 1 x bucket bytes) fit in half of ``/dev/shm``'s free
+space and of the memory still available, and ``AUTODIST_SHARED_MEMORY`` is not
+0; the backend's all-reduce otherwise. ``parallelize``'s summary line says
+"through shared memory" where it is used; where it would have been but the file
+could not be made or mapped, group rank 0 logs why.
 
 Example:
     >>> exchange = choose([b.flat for b in buckets], group)   # every rank of the group, the same buckets
-    >>> for i, bucket in enumerate(buckets):                  # in order, as each fills during backward
-    ...     exchange.writable()                                # waits only where the slots are still read
-    ...     exchange.outbox(i, bucket.flat).copy_(mine[i])     # this rank's part
-    ...     exchange.send(i, bucket.flat)
+    >>> flats = [exchange.place(i, b.flat) for i, b in enumerate(buckets)]   # where each bucket lives now
+    >>> for i, flat in enumerate(flats):                       # in order, as each fills during backward
+    ...     flat.copy_(mine[i])                                # this rank's part
+    ...     exchange.send(i, flat)
     >>> exchange.finish()                                      # each flat now holds the sum over the ranks
 """
 from __future__ import annotations
@@ -49,7 +53,6 @@ import torch.distributed as dist
 
 from autodist import shared_memory
 from autodist.runtime import log, machine, shared_memory_allowed
-from autodist.watchdog import waiting
 
 
 class AllReduce:
@@ -61,12 +64,9 @@ class AllReduce:
         self.group = group
         self.works: list[Any] = [None] * len(flats)
 
-    def outbox(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """Where bucket ``index`` is packed: the bucket itself, summed in place."""
+    def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``index`` lives: where it is, summed in place."""
         return flat
-
-    def writable(self) -> None:
-        """The outboxes may be written (always: each all-reduce ended before its bucket is packed again)."""
 
     def send(self, index: int, flat: torch.Tensor) -> None:
         self.works[index] = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -85,52 +85,53 @@ class AllReduce:
 
 
 class SharedSum:
-    """Buckets summed through a file of shared memory mapped by every rank of the group (this machine's)."""
+    """Buckets living in a file of shared memory mapped by every rank of the group, summed part by part."""
 
     name = "shared memory"
 
-    def __init__(self, flats: list[torch.Tensor], slots: list[list[torch.Tensor]], rank: int,
+    def __init__(self, slots: list[list[torch.Tensor]], sums: list[torch.Tensor], rank: int,
                  group: dist.ProcessGroup | None, mapping: mmap.mmap) -> None:
-        self.flats, self.slots, self.rank, self.group = flats, slots, rank, group
-        self.mapping = mapping  # the slots are views of it
-        self.written = torch.zeros(1)
-        self.read = torch.zeros(1)
-        self.reading: Any = None  # the others are still reading the last sync's slots until this completes
+        self.slots, self.sums, self.rank, self.group = slots, sums, rank, group
+        self.mapping = mapping  # the slots and sums are views of it
+        size = len(slots[0]) if slots else 1
+        # part r of a bucket of n numbers: [n*r//size, n*(r+1)//size)
+        self.parts = [[(n * r // size, n * (r + 1) // size) for r in range(size)] for n in (t.numel() for t in sums)]
+        self.packed, self.summed = torch.zeros(1), torch.zeros(1)
 
-    def outbox(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """Where bucket ``index`` is packed: this rank's slot, so that sending copies nothing."""
+    def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``index`` lives: this rank's slot, which the other ranks can read."""
         return self.slots[index][self.rank]
 
-    def writable(self) -> None:
-        """Return once every rank has read the slots of the last sync, so that they may be written again."""
-        pending, self.reading = self.reading, None
-        if pending is None or pending.is_completed():
-            pending is not None and pending.wait()  # raises if it failed
-            return
-        with waiting("slots"):  # a rank that died meanwhile is named, not waited for
-            pending.wait()
-
     def send(self, index: int, flat: torch.Tensor) -> None:
-        """Nothing to do: the bucket was packed into this rank's slot."""
+        """Nothing to do: the bucket was packed where the other ranks read it."""
 
     def finish(self) -> None:
-        dist.all_reduce(self.written.zero_(), group=self.group)  # every rank has written every slot
-        self._add_up()
-        self.reading = dist.all_reduce(self.read.zero_(), group=self.group, async_op=True)
+        # The next sync writes the shared sums only after its own first all-reduce here, which every rank
+        # enters after copying this sync's sums out: no third all-reduce is needed.
+        dist.all_reduce(self.packed.zero_(), group=self.group)  # every rank has packed every bucket
+        self._sum_my_parts()
+        dist.all_reduce(self.summed.zero_(), group=self.group)  # every part of every sum is complete
+        self._copy_sums()
 
-    def _add_up(self) -> None:
-        """Each bucket becomes the sum of the ranks' slots, added in rank order (the same bits everywhere)."""
-        for slots, flat in zip(self.slots, self.flats):
-            torch.add(slots[0], slots[1], out=flat)
+    def _copy_sums(self) -> None:
+        for slots, total in zip(self.slots, self.sums):
+            slots[self.rank].copy_(total)
+
+    def _sum_my_parts(self) -> None:
+        """Part r of the shared sum = part r of every rank's bucket, added in rank order."""
+        me = self.rank
+        for slots, total, parts in zip(self.slots, self.sums, self.parts):
+            lo, hi = parts[me]
+            out = total[lo:hi]
+            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
             for slot in slots[2:]:
-                flat.add_(slot)
+                out.add_(slot[lo:hi])
 
     def abandon(self) -> None:
-        """A backward failed midway: what it wrote into the slots is overwritten by the next sync."""
+        """A backward failed midway: what it packed is packed again by the next sync."""
 
 
 Exchange = Union[AllReduce, SharedSum]
-MAX_RANKS = 8  # more ranks on one machine: gloo (measured here up to 4, each at half of gloo's time or less)
 
 
 def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchange:
@@ -145,12 +146,6 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
     dist.all_gather_object(wishes, wish, group=group)
     if len({w[0] for w in wishes}) > 1 or not all(w[1] and w[2] for w in wishes):
         return AllReduce(flats, group)
-    if size > MAX_RANKS:
-        if dist.get_rank(group) == 0:
-            log.info("gradient buckets go through gloo's all-reduce, not shared memory: %d ranks on this machine; "
-                     "each rank adds up every rank's slot, so the memory read grows with the ranks squared, and "
-                     "beyond %d ranks it was not measured to beat gloo", size, MAX_RANKS)
-        return AllReduce(flats, group)
     shared = _open(flats, group, size)
     return shared if shared is not None else AllReduce(flats, group)
 
@@ -159,7 +154,7 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, size: int)
     """Group rank 0 makes the file, every rank maps it, and shared memory is used only if all could."""
     me = dist.get_rank(group)
     strides = [shared_memory.aligned(f.numel() * f.element_size()) for f in flats]
-    nbytes = size * sum(strides)
+    nbytes = (size + 1) * sum(strides)  # every rank's bucket, and the sum
     made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
     path, why = made
     try:
@@ -182,12 +177,14 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, size: int)
                      why or "another rank could not open the file this rank made in shared memory")
         return None
     assert mapping is not None
-    slots, offset = [], 0
+    slots, sums, offset = [], [], 0
     for flat, stride in zip(flats, strides):
-        slots.append([torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
-                      for r in range(size)])
-        offset += size * stride
+        views = [torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
+                 for r in range(size + 1)]
+        slots.append(views[:size])
+        sums.append(views[size])
+        offset += (size + 1) * stride
     if me == 0:
-        log.debug("the %d ranks on this machine sum their gradient buckets through shared memory (%.1f MiB in %s)",
+        log.debug("the %d ranks on this machine keep their gradient buckets in shared memory (%.1f MiB in %s)",
                   size, nbytes / 2**20, shared_memory.DIRECTORY)
-    return SharedSum(flats, slots, me, group, mapping)
+    return SharedSum(slots, sums, me, group, mapping)

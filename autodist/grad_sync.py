@@ -133,7 +133,7 @@ class GradSync:
             with waiting("exchange"):
                 self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
             for index, bucket in enumerate(self.buckets):
-                bucket.write_into(self.exchange.outbox(index, bucket.flat))
+                bucket.move_into(self.exchange.place(index, bucket.flat))
         return self.exchange
 
     def _layout(self) -> tuple:
@@ -258,9 +258,8 @@ class GradSync:
                 self.window.add(combine(self.reached))
             self.packing = self.window.pack(self.previous_total)
         exchange = self._ready_exchange()
-        exchange.writable()
         if bucket is self.buckets[-1] and bucket.extra.numel():
-            self.buffer_sync.pack(bucket.outbox_extra, self.packing.count)
+            self.buffer_sync.pack(bucket.extra, self.packing.count)
         bucket.pack(self.packing.count, self.packing.scale)
         bucket.sent = True
         exchange.send(index, bucket.flat)

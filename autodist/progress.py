@@ -87,7 +87,7 @@ def wait_words(kind: str, syncs: int, position: Position | None) -> str:
         'gradient sync #10'
     """
     at = f"step {position[1]} of epoch {position[0]}" if position else None
-    if kind in ("sync", "slots", "exchange"):  # the last two are collectives at a sync's start (autodist.exchange)
+    if kind in ("sync", "exchange"):  # "exchange": choosing how the buckets are summed, at a sync's start
         return f"the gradient sync of {at}" if at else f"gradient sync #{syncs + 1}"
     if kind == "count":
         return f"the sample-count all-reduce of a no_sync micro-batch{' at ' + at if at else ''}"

@@ -66,8 +66,8 @@ def _current_position() -> Position | None:
 
 
 class waiting:
-    """Marks a blocking collective of autodist's (``kind``: "sync", "slots" and "exchange" at a sync's start,
-    "count", "buffers", "order", "parameters"; only a finished "sync" counts as a gradient sync done).
+    """Marks a blocking collective of autodist's (``kind``: "sync", "exchange" at a sync's start, "count",
+    "buffers", "order", "parameters"; only a finished "sync" counts as a gradient sync done).
 
     Costs two attribute stores; a collective that fails because a peer died raises :class:`PeerFailure`
     naming that peer instead of gloo's socket error.

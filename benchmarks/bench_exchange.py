@@ -6,8 +6,9 @@ What it measures
     both ways, alternating blocks of each, the order flipping every round: a
     timed operation is what gradient sync does with a full bucket, from the
     gradient (a separate tensor) to the sum in the bucket:
-      shared memory  copy the gradient into this rank's slot, then ``finish``
-                     (one-number all-reduce, add the slots up in rank order);
+      shared memory  copy the gradient into the bucket (this rank's slot), then
+                     ``finish`` (a one-number all-reduce, this rank's part of the
+                     sum, another, copy the sum into the bucket);
       gloo           copy the gradient into the bucket, then ``all_reduce`` it.
     Every result is checked against the sum of the ranks' gradients.
 
@@ -36,8 +37,7 @@ from autodist import exchange
 
 def timed(ex: exchange.Exchange, flat: torch.Tensor, grad: torch.Tensor) -> float:
     start = time.perf_counter()
-    ex.writable()
-    ex.outbox(0, flat).copy_(grad)
+    flat.copy_(grad)  # packing
     ex.send(0, flat)
     ex.finish()
     return time.perf_counter() - start
@@ -51,6 +51,7 @@ def measure(mb: float, rounds: int, block: int) -> tuple[float, float]:
     flats = {"shared memory": torch.zeros(n), "gloo": torch.zeros(n)}
     chosen = exchange.choose([flats["shared memory"]], None)
     assert isinstance(chosen, exchange.SharedSum), "the ranks could not share memory on this machine"
+    flats["shared memory"] = chosen.place(0, flats["shared memory"])  # the bucket lives in shared memory
     ways = {"shared memory": chosen, "gloo": exchange.AllReduce([flats["gloo"]], None)}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(rounds):

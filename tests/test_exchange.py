@@ -35,21 +35,25 @@ def _expected(sync: int, bucket: int, n: int, dtype: torch.dtype) -> torch.Tenso
 
 
 def _sums(syncs: int, slow_rank: int | None = None) -> tuple[str, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """``syncs`` sums of three buckets; ``slow_rank`` copies each sum out 0.3 s late, while the others go on:
+    rank 0 clears its buckets in place at once (as clipping gradients would) and packs the next sync."""
     sizes = [(1000, torch.float32), (37, torch.float64), (5000, torch.float32)]
-    flats = _buckets(sizes)
-    ex = exchange.choose(flats, None)
+    ex = exchange.choose(_buckets(sizes), None)
+    flats = [ex.place(i, f) for i, f in enumerate(_buckets(sizes))]
     if dist.get_rank() == slow_rank and isinstance(ex, exchange.SharedSum):
-        add_up = ex._add_up
-        ex._add_up = lambda: (time.sleep(0.3), add_up())  # still reading while the others write the next sync
+        copy_sums = ex._copy_sums
+        ex._copy_sums = lambda: (time.sleep(0.3), copy_sums())
     got, want = [], []
     for sync in range(syncs):
         for i, (n, dtype) in enumerate(sizes):
-            ex.writable()
-            ex.outbox(i, flats[i]).copy_(_contribution(sync, i, n, dtype, dist.get_rank()))
+            flats[i].copy_(_contribution(sync, i, n, dtype, dist.get_rank()))
             ex.send(i, flats[i])
         ex.finish()
         got.append([f.clone() for f in flats])
         want.append([_expected(sync, i, n, dtype) for i, (n, dtype) in enumerate(sizes)])
+        if dist.get_rank() == 0:
+            for f in flats:
+                f.zero_()
     return ex.name, got, want
 
 
@@ -64,26 +68,27 @@ def test_shared_memory_sums_equal_the_rank_order_sum_on_every_rank(ranks, size):
         assert_close(got, results[0][1], rtol=0, atol=0)  # the same bits on every rank
 
 
-def test_a_rank_still_reading_is_not_overwritten_by_the_next_sync(ranks):
-    # Rank 1 adds up 0.3 s late, while rank 0 goes on to write its next contribution: without the wait
-    # for "every rank has read", rank 1 would add rank 0's next numbers into this sync's sum.
-    for name, got, want in ranks(2, _sums, 3, 1):
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_rank_still_copying_the_sum_is_not_disturbed_by_the_others(ranks, size):
+    # The last rank copies each sum out 0.3 s late, while rank 0 at once zeroes its buckets in place and
+    # packs its next contribution: the sum the late rank copies must be neither rank 0's zeros (it is not
+    # read from rank 0's bucket) nor a sum of the next sync (which waits for every rank's copy).
+    for name, got, want in ranks(size, _sums, 3, size - 1):
         assert name == "shared memory"
         for g, e in zip(got, want):
             assert_close(g, e, rtol=0, atol=0)
 
 
-def _choice_with(env: dict[str, str], free: int | None = None, max_ranks: int = exchange.MAX_RANKS) -> str:
+def _choice_with(env: dict[str, str], free: int | None = None) -> str:
     saved = {k: os.environ.get(k) for k in env}
-    saved_free, saved_max = shared_memory.free_bytes, exchange.MAX_RANKS
+    saved_free = shared_memory.free_bytes
     os.environ.update(env)
-    exchange.MAX_RANKS = max_ranks
     if free is not None:
         shared_memory.free_bytes = lambda: free
     try:
         return exchange.choose(_buckets([(100_000, torch.float32)]), None).name
     finally:
-        shared_memory.free_bytes, exchange.MAX_RANKS = saved_free, saved_max
+        shared_memory.free_bytes = saved_free
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -96,13 +101,12 @@ def _choices() -> list[str]:
     return [_choice_with({"AUTODIST_SHARED_MEMORY": "0"}),
             _choice_with({"GROUP_RANK": rank}),  # the launcher put each rank on a node of its own
             _choice_with({}, free=1000),  # /dev/shm nearly full
-            _choice_with({}, max_ranks=1),  # more ranks on this machine than shared memory is used for
             _choice_with({})]
 
 
 def test_the_all_reduce_where_shared_memory_is_off_or_impossible(ranks):
     for choices in ranks(2, _choices):
-        assert choices == ["all-reduce", "all-reduce", "all-reduce", "all-reduce", "shared memory"]
+        assert choices == ["all-reduce", "all-reduce", "all-reduce", "shared memory"]
 
 
 def test_nothing_is_left_in_dev_shm(ranks):
@@ -200,12 +204,12 @@ def _buffer_accumulation_rebuild() -> tuple[list[str], dict, dict, int]:
     ref, _ = _accumulate(w.seeded(build, 0), data(), lambda: torch.enable_grad(), unfreeze_at=2)
     model, shards = autodist.parallelize(w.seeded(build, 0), data())
     model, used = _accumulate(model, shards, lambda: autodist.no_sync(model), unfreeze_at=2)
-    rode = state_of(model).buckets[-1].outbox_extra.numel()
+    rode = state_of(model).buckets[-1].extra.numel()
     return used, w.state(ref), w.state(model), rode
 
 
 def test_buffers_accumulation_and_a_rebuild_go_through_shared_memory_exactly(ranks):
-    # A running-mean buffer (as BatchNorm's running_mean) rides in the last bucket's outbox; no_sync
+    # A running-mean buffer (as BatchNorm's running_mean) rides in the last bucket; no_sync
     # accumulates two micro-batches per step; unfreezing the first layer at step 2 rebuilds the buckets
     # and chooses the exchange again. 3 ranks share micro-batches of 5 unevenly (2, 2, 1).
     for used, ref, par, rode in ranks(3, _buffer_accumulation_rebuild):
