@@ -4,17 +4,29 @@ Example:
     >>> import autodist
     >>> model, loader = autodist.parallelize(model, loader)          # data parallel
     >>> model, loader = autodist.parallelize(model, loader, mp=2)    # 2-way model parallel x data parallel
+
+The package is one folder per subsystem (docs/architecture.md has the map and the
+layering rule); this file and :mod:`autodist.api` are its public face.
 """
+import sys
+
 from autodist.api import parallelize
-from autodist.checkpoint import load, resume, save
-from autodist.gather import gather_state_dict
-from autodist.grad_sync import no_sync, synchronize_model
-from autodist.rewrite import Plan, explain
-from autodist.runtime import World, init, rank, world_size
-from autodist.structure import ModelChanged
-from autodist.sync import DiLoCo, Gossip, Hierarchical, LocalSGD
+from autodist.dp.grad_sync import no_sync, synchronize_model
+from autodist.dp.structure import ModelChanged
+from autodist.mp.gather import gather_state_dict
+from autodist.mp.rewrite import Plan, explain
 from autodist.ps import EASGD, Downpour
-from autodist import engine  # the training-loop helpers, as autodist.engine
+from autodist.runtime import comm
+from autodist.runtime.world import World, init, rank, world_size
+from autodist.sync import DiLoCo, Gossip, Hierarchical, LocalSGD
+from autodist.train import checkpoint, engine
+from autodist.train.checkpoint import load, resume, save
+
+# The public modules keep the short names they always had (as os.path is os's): autodist.engine (the training-loop
+# helpers), autodist.comm (collectives over communicators), autodist.checkpoint (save / load and CheckpointError).
+for _public in (engine, comm, checkpoint):
+    sys.modules[f"{__name__}.{_public.__name__.rsplit('.', 1)[1]}"] = _public
+del _public
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",

@@ -9,16 +9,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from autodist import data as data_mod
-from autodist import observe, rewrite, watchdog
 from autodist import sync as sync_mod
-from autodist.grad_sync import Registration, attach, is_parallelized
-from autodist.guards import retire
-from autodist.mesh import Groups, ParallelDims, build_groups
-from autodist.replicate import broadcast_state, check_same_model, model_tensors
-from autodist.rng import share_rng_state
-from autodist.runtime import World, hang_timeout, init, log
-from autodist.shares import SampleCounter, SampleFn
+from autodist.dp import data as data_mod
+from autodist.dp.grad_sync import Registration, attach, is_parallelized
+from autodist.dp.replicate import broadcast_state, check_same_model, model_tensors
+from autodist.dp.shares import SampleCounter, SampleFn
+from autodist.faults import watchdog
+from autodist.mp import observe, rewrite
+from autodist.mp.guards import retire
+from autodist.runtime.environment import hang_timeout
+from autodist.runtime.mesh import Groups, ParallelDims, build_groups
+from autodist.runtime.rng import share_rng_state
+from autodist.runtime.world import World, init, log
 
 
 def _check_model(model: nn.Module) -> None:
@@ -67,7 +69,7 @@ def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float, sync_buffe
 
 
 def _through(sync_state: object | None) -> str:
-    """" through shared memory" where the gradient buckets of rank 0's group go that way (:mod:`autodist.exchange`)."""
+    """" through shared memory" where the gradient buckets of rank 0's group go that way (:mod:`~autodist.dp.exchange`)."""
     exchange = getattr(sync_state, "exchange", None)
     return f" through {exchange.name}" if getattr(exchange, "name", "") == "shared memory" else ""
 

@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import autodist
-from autodist.grad_sync import state_of
+from autodist.dp.grad_sync import state_of
 
 RANKS = 2
 

@@ -1,4 +1,4 @@
-"""Summing one bucket over the ranks of one machine: shared memory (autodist.exchange) against gloo's all-reduce.
+"""Summing one bucket over the ranks of one machine: shared memory (autodist.dp.exchange) against gloo's all-reduce.
 
 What it measures
     Ranks started by torchrun on this machine (2 by default, gloo, 1 thread
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from timing import torchrun  # benchmarks/timing.py
 
-from autodist import exchange
+from autodist.dp import exchange
 
 
 def timed(ex: exchange.Exchange, flat: torch.Tensor, grad: torch.Tensor) -> float:

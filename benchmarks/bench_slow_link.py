@@ -185,7 +185,7 @@ def launch(args: argparse.Namespace) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
         procs = []
         for node, host in enumerate(cluster.hosts):
-            cmd = [sys.executable, "-m", "autodist.cli", "run", "--nnodes", "2", "--node-rank", str(node),
+            cmd = [sys.executable, "-m", "autodist", "run", "--nnodes", "2", "--node-rank", str(node),
                    "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", os.path.abspath(__file__),
                    "--worker", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every), "--seeds", str(args.seeds), "--out", out,
                    *(f"--mode={mode}" for mode in args.mode)]

@@ -13,8 +13,8 @@ import time
 import pytest
 
 import autodist
-from autodist.cli import main, torchrun_args
-from autodist.launch import Failure, root_cause, summary
+from autodist.cli.command import main, torchrun_args
+from autodist.cli.launch import Failure, root_cause, summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULTY = os.path.join(HERE, "faulty_train.py")
@@ -148,7 +148,7 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_lost_it():
     killed = Failure(1, -signal.SIGKILL, None, 11.0)
     assert root_cause([by_watchdog, killed]) is killed and killed.status == 137
     assert summary([killed]) == ["autodist run: rank 1 failed (killed by SIGKILL)"]
-    lost_on_this_node = Failure(0, 1, "autodist.watchdog.PeerFailure: rank 1 died without a word (...) while "
+    lost_on_this_node = Failure(0, 1, "autodist.faults.watchdog.PeerFailure: rank 1 died without a word (...) while "
                                       "rank 0 waits in the gradient sync of step 4 of epoch 84", 5.0)
     assert summary([lost_on_this_node]) == ["autodist run: rank 0 stopped (exit code 1): rank 1 died without a word "
                                             "(...) while rank 0 waits in the gradient sync of step 4 of epoch 84"]

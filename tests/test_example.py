@@ -292,7 +292,7 @@ def _run(folder, ranks: int, *args: str) -> Run:
     command = [sys.executable, TRAIN]
     if ranks > 1:  # as a user launches it; torchrun sets OMP_NUM_THREADS=1 per worker and prints its banner
         env.pop("OMP_NUM_THREADS")
-        command = [sys.executable, "-m", "autodist.cli", "run", "-n", str(ranks), TRAIN]
+        command = [sys.executable, "-m", "autodist", "run", "-n", str(ranks), TRAIN]
     proc = subprocess.run([*command, *args, "--out", "out", "--no-progress"], cwd=str(folder), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout

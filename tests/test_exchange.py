@@ -11,8 +11,10 @@ from torch.testing import assert_close
 
 import autodist
 import workloads as w
-from autodist import exchange, runtime, shared_memory
-from autodist.grad_sync import state_of
+from autodist.dp import exchange
+from autodist.runtime import environment
+from autodist.dp import shared_memory
+from autodist.dp.grad_sync import state_of
 
 
 def _buckets(sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
@@ -139,12 +141,12 @@ def test_training_through_either_exchange_matches_one_process(ranks, shared, nam
 
 
 def test_environment_switch_and_machine_name():
-    assert runtime.shared_memory_allowed({}) is True
-    assert runtime.shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "0"}) is False
+    assert environment.shared_memory_allowed({}) is True
+    assert environment.shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "0"}) is False
     with pytest.raises(ValueError, match="AUTODIST_SHARED_MEMORY='off': give 1"):
-        runtime.shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "off"})
-    assert runtime.machine({"GROUP_RANK": "0"}) != runtime.machine({"GROUP_RANK": "1"})
-    assert runtime.machine({"SLURM_NODEID": "3"}).endswith("/node 3")
+        environment.shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "off"})
+    assert environment.machine({"GROUP_RANK": "0"}) != environment.machine({"GROUP_RANK": "1"})
+    assert environment.machine({"SLURM_NODEID": "3"}).endswith("/node 3")
 
 
 def test_a_file_of_another_size_or_absent_is_refused():

@@ -11,8 +11,9 @@ import torch
 from torch.testing import assert_close
 
 import workloads as w
-from autodist.cli import UsageError, torchrun_args
-from autodist.runtime import Launch, choose_backend, detect_launch, rendezvous_address
+from autodist.cli.command import UsageError, torchrun_args
+from autodist.runtime.environment import Launch, detect_launch, rendezvous_address
+from autodist.runtime.world import choose_backend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,7 +94,7 @@ def _child_env() -> dict:
 @pytest.mark.e2e
 def test_autodist_run_trains_like_one_process(tmp_path):
     out = tmp_path / "state.pt"
-    cmd = [sys.executable, "-m", "autodist.cli", "run", "-n", "2", os.path.join(HERE, "launched_train.py"), str(out)]
+    cmd = [sys.executable, "-m", "autodist", "run", "-n", "2", os.path.join(HERE, "launched_train.py"), str(out)]
     proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved = torch.load(out, weights_only=True)
@@ -134,7 +135,7 @@ def test_explain_command_prints_the_plan(tmp_path):
     (tmp_path / "netdef.py").write_text("import torch.nn as nn\n"
                                         "def build():\n"
                                         "    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10))\n")
-    proc = subprocess.run([sys.executable, "-m", "autodist.cli", "explain", "netdef:build", "--mp", "2",
+    proc = subprocess.run([sys.executable, "-m", "autodist", "explain", "netdef:build", "--mp", "2",
                            "--batch-size", "32"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "column" in proc.stdout and "1,280" in proc.stdout  # 32 rows x 10 logits x 4 bytes

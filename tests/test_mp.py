@@ -15,7 +15,7 @@ from torch.testing import assert_close
 import autodist
 import workloads as w
 from autodist.layers.comm import all_gather_cat, shard_sizes
-from autodist.rewrite import mp_modules
+from autodist.mp.rewrite import mp_modules
 
 
 class TorchADNet(nn.Module):

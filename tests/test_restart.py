@@ -17,7 +17,7 @@ def _launch(directory, *marker: str) -> subprocess.Popen:
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     os.makedirs(directory)
-    cmd = [sys.executable, "-m", "autodist.cli", "run", "-n", "2", "--max-restarts", "1",
+    cmd = [sys.executable, "-m", "autodist", "run", "-n", "2", "--max-restarts", "1",
            os.path.join(HERE, "restart_train.py"), str(directory / "ckpt.pt"), str(directory / "out.pt"), *marker]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autodist
 import workloads as w
 from autodist import engine
-from autodist.data import slice_bounds
+from autodist.dp.data import slice_bounds
 from outside.word_language_model import RNNModel
 from test_equivalence import assert_same_training
 

@@ -129,7 +129,7 @@ def test_parallelize_twice_is_an_error(ranks):
 
 def _launch_order():
     model, _ = autodist.parallelize(w.seeded(w.mlp, 0), first_bucket_mb=0.0002, bucket_mb=0.001)
-    sync = autodist.grad_sync.state_of(model)
+    sync = autodist.dp.grad_sync.state_of(model)
     started_when_first_layer_ready, started_midway = [], []
     first = next(model.parameters())  # the last gradient backward produces
     first.register_post_accumulate_grad_hook(lambda p: started_when_first_layer_ready.append(sync.next_bucket))

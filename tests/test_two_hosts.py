@@ -41,7 +41,7 @@ class Job:
         self.procs: list[subprocess.Popen] = []
         self.lines: list[list[tuple[float, str]]] = []
         for node, host in enumerate(cluster.hosts):
-            cmd = [sys.executable, "-m", "autodist.cli", "run", "--nnodes", str(len(cluster.hosts)),
+            cmd = [sys.executable, "-m", "autodist", "run", "--nnodes", str(len(cluster.hosts)),
                    "--node-rank", str(node), "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}",
                    "-n", str(nproc), SCRIPT, *args]
             proc = cluster.popen(host, cmd, env=_env() | (env or {}), stdout=subprocess.PIPE,

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import autodist
-from autodist.progress import Status, judge, wait_words, where
-from autodist.runtime import hang_timeout
+from autodist.faults.verdicts import Status, judge, where
+from autodist.runtime.position import wait_words
+from autodist.runtime.environment import hang_timeout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "faulty_train.py")
@@ -262,7 +263,7 @@ def test_save_on_rank_0_only_names_the_collective_and_the_line(tmp_path):
 def test_a_stall_under_autodist_run_ends_the_job(tmp_path):
     env = _child_env()
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "autodist.cli", "run", "-n", "2", SCRIPT, "sleep"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", "2", SCRIPT, "sleep"], env=env,
                           capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     fell_asleep = float(re.search(r"fault at ([\d.]+)", out).group(1))

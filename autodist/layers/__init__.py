@@ -1,4 +1,6 @@
-"""Model-parallel layers: drop-in, exact replacements for ``nn.Linear`` split over ranks.
+"""layers: the public model-parallel layers, exact drop-ins for ``nn.Linear`` split over ranks, the autograd
+Functions that communicate for them (:mod:`~autodist.layers.comm`), and :class:`~autodist.layers.shard.Shard`,
+how a parameter is split. May import: faults, runtime. Entry points: the classes below.
 
 ``MPInitialReshape``, ``MPInitialLinear``, ``MPBaseReshape``, ``MPBaseLinear``
 and ``MPTanh`` are TorchAD-NN's layers, done right: each takes a full tensor

@@ -1,4 +1,6 @@
-"""Parameter-server training: :class:`Downpour` (asynchronous SGD) and :class:`EASGD` (elastic averaging).
+"""ps: parameter-server training, a strategy with servers: :class:`Downpour` (asynchronous SGD) and
+:class:`EASGD` (elastic averaging). May import: train, sync, dp, mp, layers, faults, runtime
+(train for its checkpoint file). Entry points: the two classes, ``parallelize(..., sync=autodist.Downpour())``.
 
 ``parallelize(model, data, sync=autodist.Downpour())`` and the ordinary loop
 (zero_grad, backward, step) train asynchronously: no worker ever waits for
@@ -51,7 +53,7 @@ at exit if not before) waits until every worker has finished or died, gives
 every rank the final parameters and lets the servers stop.
 
 Faults. A lost worker is dropped by every server and reported to the
-watchdog (:func:`autodist.watchdog.rank_left`), which then no longer waits for
+watchdog (:func:`autodist.faults.watchdog.rank_left`), which then no longer waits for
 it; the job finishes with the others and says so. A lost server raises
 :class:`~autodist.ps.strategy.ServerLost` on every worker that asks it
 anything. After a worker is lost the default group's collectives cannot run

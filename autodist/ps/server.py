@@ -15,7 +15,7 @@ import torch
 
 from autodist.ps import wire
 from autodist.ps.layout import Piece
-from autodist.runtime import log
+from autodist.runtime.world import log
 
 
 def _optimizer_class(module: str, qualname: str) -> type:
@@ -209,9 +209,9 @@ class Serving:
                 if reply is not None:
                     wire.wait(wire.send(self.group, worker, wire.REPLY_TAG, reply))
         except Exception as exc:  # noqa: BLE001 - the worker is gone (its socket closed): go on without it
-            from autodist.watchdog import _is_peer_lost
+            from autodist.faults.watchdog import is_peer_lost
 
-            why = "its connection closed: the process died or was killed" if _is_peer_lost(exc) else \
+            why = "its connection closed: the process died or was killed" if is_peer_lost(exc) else \
                 (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             if worker not in self.server.done:
                 log.warning("parameter server: worker rank %d is gone (%s); training goes on with the others",

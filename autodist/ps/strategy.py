@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autodist import watchdog
+from autodist.faults import watchdog
 from autodist.ps import wire
 from autodist.ps.layout import ShardLayout, flatten, unflatten_into
 from autodist.ps.server import Serving, ShardServer
-from autodist.runtime import log
+from autodist.runtime.world import log
 from autodist.sync.base import Strategy, SyncContext
 
 _QUIET = datetime.timedelta(days=30)  # a worker may stay silent this long (evaluating, saving) without being lost
@@ -148,7 +148,7 @@ class ParameterServer(Strategy):
         index = self.layout.servers.index(rank) if rank in self.layout.servers else 0
         lo, hi = self.layout.bounds[index]
         # not gloo's own words: the watchdog would take them for a collective's lost peer and tell another story
-        why = "its connection closed: the process died or was killed" if watchdog._is_peer_lost(exc) else \
+        why = "its connection closed: the process died or was killed" if watchdog.is_peer_lost(exc) else \
             (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         return (f"the parameter server on rank {rank} (elements {lo}..{hi} of the model's {self.layout.total} "
                 f"parameter elements) is gone ({why}) while rank {self.me} sent it a {wire.NAMES[op]} request: its "
@@ -274,7 +274,7 @@ class ParameterServer(Strategy):
         model's names, so ``plain_model.load_state_dict(torch.load(path)["model"])`` works; the servers' state
         is the extra ``param_server``: ``ps.load_state_dict(autodist.load(path, model)["param_server"])``.
         """
-        from autodist import checkpoint
+        from autodist.train import checkpoint
 
         path = checkpoint._checked_path(path, writing=True)
         checkpoint._check_loadable(extra, "extra")

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from autodist import comm
+from autodist.runtime import comm
 
 
 def float_state(model: nn.Module) -> list[torch.Tensor]:

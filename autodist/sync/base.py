@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autodist import comm
-from autodist.shares import SampleCounter
+from autodist.dp.shares import SampleCounter
+from autodist.runtime import comm
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from autodist.layers.shard import Shard
-from autodist.runtime import log
+from autodist.runtime.world import log
 from autodist.sync.averaging import Done, Pending
 from autodist.sync.base import SyncContext, tensor_names
 from autodist.sync.periodic import Periodic, _positive

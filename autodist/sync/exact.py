@@ -1,9 +1,9 @@
-"""Exact sync: today's bucketed gradient all-reduce (:mod:`autodist.grad_sync`), as a strategy."""
+"""Exact sync: today's bucketed gradient all-reduce (:mod:`autodist.dp.grad_sync`), as a strategy."""
 from __future__ import annotations
 
 from torch import nn
 
-from autodist.grad_sync import GradSync
+from autodist.dp.grad_sync import GradSync
 from autodist.sync.base import Strategy, SyncContext
 
 

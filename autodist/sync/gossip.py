@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from autodist import comm
+from autodist.runtime import comm
 from autodist.sync.averaging import float_state
 from autodist.sync.base import Strategy, SyncContext
 from autodist.sync.periodic import _positive

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import nn
 
-from autodist import comm
-from autodist.grad_sync import GradSync
-from autodist.shares import Counted, SampleCounter
+from autodist.dp.grad_sync import GradSync
+from autodist.dp.shares import Counted, SampleCounter
+from autodist.runtime import comm
 from autodist.sync.base import Strategy, SyncContext
 from autodist.sync.local_sgd import LocalSGD
 from autodist.sync.periodic import Periodic

@@ -6,8 +6,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autodist import comm
-from autodist.grad_sync import GradSync, registration_of
+from autodist.dp.grad_sync import GradSync, registration_of
+from autodist.runtime import comm
 from autodist.sync.averaging import Averager, Pending, TwoLevel, float_state
 from autodist.sync.base import Strategy, SyncContext
 from autodist.sync.stepping import SampleTally, StepWatch

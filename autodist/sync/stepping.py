@@ -7,7 +7,7 @@ every ``optimizer.step()`` in the process and passes on those of optimizers
 holding at least one of the model's parameters; the answer is remembered per
 optimizer, so the filter costs a dictionary look-up per step.
 
-Samples are counted as exact sync counts them (:class:`autodist.shares.SampleCounter`:
+Samples are counted as exact sync counts them (:class:`autodist.dp.shares.SampleCounter`:
 from the sharded DataLoader's batch shares, else from the forward's tensors), and only for
 forwards a backward goes through: a forward's outputs get a hook that adds its count when a
 backward reaches them, once per global batch.
@@ -22,9 +22,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autodist.shares import Counted, SampleCounter, watch_outputs
-from autodist.structure import Watch
-
+from autodist.dp.shares import Counted, SampleCounter, watch_outputs
+from autodist.dp.structure import Watch
 
 _watches: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()
 _hooks: list[Any] = []
@@ -45,7 +44,7 @@ class StepWatch:
     """Calls ``on_step()`` after every step of an optimizer holding any of ``model``'s parameters (and
     ``before_step(optimizer)`` before it, if given); lives as long as the strategy owning ``on_step``
     (bound methods, held weakly). Before such a step it refuses parameters added to the model since
-    (:class:`autodist.structure.Watch`): the strategy would leave them out."""
+    (:class:`autodist.dp.structure.Watch`): the strategy would leave them out."""
 
     def __init__(self, model: nn.Module, on_step: Callable[[], None],
                  before_step: Callable[[torch.optim.Optimizer], None] | None = None) -> None:

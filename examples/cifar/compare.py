@@ -33,7 +33,7 @@ def run(label: str, ranks: int, mode: str, args: argparse.Namespace, out: str) -
     if ranks == 1:
         command = [sys.executable, *script]
     else:
-        command = [sys.executable, "-m", "autodist.cli", "run", "-n", str(ranks), *script]
+        command = [sys.executable, "-m", "autodist", "run", "-n", str(ranks), *script]
     print(f"== {label}: {' '.join(command[1:])}", flush=True)
     subprocess.run(command, check=True)
     with open(os.path.join(out, "metrics.json")) as f:

@@ -1,0 +1,338 @@
+"""The ``autodist`` command (also ``python -m autodist``): ``run`` launches, ``explain`` prints a plan.
+
+A mistake on the command line is one line on stderr and exit status 2, never a
+traceback. How a launched job is supervised (the child launcher, the failure
+summary, Ctrl-C) is in :mod:`autodist.cli.launch`.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import inspect
+import logging
+import os
+import sys
+import tempfile
+from typing import Any, NoReturn, Sequence
+
+from autodist.cli.launch import launch, python_command, run_script, supervise
+
+_USAGE = """usage: autodist run [-n N] [torchrun options] script.py [script args]
+       autodist explain MODULE:NAME --mp K [--batch-size B] [--layers a,b]
+       autodist --version
+
+run      launches N processes of script.py through torchrun, on this machine
+         unless torchrun's multi-node options say otherwise; a failed job ends
+         with one line naming the rank, how it ended and its error's last line
+         (autodist run --help for the options).
+explain  prints how parallelize(model, mp=K) would split the model NAME (an
+         nn.Module, or a callable returning one) of the importable MODULE.
+
+examples: autodist run -n 2 examples/cifar/train.py --epochs 3
+          autodist explain mypackage.models:build_model --mp 2 --batch-size 128
+"""
+
+_RUN_HELP = """usage: autodist run [-n N] [torchrun options] script.py [script args]
+
+Runs N processes of script.py through torchrun. Arguments after the script go
+to the script. If the job fails, the last line names the rank that failed, how
+(exit code or signal) and its error's last line; the exit status is that
+rank's. Ctrl-C stops every rank and exits with status 130.
+
+  -n N, --nproc N        processes on this node (torchrun's --nproc-per-node)
+
+Every torchrun option passes through unchanged (python -m torch.distributed.run
+--help lists them all); the most useful:
+  --nnodes N             machines taking part (default 1)
+  --node-rank R          this machine's index, 0..N-1 (with --master-addr and
+                         --master-port: the machine of node rank 0 and a port)
+  --rdzv-endpoint H:P    instead of the three above, where the machines meet,
+                         with --rdzv-backend c10d --rdzv-id JOB on every machine
+  --max-restarts K       restart every rank up to K times after a failure
+  --log-dir DIR --tee 3  also keep each rank's output in files under DIR
+  --keep-going           (autodist's, with -n only) start the ranks without
+                         torchrun, so that the others finish when one is lost:
+                         for autodist.Downpour / autodist.EASGD training
+
+On one machine (none of --nnodes, --node-rank, --rdzv-*, --master-*,
+--standalone given) nothing listens beyond 127.0.0.1.
+
+examples: autodist run -n 2 train.py --epochs 3
+          autodist run --nnodes 2 --node-rank 0 --master-addr node0 \\
+                       --master-port 29500 -n 4 train.py    (node1: --node-rank 1)
+"""
+
+# Any of these means the user set up the rendezvous; otherwise the job runs on this machine only.
+_RENDEZVOUS_OPTIONS = ("--nnodes", "--node-rank", "--node_rank", "--rdzv", "--master-addr", "--master_addr",
+                       "--master-port", "--master_port", "--standalone")
+# torchrun also takes its options from PET_* variables.
+_RENDEZVOUS_VARIABLES = ("PET_NNODES", "PET_NODE_RANK", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_MASTER_ADDR",
+                         "PET_MASTER_PORT", "PET_STANDALONE")
+
+
+class UsageError(Exception):
+    """A mistake on the command line: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose complaints are one line (what was wrong, where to look) instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+# -- run -------------------------------------------------------------------------------------------
+
+def _torchrun_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "autodist run"
+
+    def error(message: str) -> NoReturn:
+        raise UsageError(f"{message} (see autodist run --help)")
+
+    parser.error = error  # type: ignore[method-assign]
+    parser.add_argument("-n", "--nproc", dest="nproc_per_node", help="processes on this node")
+    return parser
+
+
+def _single_node(workdir: str) -> list[str]:
+    """One machine, nothing listening beyond loopback: the ranks meet in a file, rank 0 on 127.0.0.1."""
+    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", os.path.join(workdir, "rendezvous"),
+            "--rdzv-conf", "store_type=file", "--rdzv-id", "autodist", "--local-addr", "127.0.0.1"]
+
+
+def _nproc_options(options: Sequence[str]) -> list[str]:
+    """``-n N`` / ``--nproc N`` (and ``-nN``, ``-n=N``, ``--nproc=N``) spelled as torchrun's --nproc-per-node."""
+    out: list[str] = []
+    i = 0
+    while i < len(options):
+        opt = options[i]
+        if opt in ("-n", "--nproc") and i + 1 < len(options):
+            out += ["--nproc-per-node", options[i + 1]]
+            i += 2
+            continue
+        if opt.startswith(("-n=", "--nproc=")):
+            out += ["--nproc-per-node", opt.split("=", 1)[1]]
+        elif opt.startswith("-n") and not opt.startswith("--") and opt[2:].isdigit():  # -n2
+            out += ["--nproc-per-node", opt[2:]]
+        else:
+            out.append(opt)
+        i += 1
+    return out
+
+
+def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None = None) -> list[str]:
+    """Translate ``run``'s arguments into torchrun's.
+
+    ``workdir`` is the folder of this run (where the ranks meet on one machine,
+    and torchrun's per-rank error files). The script runs inside ``autodist
+    _rank`` (see :func:`autodist.cli.launch.run_script`), which records its error
+    for the summary.
+
+    Example:
+        >>> torchrun_args(["-n", "2", "train.py", "--lr", "0.1"], "/tmp/r", {})[-5:]
+        ['_rank', '--loopback-store', 'train.py', '--lr', '0.1']
+    """
+    env = dict(os.environ) if env is None else env
+    args = _torchrun_parser().parse_args(list(argv))  # validates; the script and its arguments are found here
+    if not (args.module or args.no_python or os.path.isfile(args.training_script)):
+        raise UsageError(f"no such script {args.training_script!r} (run it from the folder the path is relative "
+                         f"to, or give its full path)")
+    script_at = len(argv) - len(args.training_script_args) - 1
+    options = _nproc_options(argv[:script_at])
+    out: list[str] = []
+    one_machine = not any(o.startswith(_RENDEZVOUS_OPTIONS) for o in options) and \
+        not any(v in env for v in _RENDEZVOUS_VARIABLES)
+    if one_machine:
+        out += _single_node(workdir)  # first: an option the user gave later (--local-addr) wins
+    if not any(o.startswith(("--log-dir", "--log_dir", "--redirects", "--tee", "-r", "-t")) for o in options):
+        out += ["--log-dir", os.path.join(workdir, "logs")]  # removed with the run (torchrun's default is kept)
+    out += options
+    if args.module or args.no_python or args.run_path:  # not a Python file autodist can run: as torchrun would
+        return out + list(argv[script_at:])
+    rank = ["--no-python", *python_command("_rank", unbuffered=True)]  # -u: as torchrun runs python
+    return out + rank + (["--loopback-store"] if one_machine else []) + list(argv[script_at:])
+
+
+def _world(torchrun_argv: Sequence[str]) -> int | None:
+    """How many ranks the job has, when this machine's options tell (one node, a number of processes)."""
+    args = _torchrun_parser().parse_args(list(torchrun_argv))
+    if args.nnodes == "1" and str(args.nproc_per_node).isdigit():
+        return int(args.nproc_per_node)
+    return None
+
+
+def run(argv: Sequence[str]) -> int:
+    """``autodist run``: launch through torchrun, supervised; returns the job's exit status."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_RUN_HELP)
+        return 0 if argv else 2
+    # Restarted workers must not reuse the dead attempt's store (torch's shared rendezvous TCP store hands
+    # them stale peer addresses: "connectFullMesh ... Connection refused" or a hang in init_process_group).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if "--keep-going" in argv:
+        return _keep_going([a for a in argv if a != "--keep-going"])
+    with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
+        launch = torchrun_args(argv, workdir)
+        return supervise(launch, os.path.join(workdir, "failures.json"), _world(launch))
+
+
+def _keep_going(argv: list[str]) -> int:
+    """``autodist run --keep-going -n N script.py``: the ranks outlive a lost peer (see autodist.cli.keep_going)."""
+    from autodist.cli.keep_going import run_each
+
+    args = _torchrun_parser().parse_args(argv)
+    script_at = len(argv) - len(args.training_script_args) - 1
+    options = _nproc_options(argv[:script_at])
+    if len(options) != 2 or options[0] != "--nproc-per-node" or not options[1].isdigit() or int(options[1]) < 1:
+        raise UsageError("--keep-going starts the ranks of this machine itself, without torchrun: it takes "
+                         "only -n N (a positive number of processes) before the script")
+    if not os.path.isfile(args.training_script):
+        raise UsageError(f"no such script {args.training_script!r}")
+    with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
+        return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir)
+
+
+# -- explain ---------------------------------------------------------------------------------------
+
+def _import(module_name: str) -> Any:
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        stem = os.path.splitext(os.path.basename(module_name))[0]
+        raise UsageError(f"{module_name!r} is a file path; give the module's import name instead, e.g. "
+                         f"'{stem}:NAME' run from the folder that holds {os.path.basename(module_name)}")
+    sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current folder are found
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (module_name + ".").startswith(error.name + "."):
+            raise UsageError(f"no module named {error.name!r} (looked in the current folder and on sys.path; "
+                             f"run from the folder that holds it or add that folder to PYTHONPATH)") from None
+        raise _raised_inside(f"importing {module_name!r}", error) from None
+    except Exception as error:  # noqa: BLE001 - the user's module failed: say where, in one line
+        raise _raised_inside(f"importing {module_name!r}", error) from None
+
+
+def _raised_inside(doing: str, error: BaseException) -> UsageError:
+    frames = [f for f in inspect.getinnerframes(error.__traceback__, 0)] if error.__traceback__ else []
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return UsageError(f"{doing} raised {type(error).__name__}: {error}{where}")
+
+
+def _model(target: str) -> Any:
+    """The nn.Module named by MODULE:NAME (NAME may be dotted), built if NAME is a callable."""
+    from torch import nn
+
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"target must look like MODULE:NAME (e.g. mypackage.models:build_model), got {target!r}")
+    found: Any = _import(module_name)
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(found, part):
+            where = module_name + "".join("." + p for p in attr.split(".")[:i])
+            names = [n for n in dir(found) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise UsageError(f"{where!r} has no name {part!r}{hint}")
+        found = getattr(found, part)
+    if isinstance(found, nn.Module):
+        return found
+    if not callable(found):
+        raise UsageError(f"{target} is a {type(found).__name__}, not an nn.Module or a callable returning one")
+    try:
+        inspect.signature(found).bind()
+    except TypeError as error:
+        raise UsageError(f"{target} cannot be called without arguments ({error}); point at a function that "
+                         f"builds the model with none") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): just call it
+    try:
+        model = found()
+    except Exception as error:  # noqa: BLE001 - the user's builder failed: say where, in one line
+        raise _raised_inside(f"calling {target}", error) from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{target}() returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def explain(argv: Sequence[str]) -> int:
+    """``autodist explain MODULE:NAME --mp K``: print the plan of the model found there."""
+    parser = _Parser(prog="autodist explain", description="print the model-parallel plan")
+    parser.add_argument("target", help="MODULE:NAME, NAME an nn.Module or a callable returning one")
+    parser.add_argument("--mp", type=int, required=True, help="model-parallel degree (an integer >= 1)")
+    parser.add_argument("--batch-size", type=int, default=None, help="rows through each Linear per step (batch x seq for 3-D inputs), for the bytes column")
+    parser.add_argument("--layers", default="all", help="comma-separated Linear names to split (default: all)")
+    args = parser.parse_args(list(argv))
+    if args.mp < 1:
+        raise UsageError(f"--mp must be an integer >= 1, got {args.mp}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    model = _model(args.target)
+    from autodist.mp.rewrite import explain as plan_of
+
+    layers = "all" if args.layers == "all" else [name for name in args.layers.split(",") if name]
+    try:
+        plan = plan_of(model, mp=args.mp, mp_layers=layers, batch_size=args.batch_size)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        raise UsageError(f"{args.target} with --mp {args.mp}: {error}") from None
+    print(plan)
+    return 0
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def _version() -> str:
+    from autodist import __version__
+
+    return f"autodist {__version__}"
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's clean-up: with torch loaded that takes about a second, which a
+    supervising process (nothing of the user's runs in it) would add to every job's end."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autodist`` console script and of ``python -m autodist``.
+
+    Args:
+        argv: the arguments; None (the process's own command line) also lets ``run`` exit at once.
+    """
+    if argv is None and sys.argv[1:2] in (["run"], ["_launch"]):
+        _exit_now(_main(sys.argv[1:]))
+    return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command in ("-V", "--version"):
+            print(_version())
+            return 0
+        if command == "explain":
+            return explain(rest)
+        if command == "run":
+            return run(rest)
+        if command == "_rank":  # inside each rank of `autodist run` (see autodist.cli.launch)
+            run_script(rest)
+            return 0
+        if command == "_launch":  # the launcher child of `autodist run`
+            return launch(rest[0], rest[1:])
+        raise UsageError(f"unknown command {command!r}; the commands are run and explain (see autodist --help)")
+    except UsageError as error:
+        name = f"autodist {command}" if command in ("run", "explain") else "autodist"
+        print(f"{name}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Sharding of the user's data by data-parallel rank.
+
+Two rules make a parallel run see the same global batches as one process:
+
+* tensors, arrays and Datasets are split *strided* (rank r keeps samples
+  r, r+P, r+2P, ...), so batch i of size b on every rank together is exactly
+  the single-process batch i of size P*b, in order;
+* a DataLoader keeps its own sampler: every rank draws the same global batch
+  and keeps its contiguous slice of it, so the epoch's batches, their order and
+  the per-epoch reshuffling are the single-process loader's (a sampler on the
+  global RNG is drawn on every rank and rank 0's order broadcast, once an epoch).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, Subset
+
+from autodist.faults import watchdog
+from autodist.runtime import position, provenance
+from autodist.runtime.provenance import BatchShare
+
+DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
+
+
+def slice_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
+    """[lo, hi) of rank's contiguous part of n items; the first n % size ranks get one more.
+
+    Example:
+        >>> [slice_bounds(5, r, 3) for r in range(3)]
+        [(0, 2), (2, 4), (4, 5)]
+    """
+    base, extra = divmod(n, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def _length(x: Any, where: str) -> int:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        if x.ndim == 0:
+            raise ValueError(f"{where} is a 0-dimensional {type(x).__name__}; data needs a first (sample) dimension")
+        return x.shape[0]
+    raise TypeError(f"{where} is a {type(x).__name__}; autodist shards torch.Tensor and numpy.ndarray "
+                    f"(or a Dataset / DataLoader)")
+
+
+def _check_enough(n: int, size: int, what: str) -> None:
+    if n < size:
+        raise ValueError(f"{what} holds {n} sample(s) but there are {size} data-parallel ranks: every rank "
+                         f"needs at least one sample; use fewer ranks or more data")
+
+
+def _warn_uneven(n: int, rank: int, size: int, what: str) -> None:
+    """Uneven strided shards are exact, but a loop over them may take a different number of steps per rank."""
+    if n % size and rank == 0:
+        from autodist.runtime.world import log
+
+        log.warning("%s holds %d samples, which do not split evenly over %d ranks: shards hold %d or %d. "
+                    "Every rank must take the same number of steps (each step's backward communicates), so "
+                    "batch the shards such that ceil(shard / batch) is the same on every rank, drop the last "
+                    "partial batch, or pass a DataLoader, which autodist splits per global batch",
+                    what, n, size, n // size + 1, n // size)
+
+
+def _strided(x: torch.Tensor | np.ndarray, rank: int, size: int) -> torch.Tensor | np.ndarray:
+    part = x[rank::size]
+    shard = np.ascontiguousarray(part) if isinstance(x, np.ndarray) else part.contiguous()
+    provenance.register_shard(shard)  # a slice of it then counts the rows it covers
+    return shard
+
+
+def shard_arrays(data: Any, rank: int, size: int) -> Any:
+    """Rank's strided shard of a tensor / array, or of a tuple or list of them sharing dim 0."""
+    if isinstance(data, (tuple, list)):
+        if not data:
+            raise ValueError("data is an empty tuple/list; pass the tensors or arrays to shard")
+        lengths = [_length(x, f"data[{i}]") for i, x in enumerate(data)]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"the tensors/arrays in data have different lengths {lengths}; "
+                             f"they must share their first (sample) dimension")
+        _check_enough(lengths[0], size, "data")
+        _warn_uneven(lengths[0], rank, size, "data")
+        return type(data)(_strided(x, rank, size) for x in data)
+    _check_enough(_length(data, "data"), size, "data")
+    _warn_uneven(_length(data, "data"), rank, size, "data")
+    return _strided(data, rank, size)
+
+
+def shard_dataset(dataset: Dataset, rank: int, size: int) -> Subset:
+    """Rank's strided view of a map-style Dataset (samples rank, rank+size, ...)."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("an IterableDataset cannot be split by index; shard its stream yourself "
+                        "(e.g. by autodist.init().rank) and pass the model alone to parallelize")
+    n = len(dataset)  # type: ignore[arg-type]
+    _check_enough(n, size, "the Dataset")
+    _warn_uneven(n, rank, size, "the Dataset")
+    return Subset(dataset, range(rank, n, size))
+
+
+class RankSliceBatchSampler(Sampler[list]):
+    """Yields this rank's contiguous slice of each global batch of ``batch_sampler``.
+
+    All ranks iterate the same global batch sampler, so they agree on every
+    batch; a slice may be empty when a global batch is smaller than the ranks.
+    Each iteration records, in order, the share (slice length, global batch
+    length) of every slice it yields, for :class:`ShardedLoader` to hand over
+    with the batch.
+    """
+
+    def __init__(self, batch_sampler: Sampler[list] | Sequence[list], rank: int, size: int) -> None:
+        self.batch_sampler, self.rank, self.size = batch_sampler, rank, size
+        self.latest_shares: deque[BatchShare] = deque()
+
+    def __iter__(self) -> Iterator[list]:
+        self.latest_shares = deque()  # the DataLoader iterator created now reads this one
+        return self._slices(self.latest_shares)
+
+    def _slices(self, shares: deque[BatchShare]) -> Iterator[list]:
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            lo, hi = slice_bounds(len(batch), self.rank, self.size)
+            shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id()))
+            yield batch[lo:hi]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+class ShardedLoader(DataLoader):
+    """The DataLoader ``parallelize`` returns: the original loader's batches, this rank's slice of each.
+
+    Handing a batch to the loop also tells autodist which global batch it is
+    part of (this rank's count n_r and the batch's N): a backward through a
+    forward on that batch is weighted n_r / N, whatever the forward's inputs
+    look like.
+    """
+
+    watch_key = "loader"  # names this loader in the watchdog's store: the same on every rank (creation order)
+    epochs = 0  # epochs started
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        epoch, self.epochs = self.epochs, self.epochs + 1
+        try:
+            steps = len(self.batch_sampler)  # type: ignore[arg-type]
+        except TypeError:  # a batch sampler without len(): nothing to compare
+            steps = -1
+        samples = len(self.dataset)  # type: ignore[arg-type]
+        watchdog.epoch_begins(self.watch_key, epoch, steps, samples)
+        return self._handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
+                                 (self.watch_key, epoch, steps, samples))
+
+    @staticmethod
+    def _handed_over(batches: Iterator[Any], shares: deque[BatchShare],
+                     epoch: tuple[str, int, int, int]) -> Iterator[Any]:
+        outer = provenance.current()  # an evaluation loop inside a training loop gives the training batch back
+        key, number, steps, samples = epoch
+        step = 0
+        try:
+            for batch in batches:
+                share = shares.popleft()
+                provenance.register_batch(batch, share)
+                provenance.announce(share)
+                step += 1
+                position.record.batch(share.batch, (number, step, steps))
+                yield batch
+            watchdog.data_ended(key, number, step, samples)  # raises if another rank has more steps
+        finally:
+            provenance.announce(outer)
+
+
+def _empty_like(batch: Any) -> Any:
+    """The same structure with zero samples: tensors and arrays cut to [:0]."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)({k: _empty_like(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch
+
+
+class EmptySafeCollate:
+    """The user's collate_fn, plus a well-formed zero-sample batch for an empty slice.
+
+    An empty batch keeps every rank stepping in lock-step (no hang) when the
+    last global batch is smaller than the number of ranks; autodist weights
+    that rank's gradient by its zero samples.
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset) -> None:
+        self.collate_fn, self.dataset = collate_fn, dataset
+
+    def __call__(self, samples: list) -> Any:
+        if len(samples) == 0:
+            return _empty_like(self.collate_fn([self.dataset[0]]))
+        return self.collate_fn(samples)
+
+
+_loader_numbers = itertools.count()  # every rank shards its loaders in the same order
+
+_KEPT_LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                        "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
+
+ShareOrder = Callable[[Iterable[int]], list[int]]  # an epoch's sample order, as rank 0 drew it
+
+
+def broadcast_order(order: Iterable[int], device: torch.device) -> list[int]:
+    """Every rank draws ``order`` (iterating it) and returns rank 0's list. Every rank must call it.
+
+    Every rank draws, not only rank 0, so that all global RNGs move alike:
+    ranks that share an RNG stream (a model-parallel group, for dropout) keep
+    sharing it. Rank 0's draw is the single-process run's.
+    """
+    drawn = torch.tensor(list(order), dtype=torch.int64, device=device)
+    length = torch.tensor([drawn.numel()], dtype=torch.int64, device=device)
+    with position.waiting("order"):
+        dist.broadcast(length, src=0)
+        if dist.get_rank() != 0:
+            drawn = torch.empty(int(length.item()), dtype=torch.int64, device=device)
+        dist.broadcast(drawn, src=0)
+    return drawn.tolist()
+
+
+class Rank0Order(Sampler[int]):
+    """A sampler that draws from the global RNG, made to agree across ranks: each epoch, every rank iterates
+    it and all take rank 0's order.
+
+    RandomSampler without a generator, SubsetRandomSampler and
+    WeightedRandomSampler take their randomness from the global RNG, which
+    differs between ranks. Rank 0 draws just as the single-process loader
+    would (same calls on the same RNG), so with the same ``torch.manual_seed``
+    the parallel run sees the single-process batches. The first batch of an
+    epoch is then a collective: every rank must fetch it, in the same order
+    relative to its other collectives (the usual training loop does).
+    """
+
+    def __init__(self, sampler: Sampler[int], share: ShareOrder) -> None:
+        self.sampler, self.share = sampler, share
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.share(self.sampler))
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+def _agreeing(batch_sampler: Any, share: ShareOrder) -> Any:
+    """``batch_sampler`` with a global-RNG sampler wrapped in :class:`Rank0Order` (on a copy: the user's loader
+    is left as it was)."""
+    sampler = getattr(batch_sampler, "sampler", None)
+    if isinstance(batch_sampler, BatchSampler) and hasattr(sampler, "generator") and sampler.generator is None:
+        batch_sampler = copy.copy(batch_sampler)
+        batch_sampler.sampler = Rank0Order(sampler, share)
+    return batch_sampler
+
+
+def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder) -> DataLoader:
+    """A DataLoader yielding rank's slice of each of ``loader``'s global batches.
+
+    ``share`` is called (on every rank together, once an epoch) only when the
+    loader's sampler draws from the global RNG: it hands every rank rank 0's order.
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError("a DataLoader over an IterableDataset cannot be split by index; shard its stream "
+                        "yourself (e.g. by autodist.init().rank) and pass the model alone to parallelize")
+    if loader.batch_sampler is None:
+        raise ValueError("the DataLoader was built with batch_size=None (no batching), so there is no global "
+                         "batch to split; give it a batch_size or a batch_sampler")
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(sampler, torch.utils.data.DistributedSampler):
+        raise ValueError("the DataLoader already uses a DistributedSampler; pass the plain single-process "
+                         "DataLoader and autodist shards it")
+    _check_enough(len(loader.dataset), size, "the DataLoader's dataset")  # type: ignore[arg-type]
+    options = {name: getattr(loader, name) for name in _KEPT_LOADER_OPTIONS if hasattr(loader, name)}
+    if options.get("in_order") is False:
+        raise ValueError("the DataLoader was built with in_order=False: autodist matches each batch with its "
+                         "share of the global batch by order, so pass a loader with in_order=True (the default)")
+    batches = RankSliceBatchSampler(_agreeing(loader.batch_sampler, share), rank, size)
+    sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
+                            collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
+    sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
+    return sharded
+
+
+def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> DataLike:
+    """Rank's shard of ``data``, of the same kind as ``data``.
+
+    Args:
+        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset or a DataLoader.
+        rank / size: this rank's data-parallel index, and the number of data-parallel ranks.
+        share: for a DataLoader whose sampler draws from the global RNG, gives every
+            rank rank 0's order of an epoch (:func:`broadcast_order`); the default,
+            ``list``, is right in a single process only.
+
+    Example:
+        >>> shard(torch.arange(5), rank=1, size=2)
+        tensor([1, 3])
+    """
+    if isinstance(data, DataLoader):
+        return shard_loader(data, rank, size, share)
+    if isinstance(data, Dataset):
+        return shard_dataset(data, rank, size)
+    if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
+        return shard_arrays(data, rank, size)
+    raise TypeError(f"autodist cannot shard data of type {type(data).__name__}; pass a tensor, a numpy array, "
+                    f"a tuple/list of them, a torch Dataset or a DataLoader")
+
+
+def check(data: DataLike, size: int) -> None:
+    """Validate ``data`` without sharding it (a world of one returns data as it is)."""
+    if data is not None:
+        shard(data, 0, size)

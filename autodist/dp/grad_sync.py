@@ -1,0 +1,467 @@
+"""Gradient synchronisation: bucketed all-reduce started from backward hooks.
+
+Each trainable parameter gets a post-accumulate-grad hook. Parameters are
+packed, in reverse registration order (the order backward produces them), into
+buckets: a small first one so communication starts early, then large ones. A
+bucket's all-reduce starts asynchronously as soon as its last gradient lands
+and buckets always start in the same order on every rank. A callback queued
+on the autograd engine waits for all of them before ``backward()`` returns, so
+the optimizer never sees an unsynchronised gradient.
+
+Weights. Every forward pass is counted (:mod:`autodist.dp.shares`: from the
+sharded data where it can be, inferred otherwise) and its outputs get a hook;
+a backward that reaches an output is a backward through that forward and
+takes its count, so a forward that no backward follows (validation without
+``no_grad``) never counts. :mod:`autodist.dp.weights` turns the counts of the
+backwards since the last sync into the scale gradients are packed with. Every
+bucket carries two extra slots: the count, whose all-reduced sum is N (or, when
+every rank knew its N, must be), and a used-flag per parameter, so a parameter
+that got no gradient on any rank keeps ``grad = None`` as in a single process.
+After the all-reduce, ``p.grad`` becomes a view of the bucket (no copy back),
+except after gradient accumulation, where the bucket is copied back into
+autograd's tensors (see ``Bucket.unpack``). The buffers training changed
+(BatchNorm's statistics) ride in the last bucket (:mod:`autodist.dp.buffer_sync`).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ContextManager, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autodist.dp.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
+from autodist.dp.buffer_sync import BufferSync
+from autodist.dp.exchange import Exchange
+from autodist.dp.exchange import choose as choose_exchange
+from autodist.dp.replicate import first_difference, model_tensors, signature
+from autodist.dp.shares import Counted, SampleCounter, combine, watch_outputs
+from autodist.dp.structure import Watch
+from autodist.dp.weights import Pack, Window
+from autodist.faults import watchdog
+from autodist.runtime import provenance
+from autodist.runtime.position import waiting
+from autodist.runtime.world import log
+
+
+class GradSync:
+    """The gradient synchronisation state of one parallelized model."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
+                 first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True,
+                 counter: SampleCounter | None = None) -> None:
+        self.group = group
+        self.hooks = hooks
+        self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
+        self.named = list(model.named_parameters())
+        self.model = weakref.ref(model)
+        self.counter = counter or SampleCounter()
+        self.buffer_sync = BufferSync(model, sync_buffers)
+        self.enabled = True  # False inside no_sync()
+        self.window = Window()  # the backwards since the last sync
+        self.previous_total = 1.0  # G: last sync's global count, the same on every rank
+        self.last_counted: Counted | None = None  # the last sync's count, for a backward that reached no output
+        self.warned_uncounted = False
+        self.next_bucket = 0
+        self.packing: Pack | None = None  # this backward's packing, fixed when its first bucket starts
+        self.in_backward = False  # a backward through the model began and has not reached its end
+        self.reached: list[Counted] = []  # the forwards this backward went through
+        self.grads_arrived = False  # this backward brought gradients to the parameters
+        self.prescale_handles: list[Any] = []
+        self.param_handles: list[Any] = []
+        self.structure = Watch(model, [p for _, p in self.named])
+        self._build()
+        self._ready_exchange()  # now, inside parallelize (a collective), so that its summary line can say which
+        self.handles = [model.register_forward_pre_hook(self._on_forward),
+                        model.register_forward_hook(self._count_forward, with_kwargs=True)]
+
+    def _build(self) -> None:
+        """Buckets and hooks for the parameters that are trainable now."""
+        named = [(n, p) for n, p in self.named if p.requires_grad]
+        low = [n for n, p in named if p.dtype in (torch.float16, torch.bfloat16)]
+        if low:
+            raise NotImplementedError(
+                f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
+                f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
+                f"and compute in low precision with torch.autocast")
+        self.built_for = self._layout()
+        self.names = {p: n for n, p in named}
+        self.params = [p for _, p in named]
+        groups = assign_buckets(self.params, *self.caps)
+        last = self.params[groups[-1][0]] if groups else None
+        extra = self.buffer_sync.carry(last.dtype, last.device) if last is not None else 0
+        self.buckets = [Bucket([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
+                        for k, idx in enumerate(groups)]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        # Chosen at the next sync (_ready_exchange): choosing is a collective, and a rebuild happens in a forward,
+        # which need not be one every rank runs; dropping the old one first frees its shared memory.
+        self.exchange: Exchange | None = None
+        small = sum(p.numel() * p.element_size() for p in self.params) < COPY_BACK_BELOW_BYTES
+        for bucket in self.buckets:
+            bucket.copies_back = small
+        for handle in self.param_handles:
+            handle.remove()
+        self.param_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    # -- forward: count, and watch the outputs --------------------------------------------------
+    def _on_forward(self, module: nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self.structure.moved():  # something was registered somewhere: new parameters here are refused
+            self.structure.check()
+            self.buffer_sync.find_owners(module)
+        if self.in_backward:
+            self._discard_aborted_backward()
+        if self._layout() != self.built_for:
+            # requires_grad changed since parallelize (unfreezing a layer, say), or dtype or device
+            # (model.double(), model.to(...)): every rank must make the same change, as it would to its
+            # optimizer, and the buckets follow (a float32 bucket would round a float64 model's gradients)
+            if dist.get_rank() == 0:
+                log.info("the model's trainable parameters changed (which ones, their dtype or device): "
+                         "gradient buckets rebuilt")
+            self._build()
+
+    def _ready_exchange(self) -> Exchange:
+        """How this layout's buckets are summed, chosen with the other ranks (at the first sync after a build:
+        every rank reaches that in the same order relative to its other collectives)."""
+        if self.exchange is None:
+            with waiting("exchange"):
+                self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
+            for index, bucket in enumerate(self.buckets):
+                bucket.move_into(self.exchange.place(index, bucket.flat))
+        return self.exchange
+
+    def _layout(self) -> tuple:
+        """What the buckets are built from: each parameter's requires_grad, dtype and device."""
+        return tuple((p.requires_grad, p.dtype, p.device) for _, p in self.named)
+
+    def _count_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Count this forward's samples; a backward that reaches its output takes that count."""
+        if not torch.is_grad_enabled():
+            return
+        watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
+
+    def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
+        """A backward reached an output of a forward counted ``counted``."""
+        if self.in_backward:
+            if all(c is not counted for c in self.reached):
+                self.reached.append(counted)  # a second forward in the same backward (its batch counts once)
+            return
+        self._begin_backward(counted)
+
+    def _begin_backward(self, counted: Counted) -> None:
+        """Fix this backward's weight before any of its gradients reaches a parameter."""
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.hooks and counted.total is None and (not self.enabled or self.window.backwards):
+            counted = self._count_globally(counted)  # accumulating: this micro-batch needs its own N now
+        self.reached = [counted]
+        factor = self.window.factor(counted)
+        alone = self.hooks and self.enabled and not self.window.backwards  # synced right after: packing scales it
+        if factor != 1.0 and not alone:
+            self.prescale_handles = [p.register_hook(partial(_prescale, factor)) for p in self.params]
+
+    def _count_globally(self, counted: Counted) -> Counted:
+        """N of a micro-batch whose N this rank cannot know: one all-reduce of the counts."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        total = torch.tensor([counted.count], dtype=torch.float64, device=device)
+        with waiting("count"):
+            dist.all_reduce(total, group=self.group)
+        n = float(total)
+        if math.isnan(n):
+            self._raise_uncounted(counted.error)
+        return Counted(counted.count, n, None)
+
+    def _fallback_count(self) -> Counted:
+        """The count of a backward that reached no output of the model (it called a submodule, say)."""
+        share = provenance.current()
+        if share is not None:
+            return Counted(share.count, share.total, share.batch)
+        if self.last_counted is not None:
+            return self.last_counted
+        if not self.warned_uncounted:
+            self.warned_uncounted = True
+            log.warning("a backward reached the model's parameters without passing through an output of its "
+                        "forward (a submodule called directly?) and no sharded DataLoader batch is current: the "
+                        "ranks are weighted equally, which is exact only if they hold equal numbers of samples")
+        return Counted(1.0)
+
+    # -- backward: prescale, buckets, end --------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self.in_backward:  # a backward that did not pass through the model's output (a submodule's)
+            self.in_backward = True
+            self.reached = [self._fallback_count()]
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.grads_arrived = True
+        if not (self.enabled and self.hooks):
+            return
+        bucket = self.bucket_of[p]
+        if bucket.sent:
+            raise RuntimeError(
+                f"parameter {self.names[p]!r} received a second gradient after its bucket was already sent "
+                f"in this backward pass (reentrant checkpointing does this); use "
+                f"torch.utils.checkpoint with use_reentrant=False, or parallelize(..., sync='manual')")
+        bucket.ready.add(id(p))
+        while self.next_bucket < len(self.buckets) and \
+                len(self.buckets[self.next_bucket].ready) == len(self.buckets[self.next_bucket].params):
+            self._start(self.next_bucket)
+            self.next_bucket += 1
+
+    def _end_of_backward(self) -> None:
+        # a backward that brought no gradient (torch.autograd.grad for a gradient penalty) adds nothing
+        self.in_backward = False
+        self._remove_prescale()
+        if self.grads_arrived:
+            self.grads_arrived = False
+            if self.packing is None:  # not added yet by the first bucket
+                self.window.add(combine(self.reached))
+            self.reached = []
+            if self.enabled and self.hooks:
+                self.flush()
+        self.reached = []
+
+    def _remove_prescale(self) -> None:
+        for handle in self.prescale_handles:
+            handle.remove()
+        self.prescale_handles = []
+
+    def _discard_aborted_backward(self) -> None:
+        """A backward that raised never reached its end-of-backward callback: drop what it left half done."""
+        log.warning("the previous backward pass did not finish (it raised?): its half-done gradient sync is "
+                    "discarded, and what it left in .grad is not a synchronized gradient: call "
+                    "optimizer.zero_grad() before the next backward")
+        self._reset_buckets()
+        self._remove_prescale()
+        self.window.reset()
+        self.in_backward = self.grads_arrived = False
+        self.reached = []
+
+    def _reset_buckets(self) -> None:
+        if self.exchange is not None:
+            self.exchange.abandon()  # every rank started the same buckets before failing alike
+        for bucket in self.buckets:
+            bucket.sent = False
+            bucket.ready.clear()
+        self.next_bucket, self.packing = 0, None
+        self.buffer_sync.sent = None
+
+    # -- the sync ------------------------------------------------------------------------------
+    def _start(self, index: int) -> None:
+        bucket = self.buckets[index]
+        if self.packing is None:  # the first bucket of this sync: the window is complete
+            if self.in_backward:
+                self.window.add(combine(self.reached))
+            self.packing = self.window.pack(self.previous_total)
+        exchange = self._ready_exchange()
+        if bucket is self.buckets[-1] and bucket.extra.numel():
+            self.buffer_sync.pack(bucket.extra, self.packing.count)
+        bucket.pack(self.packing.count, self.packing.scale)
+        bucket.sent = True
+        exchange.send(index, bucket.flat)
+
+    def flush(self) -> None:
+        """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
+        if not self.window.backwards and self.packing is None:  # nothing counted: synchronize_model by hand
+            self.window.add(self._fallback_count())
+        for index in range(self.next_bucket, len(self.buckets)):
+            self._start(index)
+        exchange = self._ready_exchange()
+        with waiting("sync"):  # the watchdog names the ranks that never arrive
+            exchange.finish()
+        packing = self.packing
+        assert packing is not None or not self.buckets
+        total = self.buckets[0].total() if self.buckets else packing.count if packing else 0.0
+        if math.isnan(total):
+            error = self.window.error
+            self._reset_buckets()
+            self.window.reset()
+            self._raise_uncounted(error)
+        correction = 1.0
+        if packing is not None and packing.expected is None:
+            correction = packing.previous_total / total if total > 0 else 0.0
+            if total > 0:
+                self.previous_total = total
+        elif packing is not None and total != packing.expected:
+            log.warning("the ranks' sample counts add up to %g, but every rank's batch said %g: the ranks are "
+                        "not on the same global batch (a loop that takes batches ahead of their step?); this "
+                        "step's gradient is not the single-process one", total, packing.expected)
+        for bucket in self.buckets:
+            bucket.unpack(correction, copy_back=self.window.backwards > 1)
+        rode = self.buffer_sync.sent is not None
+        if rode:
+            self.buffer_sync.unpack(self.buckets[-1].extra, total)
+        self.buffer_sync.average_rest(packing.count if packing else 1.0, self.group, rode)
+        self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
+        self.window.reset()
+        self.next_bucket, self.packing = 0, None
+
+    def _raise_uncounted(self, mine: str | None) -> None:
+        raise ValueError(mine or f"autodist cannot count the samples of this step on another rank (see that rank's "
+                                 f"error); rank {dist.get_rank()} could count its own")
+
+    def forget_buffers(self) -> None:
+        """Count every buffer as changed at the next sync (its state before is unknown)."""
+        self.buffer_sync.forget()
+
+    def remove(self) -> None:
+        for handle in [*self.handles, *self.param_handles]:
+            handle.remove()
+        self._remove_prescale()
+
+
+def _prescale(factor: float, grad: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's gradient times its weight relative to the window's; an empty one (NaN loss) gives zero."""
+    return torch.zeros_like(grad) if factor == 0.0 else grad * factor
+
+
+@dataclass
+class Registration:
+    """What parallelize set up for a model: its data-parallel layout and, if any, its sync state."""
+
+    dp: int  # data-parallel ranks
+    dp_rank: int  # this rank's index among them
+    dp_group: dist.ProcessGroup | None  # None: the whole world
+    sync: GradSync | None
+
+
+_registry: "weakref.WeakKeyDictionary[nn.Module, Registration]" = weakref.WeakKeyDictionary()
+_unparallelized: "weakref.WeakKeyDictionary[nn.Module, Registration]" = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, registration: Registration) -> None:
+    if model in _registry:
+        raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
+    _registry[model] = registration
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    return model in _registry
+
+
+def registration_of(model: nn.Module) -> Registration | None:
+    """The data-parallel layout parallelize gave ``model``; None if it was not parallelized."""
+    return _registry.get(model)
+
+
+def state_of(model: nn.Module) -> GradSync | None:
+    registration = _registry.get(model)
+    return registration.sync if registration is not None else None
+
+
+def _check_model_arg(model: Any, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found ({model!r:.60}): "
+                        f"autodist.{function} takes the model passed to autodist.parallelize")
+
+
+def no_sync(model: nn.Module) -> ContextManager[None]:
+    """Accumulate gradients locally: backward passes inside the block send no gradients.
+
+    The next backward outside the block (or ``synchronize_model``) sends
+    everything accumulated. Each micro-batch's gradient is weighted by this
+    rank's share of that micro-batch, so the result equals one process
+    accumulating the same global micro-batches, also when the shares differ
+    (a short last batch). The shares of batches from the DataLoader that
+    ``parallelize`` sharded are known; otherwise each backward inside the
+    block, and the backward after it that syncs, first all-reduces its
+    micro-batch's sample count (one number, waited for), so every rank must
+    run the same backwards.
+
+    Example:
+        >>> with autodist.no_sync(model):
+        ...     loss_fn(model(x1), y1).backward()   # no gradient sent
+        >>> loss_fn(model(x2), y2).backward()       # syncs the weighted sum of both
+
+    Note:
+        Exact with one forward per backward, the usual loop. A world of one, or
+        a model that was not parallelized, makes this a no-op.
+    """
+    _check_model_arg(model, "no_sync")
+    return _no_sync(model)
+
+
+@contextmanager
+def _no_sync(model: nn.Module) -> Iterator[None]:
+    sync = state_of(model)
+    if sync is None:
+        yield
+        return
+    previous, sync.enabled = sync.enabled, False
+    try:
+        yield
+    finally:
+        sync.enabled = previous
+
+
+def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"] = "gradients") -> None:
+    """Average gradients, or the weights themselves, across the data-parallel ranks now.
+
+    Args:
+        model: a model passed to ``autodist.parallelize`` (or any model that is the
+            same on every rank).
+        what: "gradients" leaves in ``.grad`` the gradient of the global batch
+            (each rank weighted by the samples it saw since the last sync);
+            "parameters" replaces parameters and floating-point buffers by their
+            plain average over ranks (the "update locally, then average" mode).
+
+    Example:
+        >>> model, data = autodist.parallelize(model, data, sync="manual")
+        >>> loss_fn(model(x), y).backward()
+        >>> autodist.synchronize_model(model)      # gradients now as in one process
+        >>> optimizer.step()
+
+    Note:
+        Every rank must call it, the same number of times. In a world of one, or
+        with no data parallelism (every rank in one model-parallel group), it
+        does nothing.
+    """
+    from autodist.runtime.world import init
+
+    _check_model_arg(model, "synchronize_model")
+    if not isinstance(what, str):
+        raise TypeError(f"autodist.synchronize_model: what must be the string 'gradients' or 'parameters', "
+                        f"got {type(what).__name__} {what!r:.60}")
+    if what not in ("gradients", "parameters"):
+        raise ValueError(f"autodist.synchronize_model: what must be 'gradients' or 'parameters', got {what!r}")
+    world = init()
+    if world.size == 1:
+        return
+    registration = _registry.get(model) or _unparallelized_registration(model, world)
+    if registration.dp == 1:
+        return
+    if what == "parameters":
+        params = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+        with torch.no_grad(), waiting("parameters"):
+            average_([p.data for p in params], 1.0, registration.dp_group)
+        return
+    if registration.sync is None:
+        registration.sync = GradSync(model, None, hooks=False)
+        registration.sync.forget_buffers()  # the forward before this call may have changed them already
+    registration.sync.flush()
+
+
+def _unparallelized_registration(model: nn.Module, world: Any) -> Registration:
+    """A model synchronized without parallelize: the user keeps it identical on all ranks, which is checked
+    once (a model that differs would make the ranks' messages differ, and gloo abort). Kept apart from
+    _registry, so that parallelize(model) later is still allowed."""
+    from autodist.runtime.environment import hang_timeout
+
+    registration = _unparallelized.get(model)
+    if registration is None:
+        watchdog.start(world.rank, world.size, hang_timeout())
+        mine = signature(model_tensors(model))
+        gathered: list = [None] * world.size
+        with waiting("autodist.synchronize_model's check that the ranks hold the same model"):
+            dist.all_gather_object(gathered, mine)
+        why = next((d for r, sig in enumerate(gathered) if (d := first_difference(gathered[0], sig, r))), None)
+        if why is not None:
+            raise ValueError(f"autodist.synchronize_model: the ranks hold different models ({why}), so their "
+                             f"gradients cannot be averaged. Build the same model on every rank, or pass it "
+                             f"through autodist.parallelize, which also starts every rank from rank 0's weights")
+        registration = _unparallelized[model] = Registration(world.size, world.rank, None, None)
+    return registration

@@ -1,0 +1,5 @@
+"""faults: a hang or a lost rank becomes one named error on every rank - the watchdog thread (heartbeats
+through the rendezvous store), and the verdicts in words.
+May import: runtime. Entry points: :func:`autodist.faults.watchdog.start`, :func:`autodist.faults.watchdog.rank_left`,
+:func:`autodist.faults.verdicts.judge`.
+"""

@@ -1,0 +1,446 @@
+"""Hangs become named errors: progress heartbeats through the rendezvous store torch.distributed already has.
+
+One daemon thread per rank publishes, once a tick (1 s), where this rank is
+(:mod:`autodist.runtime.position`: the step its loader handed out, the gradient sync
+it waits in, its Python stack when it stands still) into the default process
+group's store, under a prefix of its own; the training loop itself only
+updates a few local attributes. While this rank waits in a collective, the
+thread reads the other ranks' statuses and stops every rank with one error
+naming who is where when
+
+* another rank failed (its exception's last line is published by an
+  excepthook before it dies) or ended its script: at once;
+* the wait passes the timeout (``AUTODIST_TIMEOUT``, 60 s by default): the
+  message names the ranks that did not arrive, with their Python stacks.
+
+The rank that decides writes the verdict into the store; every other rank's
+thread reads it within a tick, prints one line and exits with status 1. A
+collective that fails because a peer died (gloo's "Connection closed by
+peer") is explained the same way: the peer that published its failure, or
+the one whose heartbeat stopped. At a normal end every rank waits in an
+atexit hook until all have ended, so a rank that ends early is seen by
+the others instead of hanging them.
+
+Example:
+    >>> watchdog.start(rank=0, size=2, timeout=60.0)   # parallelize does this
+    >>> with position.waiting("sync"):                  # around a blocking collective: named if it hangs
+    ...     work.wait()
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from autodist.faults.verdicts import Status, judge
+from autodist.faults.verdicts import where as where_is
+from autodist.runtime import position
+from autodist.runtime.position import record, wait_words, waiting
+from autodist.runtime.world import log
+
+_PREFIX = "autodist/faults/watchdog/"
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+              "Socket closed")
+_EXIT_CODE = 1
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank is gone; the message says which and why."""
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, PeerFailure) or (isinstance(exc, RuntimeError) and any(m in text for m in _PEER_LOST))
+
+
+# -- the thread ------------------------------------------------------------------------------------
+
+def _main_frame_in_collective(frame: Any) -> tuple[Any, str] | None:
+    """If the innermost Python frame is inside torch.distributed: the API frame called, and that call in words."""
+    if frame is None or not _in_torch_distributed(frame):
+        return None
+    api, name = frame, frame.f_code.co_name
+    while api.f_back is not None and _in_torch_distributed(api.f_back):
+        api = api.f_back
+        if api.f_code.co_filename.endswith("distributed_c10d.py"):
+            name = api.f_code.co_name  # the API function, not the logging wrapper around it
+    callers, caller = [], api.f_back
+    while caller is not None and len(callers) < 4:  # through autodist's own frames to the script's line
+        callers.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} in {caller.f_code.co_name}")
+        if f"{os.sep}autodist{os.sep}" not in caller.f_code.co_filename:
+            break
+        caller = caller.f_back
+    return api, f"torch.distributed.{name} called at {' <- '.join(callers) or 'top level'}"
+
+
+def _in_torch_distributed(frame: Any) -> bool:
+    return f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename
+
+
+def _stack(frame: Any, limit: int = 12) -> str:
+    return "".join(traceback.format_stack(frame)[-limit:])
+
+
+class Watchdog:
+    """The heartbeat thread of one rank, and the decisions that stop every rank."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: float, ident: int) -> None:
+        self.store, self.rank, self.size, self.timeout, self.ident = store, rank, size, timeout, ident
+        self.tick = min(1.0, timeout / 5)
+        self.status = Status(rank=rank, host=socket.gethostname(), pid=os.getpid())
+        self.heard: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it last changed)
+        self.last_peers: dict[int, Status | None] = {}
+        self.left: set[int] = set()  # ranks a parameter-server mode declared gone: no longer waited for
+        self.stop = threading.Event()
+        self.report_lock = threading.Lock()
+        self.reported = False
+        self.top: tuple | None = None  # the main thread's innermost (frame id, instruction, progress)
+        self.top_since = 0.0
+        self.collective: tuple[Any, str, float] | None = None  # (api frame, words, first seen) of a torch call
+        self.store_lost: str | None = None  # why the store stopped answering; None while it answers
+        self.thread = threading.Thread(target=self._run, name="autodist-watchdog", daemon=True)
+
+    # -- publishing --------------------------------------------------------------------------------
+    def _observe(self, now: float) -> None:
+        """Refresh self.status from the record and the main thread's stack."""
+        st, frame = self.status, sys._current_frames().get(self.ident)
+        top = (id(frame), getattr(frame, "f_lasti", -1), record.progress, record.wait_seq)
+        if top != self.top:
+            self.top, self.top_since = top, now
+        st.stuck_s = now - self.top_since
+        st.state, st.note, st.syncs = record.state, record.note, record.syncs
+        st.position = list(record.position) if record.position else None
+        st.data_end = list(record.data_end) if record.data_end else None
+        wait = record.wait
+        if wait is not None:
+            st.wait, st.wait_s = wait_words(*wait), now - record.wait_since
+            self.collective = None
+        else:
+            found = _main_frame_in_collective(frame)
+            if found is None:
+                self.collective = None
+                st.wait, st.wait_s = None, 0.0
+            else:
+                if self.collective is None or self.collective[0] is not found[0]:
+                    self.collective = (found[0], found[1], now)  # holding the frame keeps its identity unique
+                st.wait, st.wait_s = found[1], now - self.collective[2]
+        st.stack = _stack(frame) if frame is not None and (st.stuck_s >= 2 * self.tick or st.wait) else None
+
+    def publish(self) -> None:
+        self.status.seq += 1
+        self.status.wall = time.time()
+        self.store.set(f"status/{self.rank}", self.status.dumps())
+
+    def peers(self) -> dict[int, Status | None]:
+        """The other ranks' last statuses (None: nothing published yet); updates how long each has been silent."""
+        now, out = time.monotonic(), {}
+        for rank in range(self.size):
+            if rank == self.rank or rank in self.left or self._has_left(rank):
+                continue
+            key = f"status/{rank}"
+            status = Status.loads(self.store.get(key)) if self.store.check([key]) else None
+            out[rank] = status
+            seq = status.seq if status is not None else -1
+            if self.heard.get(rank, (None,))[0] != seq:
+                self.heard[rank] = (seq, now)
+        self.last_peers = out
+        return out
+
+    def _has_left(self, rank: int) -> bool:
+        """Whether a mode that outlives its workers (the parameter server) said ``rank`` left the job."""
+        if self.store.check([f"left/{rank}"]):
+            self.left.add(rank)
+            self.heard.pop(rank, None)
+            self.last_peers.pop(rank, None)
+            return True
+        return False
+
+    def silent_s(self) -> dict[int, float]:
+        """Seconds since each rank last published: by its clock on this host, else since this rank saw it change."""
+        now, wall, host = time.monotonic(), time.time(), self.status.host
+        silent = {rank: now - since for rank, (_, since) in self.heard.items()}
+        for rank, status in self.last_peers.items():
+            if status is not None and status.host == host:
+                silent[rank] = max(silent.get(rank, 0.0), wall - status.wall)
+        return silent
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stop.wait(self.tick):
+            if not dist.is_initialized():
+                return  # the process group was destroyed: the job is over
+            try:
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - the store is gone or broken: never crash the thread
+                self._store_failed(exc)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._observe(now)
+        self.publish()
+        if self.store.check(["verdict"]):
+            self.obey(self.store.get("verdict").decode())
+        if self._in_collective() and self.status.wait_s >= self.tick:
+            verdict = judge(self.status, self.peers(), self.silent_s(), self.timeout, self.tick)
+            if verdict is not None:
+                self.decide(verdict)
+
+    def _in_collective(self) -> bool:
+        """The main thread waits for the other ranks (not merely at the end of its script)."""
+        wait = record.wait
+        return self.status.wait is not None and (wait is None or wait[0] != "exit")
+
+    def _store_failed(self, exc: Exception) -> None:
+        """The store stopped answering: its host is gone. Waiting in a collective, that is the error; otherwise
+        stop watching quietly (at a normal end the host may leave first; every further try would only make
+        torch log the socket error again)."""
+        self.store_lost = _first_line(exc)
+        log.debug("watchdog: the rendezvous store failed: %s", exc)
+        if self._in_collective():
+            self.report(self._store_host_gone(self.status.wait or "a collective"))
+            _exit()
+        self.stop.set()
+
+    def _store_host_gone(self, where: str) -> str:
+        return (f"rank 0 is gone (the rendezvous store its process hosts stopped answering: {self.store_lost}) "
+                f"while rank {self.rank} waits in {where}")
+
+    # -- stopping every rank -----------------------------------------------------------------------
+    def report(self, message: str) -> bool:
+        """Print ``message`` once per process (the thread and the main thread may both want to)."""
+        with self.report_lock:
+            if self.reported:
+                return False
+            self.reported = True
+        log.error("%s", message)
+        return True
+
+    def decide(self, message: str) -> None:
+        """This rank found the error: make it everyone's, print it, wait for the others to see it, exit."""
+        first = self.store.compare_set("verdict", "", f"{self.rank}\n{message}").decode()
+        if first != f"{self.rank}\n{message}":
+            self.obey(first)
+        self.report(message)
+        record.state = "stopped"
+        self._observe(time.monotonic())
+        self.publish()
+        deadline = time.monotonic() + 3 * self.tick
+        silent = self.silent_s()
+        alive = {r for r, s in self.last_peers.items()
+                 if s is not None and s.state in ("running", "exited") and silent.get(r, 0.0) < 2 * self.tick}
+        others = [f"ack/{r}" for r in sorted(alive)]
+        while others and time.monotonic() < deadline:  # the store lives in rank 0: let the others read first
+            others = [key for key in others if not self.store.check([key])]
+            time.sleep(0.05)
+        _exit()
+
+    def obey(self, verdict: str) -> None:
+        """Another rank found the error: one line here, tell it we saw it, exit."""
+        decider, _, message = verdict.partition("\n")
+        self.report(f"stopped because rank {decider} found: {message.splitlines()[0]}")
+        try:
+            self.store.set(f"ack/{self.rank}", "1")
+        finally:
+            _exit()
+
+    # -- a collective that failed ------------------------------------------------------------------
+    def failed_wait(self, where: str, exc: BaseException) -> None:
+        """A collective marked :class:`~autodist.runtime.position.waiting` failed: a lost peer is named."""
+        if is_peer_lost(exc) and not isinstance(exc, PeerFailure):
+            raise PeerFailure(self.explain_lost_peer(where, exc)) from None
+
+    def explain_lost_peer(self, where: str, exc: BaseException) -> str:
+        """Why a collective failed with a socket error: the peer that published its failure, or that fell silent."""
+        if self.store_lost is not None:
+            return self._store_host_gone(where)
+        try:
+            deadline = time.monotonic() + 2.5 * self.tick
+            while True:
+                statuses = self.peers()
+                for rank, status in sorted(statuses.items()):
+                    if status is not None and status.state in ("failed", "exited", "stopped"):
+                        what = "was stopped by the watchdog" if status.state == "stopped" else where_is(status)
+                        return f"rank {rank} {what} while rank {self.rank} waits in {where}"
+                silent = [r for r, s in self.silent_s().items() if s >= 1.5 * self.tick]
+                if silent or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+        except Exception as store_exc:  # noqa: BLE001 - the store went with its host
+            self.store_lost = _first_line(store_exc)
+            return self._store_host_gone(where)
+        if silent:
+            names = ", ".join(f"rank {r}" for r in silent)
+            return (f"{names} died without a word (killed by a signal, out of memory, or aborted in C++: see its "
+                    f"own output) while rank {self.rank} waits in {where}")
+        return f"a rank closed its connection while rank {self.rank} waits in {where}: {_first_line(exc)}"
+
+    def excepthook(self, previous: Any, exc_type: type, exc: BaseException, tb: Any) -> None:
+        """An uncaught exception: a lost peer is named in one line; any other is published, then printed."""
+        if self.reported:
+            return
+        if is_peer_lost(exc):
+            message = str(exc) if isinstance(exc, PeerFailure) else \
+                self.explain_lost_peer(_collective_in_traceback(tb), exc)
+            record.state, record.note = "failed", f"lost a peer: {message}"
+            self._publish_quietly()
+            if self.report(message) and log.isEnabledFor(10):  # DEBUG: the original traceback too
+                previous(exc_type, exc, tb)
+            return
+        record.state, record.note = "failed", _first_line(exc, exc_type)
+        self._publish_quietly()
+        previous(exc_type, exc, tb)
+
+    def _publish_quietly(self) -> None:
+        if self.store_lost is not None:
+            return
+        try:
+            self._observe(time.monotonic())
+            self.publish()
+        except Exception:  # noqa: BLE001 - nothing more to say if the store is gone
+            pass
+
+    # -- a normal end ------------------------------------------------------------------------------
+    def at_exit(self) -> None:
+        """Every rank ends together: wait here until all ranks ended (or one failed, or a verdict came)."""
+        try:
+            if record.state != "running" or getattr(sys, "last_value", None) is not None \
+                    or not dist.is_initialized() or self.store_lost is not None:
+                return
+            record.state = "exited"
+            self._observe(time.monotonic())
+            self.publish()
+            with waiting("exit"):
+                while not self.stop.is_set():
+                    if self.store.check(["verdict"]):  # another rank waits for this one in vain: not a normal end
+                        self.obey(self.store.get("verdict").decode())
+                    statuses, silent = self.peers(), self.silent_s()
+                    if all(s is not None and s.state != "running" or silent.get(r, 0.0) >= self.timeout
+                           for r, s in statuses.items()):
+                        return
+                    time.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 - the store went away: nothing left to coordinate
+            log.debug("watchdog: at exit: %s", exc)
+        finally:
+            self.stop.set()
+            if self.thread.is_alive() and threading.current_thread() is not self.thread:
+                self.thread.join(timeout=5)
+
+
+def _collective_in_traceback(tb: Any) -> str:
+    """The torch.distributed call an exception came out of, in words (for an error raised outside autodist)."""
+    frames = [f for f, _ in traceback.walk_tb(tb)]
+    for i, frame in enumerate(frames):
+        if _in_torch_distributed(frame):
+            return _main_frame_in_collective(frames[-1])[1] if _in_torch_distributed(frames[-1]) else \
+                f"torch.distributed.{frame.f_code.co_name}"
+        if i == len(frames) - 1:
+            break
+    return "a collective"
+
+
+def _first_line(exc: BaseException, exc_type: type | None = None) -> str:
+    lines = traceback.format_exception_only(exc_type or type(exc), exc)
+    return (lines[-1] if lines else repr(exc)).strip().splitlines()[0][:300]
+
+
+def _exit() -> None:
+    """Leave now with status 1: the main thread may be blocked inside a collective that never returns."""
+    for handler in log.handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(_EXIT_CODE)
+
+
+_watchdog: Watchdog | None = None
+
+
+def start(rank: int, size: int, timeout: float) -> Watchdog | None:
+    """Start this rank's watchdog (idempotent); every rank of the default process group must start it.
+
+    Args:
+        rank / size: this rank and the world size of the default process group.
+        timeout: seconds a rank may wait in a collective for the others before every rank stops.
+
+    Returns:
+        The watchdog, or None in a world of one (nothing can hang).
+    """
+    global _watchdog
+    if _watchdog is not None or size < 2 or not dist.is_initialized():
+        return _watchdog
+    if not timeout > 0:
+        raise ValueError(f"the watchdog's timeout must be a positive number of seconds, got {timeout!r}")
+    store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+    _watchdog = dog = Watchdog(store, rank, size, float(timeout), threading.get_ident())
+    previous = sys.excepthook
+    sys.excepthook = lambda *args: dog.excepthook(previous, *args)
+    atexit.register(dog.at_exit)  # registered after the process group's own teardown, so it runs before it
+    position.on_failure(dog.failed_wait)
+    dog._observe(time.monotonic())
+    dog.publish()
+    dog.thread.start()
+    return dog
+
+
+def running() -> Watchdog | None:
+    """The watchdog of this process, if one was started."""
+    return _watchdog
+
+
+def rank_left(rank: int, why: str) -> None:
+    """A mode that goes on without a lost worker (the parameter server) tells every rank's watchdog that
+    ``rank`` left the job: from now on no rank waits for it, at the end or in a collective."""
+    dog = _watchdog
+    if dog is not None and dog.store_lost is None:
+        dog.store.set(f"left/{rank}", why)
+
+
+_data_end_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def on_data_end(listener: Any) -> None:
+    """Call ``listener.data_ended()`` whenever a pass over a sharded loader ends on this rank (held weakly):
+    the parameter-server modes give the model the servers' parameters there."""
+    _data_end_listeners.add(listener)
+
+
+# -- the loader's epochs -----------------------------------------------------------------------------
+
+def epoch_begins(loader: str, epoch: int, steps: int, samples: int) -> None:
+    """A sharded loader starts an epoch of ``steps`` batches: tell the other ranks (once an epoch)."""
+    dog = _watchdog
+    if dog is not None:
+        dog.store.set(f"epoch/{loader}/{epoch}/{dog.rank}", f"{steps} {samples}")
+
+
+def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
+    """This rank's epoch ended after ``steps`` batches: raise if another rank's has more (it would wait forever)."""
+    record.data_end = (epoch, steps)
+    record.progress += 1
+    for listener in list(_data_end_listeners):
+        listener.data_ended()
+    dog = _watchdog
+    if dog is None:
+        return
+    for rank in range(dog.size):
+        key = f"epoch/{loader}/{epoch}/{rank}"
+        if rank == dog.rank or not dog.store.check([key]):
+            continue
+        their_steps, their_samples = map(int, dog.store.get(key).split())
+        if their_steps > steps:
+            raise ValueError(
+                f"rank {dog.rank}'s data ended after step {steps} of epoch {epoch}, but rank {rank}'s has "
+                f"{their_steps} steps (its DataLoader's dataset holds {their_samples} samples, this rank's "
+                f"{samples}), so rank {rank} would wait forever in the gradient sync of step {steps + 1}: every "
+                f"rank must pass the same data to autodist.parallelize, which splits it between them")

@@ -1,0 +1,168 @@
+"""What the launcher and the user set in the environment: the one module of autodist that reads it.
+
+torchrun's, Open MPI's, MPICH's and Slurm's variables say who this process is
+(:func:`detect_launch`); ``MASTER_ADDR`` / ``MASTER_PORT`` where the ranks meet;
+``AUTODIST_*`` tune autodist. Everything else receives these values as arguments.
+
+Example:
+    >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2"}).size
+    2
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher told this process: who it is and where the ranks meet."""
+
+    launcher: str  # "torchrun", "openmpi", "mpich", "slurm" or "none"
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    master_addr: str | None
+    master_port: str | None
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
+    """Expand Slurm's compressed count list ("2(x3),1") and pick this node's entry."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node_id] if node_id < len(counts) else None
+
+
+def detect_launch(env: Mapping[str, str]) -> Launch:
+    """Work out rank, size and local placement from a launcher's environment.
+
+    torchrun's variables win over MPI's and Slurm's (torchrun may itself run
+    under Slurm); without any launcher this is a world of one.
+
+    Example:
+        >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}).rank
+        1
+    """
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = _int(env, "WORLD_SIZE")
+        local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size
+        return Launch("torchrun", _int(env, "RANK"), size, int(env.get("LOCAL_RANK", 0)), local_size, addr, port)
+    if "OMPI_COMM_WORLD_RANK" in env:
+        size = _int(env, "OMPI_COMM_WORLD_SIZE")
+        return Launch("openmpi", _int(env, "OMPI_COMM_WORLD_RANK"), size,
+                      int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+                      int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)), addr, port)
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        size = _int(env, "PMI_SIZE")
+        return Launch("mpich", _int(env, "PMI_RANK"), size, int(env.get("MPI_LOCALRANKID", 0)),
+                      int(env.get("MPI_LOCALNRANKS", size)), addr, port)
+    # SLURM_PROCID is also set inside a plain sbatch script; only srun sets the step's task count.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        size = _int(env, "SLURM_STEP_NUM_TASKS")
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", str(size)))
+        local_size = _slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0))) or size
+        return Launch("slurm", _int(env, "SLURM_PROCID"), size, int(env.get("SLURM_LOCALID", 0)),
+                      local_size, addr, port)
+    return Launch("none", 0, 1, 0, 1, None, None)
+
+_ADDR_HINTS = {
+    "openmpi": "e.g. mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...",
+    "mpich": "e.g. mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT 29500 ...",
+    "slurm": "e.g. export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
+             "MASTER_PORT=29500 before srun",
+    "torchrun": "torchrun normally sets both; check its --master-addr/--master-port or rendezvous options",
+}
+
+
+def rendezvous_address(launch: Launch) -> tuple[str, int]:
+    """The (host, port) where rank 0 listens, or an error naming the variable to set.
+
+    On a single node the host defaults to 127.0.0.1; the port never defaults,
+    because two jobs on one machine must not silently meet on the same port.
+    """
+    addr = launch.master_addr or ("127.0.0.1" if launch.local_size == launch.size else None)
+    missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", launch.master_port)) if not value]
+    if missing:
+        raise RuntimeError(
+            f"autodist found a {launch.launcher} launch of {launch.size} ranks but no rendezvous address: "
+            f"set {' and '.join(missing)} in every rank's environment "
+            f"(MASTER_ADDR = host name of rank 0, MASTER_PORT = a free TCP port), "
+            f"{_ADDR_HINTS[launch.launcher]}"
+        )
+    try:
+        return addr, int(launch.master_port)  # type: ignore[arg-type]
+    except ValueError:
+        raise RuntimeError(f"MASTER_PORT={launch.master_port!r} is not a port number") from None
+
+
+def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a rank may wait in a collective for the others before the watchdog stops every rank:
+    ``AUTODIST_TIMEOUT``, 60 by default.
+
+    Example:
+        >>> hang_timeout({"AUTODIST_TIMEOUT": "5"})
+        5.0
+    """
+    text = env.get("AUTODIST_TIMEOUT", "60")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"AUTODIST_TIMEOUT={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"AUTODIST_TIMEOUT={text!r}: give a positive number of seconds")
+    return value
+
+
+def machine(env: Mapping[str, str] = os.environ) -> str:
+    """This rank's machine as the launcher placed it: the host name, and the launcher's node number where
+    it gives one (torchrun's ``GROUP_RANK``, Slurm's ``SLURM_NODEID``), so that ranks the launcher put on
+    two nodes never count as one machine, even where the nodes share a host name and a file system.
+
+    Example:
+        >>> machine({"GROUP_RANK": "1"}).endswith("/node 1")
+        True
+    """
+    node = env.get("GROUP_RANK", env.get("SLURM_NODEID"))
+    return socket.gethostname() + ("" if node is None else f"/node {node}")
+
+
+def shared_memory_allowed(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ranks on one machine may sum gradients through shared memory: ``AUTODIST_SHARED_MEMORY``,
+    1 (the default) or 0 (always gloo's all-reduce).
+
+    Example:
+        >>> shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "0"})
+        False
+    """
+    text = env.get("AUTODIST_SHARED_MEMORY", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"AUTODIST_SHARED_MEMORY={text!r}: give 1 (sum gradients of ranks on one machine "
+                         f"through shared memory, the default) or 0 (always through the backend's all-reduce)")
+    return text == "1"
+
+
+def launch() -> Launch:
+    """This process's launch, from its environment (:func:`detect_launch` of ``os.environ``)."""
+    return detect_launch(os.environ)
+
+
+def log_level(env: Mapping[str, str] = os.environ) -> str:
+    """The level of autodist's log: ``AUTODIST_LOG_LEVEL``, INFO by default."""
+    return env.get("AUTODIST_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,768 @@
+"""Checkpoints that resume at any world size or model-parallel degree, written atomically.
+
+A checkpoint holds the *dense* single-process training state: what one process
+training the original model would have, whatever layout saved it. So a run
+saved on 2 ranks with ``mp=2`` resumes in one process, on 2 ranks with
+``mp=1``, or back at ``mp=2``.
+
+File format: one ``torch.save`` file that loads with
+``torch.load(path, weights_only=True)`` (tensors, numbers, strings, lists and
+dicts only); its top-level keys are
+
+==============  ==========================================================================
+``format``      ``"autodist.checkpoint"``; ``version``: the format version (1)
+``model``       the dense state dict with the original model's names (``gather_state_dict``):
+                ``plain_model.load_state_dict(torch.load(path, weights_only=True)["model"])``
+``optimizer``   None, or ``{"state": {parameter name: {key: value}}, "param_groups":
+                [{hyperparameters..., "params": [parameter names]}]}``: every per-parameter
+                state tensor of the parameter's shape is dense (shards gathered); scalars
+                such as Adam's ``step`` are kept as they are
+``extra``       the keyword arguments given to ``save`` (epoch, step, a loader's generator state)
+``rng``         rank 0's random generators: ``torch`` (CPU), ``cuda`` (the current device's,
+                or None), ``python`` and ``numpy``
+``sync``        only for a model trained with a low-communication mode (``parallelize(...,
+                sync=autodist.DiLoCo())``): ``{"mode": "DiLoCo", "state": ...}``, rank 0's
+                ``strategy.state_dict()`` (step counts; DiLoCo's outer parameters, their momentum
+                and the average under way). Its entries named in ``strategy.mirrors`` map the
+                model's tensor names to per-tensor state: dense (shards gathered) and keyed by the
+                original model's names, as ``model`` is; ``load`` cuts them to the loading
+                layout and gives the state back to the model's strategy
+``checksum``    ``{"algorithm": "crc32", "structure": int, "tensors": [int, ...]}``: a CRC-32 of
+                every tensor's bytes (in the order the entries above are walked) and one of
+                everything else (names, dtypes, shapes, numbers, strings); ``load`` recomputes
+                them and refuses a file that differs. Files written before checksums existed
+                have no such key: they load, with a warning that nothing was verified.
+==============  ==========================================================================
+
+Rank 0 writes the file: to a temporary file beside it, flushed and fsynced,
+then ``os.replace``d over the final name and the directory fsynced, so the
+final name only ever holds a complete checkpoint. A writer killed mid-write
+(SIGKILL, power loss) leaves its temporary behind; the temporary's name says
+which process on which machine wrote it, and the next ``save`` of the same
+checkpoint removes those whose writer is gone. Loading needs no
+communication: every rank reads the file and keeps its slice of each split
+layer. ``resume`` is ``load`` when the checkpoint exists and the given
+defaults when it does not, so one script both starts and restarts a run.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import secrets
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autodist.layers.shard import Shard
+from autodist.mp.gather import gather_state_dict
+from autodist.mp.rewrite import mp_modules
+from autodist.runtime.world import World, init, log
+from autodist.sync import strategy_of
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+FORMAT = "autodist.checkpoint"
+VERSION = 1
+_LOADABLE_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
+_CHECKSUM = "crc32"  # ~6 GB/s here: a 200 MB checkpoint costs 30 ms to sum; corruption is not an adversary
+_ZIP_TAIL = 22 + 65535  # the end-of-directory record and its longest comment
+_STALE_AFTER_S = 3600.0  # a temporary whose writer cannot be checked is stale once untouched this long
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: damaged, truncated, or not written by ``autodist.save``."""
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+def _checked_path(path: Any, *, writing: bool) -> str:
+    """``path`` as an absolute file name, or a TypeError / ValueError saying what is wrong with it."""
+    name = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+    if isinstance(name, bytes):
+        raise TypeError(f"Expect a str file name for path, bytes {name!r} found; decode it first (os.fsdecode)")
+    if name is None:
+        raise TypeError(f"Expect a file name (str or os.PathLike) for path, {type(path).__name__} found; "
+                        f"e.g. autodist.save('ckpt/last.pt', model, optimizer)")
+    if not name:
+        raise ValueError("path is empty; give the checkpoint's file name, e.g. 'ckpt/last.pt'")
+    full = os.path.abspath(name)
+    if name.endswith(("/", os.sep)) or os.path.isdir(full):
+        raise ValueError(f"path {name!r} names a directory; give a file in it, e.g. "
+                         f"{os.path.join(name, 'last.pt')!r}")
+    if writing:
+        parent = os.path.dirname(full)
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(f"cannot write the checkpoint {full!r}: {parent!r} is a file, not a directory; "
+                             f"choose another path")
+    return full
+
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(f"Expect an nn.Module instance for model, the class {model.__name__} found; pass the "
+                        f"model you train, e.g. {model.__name__}(...) as built in your script")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(f"Expect torch.optim.Optimizer or None for optimizer, the LR scheduler "
+                        f"{type(optimizer).__name__} found; pass its optimizer, and the scheduler's state as an "
+                        f"extra: save(path, model, optimizer, scheduler=scheduler.state_dict())")
+    raise TypeError(f"Expect torch.optim.Optimizer or None for optimizer, {type(optimizer).__name__} "
+                    f"{optimizer!r:.40} found; pass the optimizer object itself, built after parallelize, e.g. "
+                    f"torch.optim.SGD(model.parameters(), lr=0.1)")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one local state-dict entry lives in the dense model: its name and, if split, how."""
+
+    name: str  # the dense (original model's) name
+    shape: tuple[int, ...] | None  # the dense shape (None: not a tensor)
+    part: Shard | None = None  # how the dense tensor is split (None: held whole)
+
+    def shard(self, dense: torch.Tensor) -> torch.Tensor:
+        return dense if self.part is None else self.part.take(dense)
+
+
+def _layout(model: nn.Module) -> dict[str, _Slot]:
+    """Every key of ``model.state_dict()`` -> its slot in the dense model."""
+    slots = {key: _Slot(key, tuple(value.shape) if isinstance(value, torch.Tensor) else None)
+             for key, value in model.state_dict().items()}
+    for name, layer in mp_modules(model):
+        prefix = f"{name}." if name else ""
+        original = getattr(layer, "dense_names", {})  # the layer replaced an F.linear call
+        for key, part in layer.shards.items():
+            if getattr(layer, key, None) is not None:
+                slots[prefix + key] = _Slot(original.get(key, prefix + key), part.shape,
+                                            part if part.dim is not None else None)
+    return slots
+
+
+def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 layout: dict[str, _Slot]) -> list[tuple[nn.Parameter, _Slot]]:
+    """The optimizer's parameters, in its order, each with its slot; raises on one the model lacks."""
+    by_id = {id(p): layout[key] for key, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    strangers = [tuple(p.shape) for p in params if id(p) not in by_id]
+    if strangers:
+        raise ValueError(f"{type(optimizer).__name__} holds {len(strangers)} parameter(s) of shapes {strangers} "
+                         f"that are not parameters of the model ({type(model).__name__}); build the optimizer "
+                         f"over model.parameters() after autodist.parallelize (model parallelism replaces the "
+                         f"split layers' parameters)")
+    return [(p, by_id[id(p)]) for p in params]
+
+
+# -- what is saved -------------------------------------------------------------------------------
+
+def _check_loadable(value: Any, where: str) -> None:
+    """Raise unless ``value`` loads back with ``torch.load(weights_only=True)``."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; a checkpoint needs str or int "
+                                f"keys so that it loads with torch.load(weights_only=True)")
+            _check_loadable(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]")
+    elif not isinstance(value, _LOADABLE_LEAVES):
+        raise TypeError(f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses to "
+                        f"load; a checkpoint holds numbers, strings, tensors, None, and lists/tuples/dicts of "
+                        f"them: convert it first (e.g. pass obj.state_dict() or generator.get_state())")
+
+
+def _dense_value(value: Any, param: nn.Parameter, slot: _Slot) -> Any:
+    """A per-parameter optimizer state entry, gathered to the dense parameter's shape when it is a shard."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if slot.part is not None and value.shape == param.shape:
+        return slot.part.gather(value).cpu()
+    return value.detach().to("cpu", copy=True)
+
+
+def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
+                           layout: dict[str, _Slot]) -> dict[str, Any]:
+    """The optimizer's state keyed by dense parameter names, shards gathered (collective over MP groups)."""
+    params = _param_slots(model, optimizer, layout)
+    packed = optimizer.state_dict()  # per-parameter state keyed by position in the param groups
+    state: dict[str, dict[str, Any]] = {}
+    for index, (param, slot) in enumerate(params):
+        entries = packed["state"].get(index)
+        if entries is not None:  # a fixed key order: every rank of a group gathers the same tensor together
+            state[slot.name] = {k: _dense_value(v, param, slot) for k, v in sorted(entries.items(), key=str)}
+    groups = [{**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+               "params": [params[i][1].name for i in group["params"]]} for group in packed["param_groups"]]
+    _check_loadable(groups, "the optimizer's param_groups")
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random generators as tensors and plain values (weights_only-loadable)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss_next": py_gauss},
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+
+
+# -- checksums -----------------------------------------------------------------------------------
+
+def _leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Every leaf of a payload with where it sits (``model['0.weight']``), dicts in their (pickled) order."""
+    if isinstance(value, dict):
+        yield f"{where}:dict{len(value)}", None  # containers count too: an emptied one, a list made a tuple
+        for key, item in value.items():
+            yield from _leaves(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        yield f"{where}:{type(value).__name__}{len(value)}", None
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{where}[{i}]")
+    else:
+        yield where, value
+
+
+def _tensor_crc(tensor: torch.Tensor) -> int:
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return zlib.crc32(t.view(torch.uint8).numpy())
+
+
+def _checksums(payload: dict[str, Any]) -> tuple[int, list[tuple[str, int]]]:
+    """A CRC-32 of everything but the tensors' bytes, and one per tensor (with where it sits)."""
+    structure, tensors = 0, []
+    for where, leaf in _leaves(payload, ""):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append((where, _tensor_crc(leaf)))
+            text = f"{where}=tensor:{leaf.dtype}:{tuple(leaf.shape)}"
+        else:
+            text = f"{where}={type(leaf).__name__}:{leaf!r}"
+        structure = zlib.crc32(text.encode("utf-8", "surrogatepass") + b"\n", structure)
+    return structure, tensors
+
+
+def _with_checksum(payload: dict[str, Any]) -> dict[str, Any]:
+    structure, tensors = _checksums(payload)
+    return {**payload, "checksum": {"algorithm": _CHECKSUM, "structure": structure,
+                                    "tensors": [crc for _, crc in tensors]}}
+
+
+def _damaged(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"the checkpoint {path!r} is damaged: {what}. The file changed after autodist.save "
+                           f"wrote it (a disk, copy or transfer error); resume from an earlier checkpoint, or "
+                           f"delete this one to start over")
+
+
+def _verify(checkpoint: dict[str, Any], path: str) -> None:
+    """Recompute the checksums of a loaded checkpoint (its ``checksum`` entry popped) and raise on a mismatch."""
+    stored = checkpoint.pop("checksum", None)
+    if stored is None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("the checkpoint %s has no checksums (written by an autodist before they were added): "
+                        "loaded without verifying it; the next autodist.save writes them", path)
+        return
+    if not isinstance(stored, dict) or stored.get("algorithm") != _CHECKSUM:
+        raise _damaged(path, f"its checksum entry is not a {_CHECKSUM} record ({str(stored)[:60]!r})")
+    structure, tensors = _checksums(checkpoint)
+    if structure != stored.get("structure") or len(tensors) != len(stored.get("tensors", ())):
+        raise _damaged(path, "its names, shapes or numbers do not match the checksum saved with them")
+    bad = [where for (where, crc), saved in zip(tensors, stored["tensors"]) if crc != saved]
+    if bad:
+        raise _damaged(path, f"{len(bad)} of {len(tensors)} tensors do not match the checksums saved with them "
+                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
+# -- the file: atomic write, stale temporaries, verified read -----------------------------------
+
+def _machine_id() -> str:
+    """8 hex digits naming this machine, boot and PID namespace: where a PID in a temporary's name means
+    this process table's PID (a reboot or another container gives another id)."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.endswith("ns/pid") else open(source).read().strip())
+        except OSError:
+            parts.append("")
+    return f"{zlib.crc32('|'.join(parts).encode()):08x}"
+
+
+_MACHINE = _machine_id()
+
+
+def _temporary_name(path: str) -> str:
+    return os.path.join(os.path.dirname(path),
+                        f".{os.path.basename(path)}.{_MACHINE}-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Delete the temporaries of ``path`` left by saves that were killed mid-write.
+
+    A temporary from this machine is stale once its writer's PID is gone; one
+    from another machine (a shared file system) or without a writer in its
+    name (older autodist) once untouched for an hour: a live writer is
+    writing to it. A live writer's file is never touched.
+    """
+    directory, base = os.path.split(path)
+    pattern = re.compile(rf"\.{re.escape(base)}\.(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{12}}\.tmp")
+    removed = []
+    for entry in os.scandir(directory):
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        machine, pid = match.group(1), match.group(2)
+        try:
+            if machine == _MACHINE:
+                stale = int(pid) != os.getpid() and not process_alive(int(pid))
+            else:
+                stale = time.time() - entry.stat().st_mtime > _STALE_AFTER_S
+            if stale:
+                size = entry.stat().st_size
+                os.unlink(entry.path)
+                removed.append(f"{entry.name} ({size / 2**20:.1f} MiB)")
+        except FileNotFoundError:
+            continue  # its writer finished, or another cleaner got there first
+    if removed:
+        log.warning("removed %d temporary file(s) of %s left by a save that was killed mid-write: %s",
+                    len(removed), path, ", ".join(removed))
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename itself durable (POSIX; elsewhere a directory cannot be opened)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_save(payload: dict[str, Any], path: str) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    _remove_stale_temporaries(path)  # before writing: a full disk may be full of them
+    temporary = _temporary_name(path)
+    try:
+        with open(temporary, "xb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def _why_unreadable(path: str, err: Exception) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(0, os.fstat(f.fileno()).st_size - _ZIP_TAIL))
+        tail = f.read()
+    said = (str(err).strip().splitlines() or [""])[0][:160]
+    if not head:
+        return "the file is empty"
+    if head != b"PK\x03\x04":  # torch.save's zip archive
+        return "it is not a file written by torch.save or autodist.save (it does not start as a zip archive)"
+    if b"PK\x05\x06" not in tail:  # a zip archive ends with its directory
+        return "it is truncated (it ends before its zip archive's directory: a write or copy that did not finish)"
+    if isinstance(err, pickle.UnpicklingError):
+        return ("it holds objects that torch.load(weights_only=True) refuses, so it was not written by "
+                "autodist.save, or it is damaged")
+    return f"it is damaged ({type(err).__name__}: {said})"
+
+
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}; write one with autodist.save(path, model, optimizer)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (PermissionError, MemoryError):
+        raise
+    except Exception as err:  # noqa: BLE001 - torch's many ways of failing on a bad file become one error
+        raise CheckpointError(f"cannot read the checkpoint {path!r}: {_why_unreadable(path, err)}. Resume from "
+                              f"an earlier checkpoint, or delete this one to start over") from err
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        keys = sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(f"{path!r} is not an autodist checkpoint (expected format {FORMAT!r}, found "
+                              f"{keys}); load a plain state dict with model.load_state_dict(torch.load(path))")
+    if checkpoint.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path!r} has checkpoint format version {checkpoint['version']}, newer than this "
+                              f"autodist reads ({VERSION}); upgrade autodist")
+    _verify(checkpoint, path)
+    return checkpoint
+
+
+def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> None:
+    """Rank 0 writes; then every rank waits for it, and raises too if it failed."""
+    error: BaseException | None = None
+    if world.rank == 0:
+        try:
+            _atomic_save(payload, path)  # type: ignore[arg-type]
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+            error = err
+    failed = error is not None
+    if world.size > 1:  # an all-reduce is the barrier, and tells the others whether rank 0 succeeded
+        device = world.device if world.backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([float(failed)], device=device)
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"rank 0 could not write the checkpoint {path!r} (its traceback says why); the file "
+                           f"there, if any, is the previous checkpoint, unchanged")
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for _, leaf in _leaves(value, ""))
+
+
+def _dense_mirror(entries: dict[str, Any], layout: dict[str, _Slot], where: str) -> dict[str, torch.Tensor]:
+    """A strategy's per-tensor state keyed by dense names, shards gathered (collective over MP groups)."""
+    dense = {}
+    for name in sorted(entries):  # one order on every rank of a group: they gather the same tensor together
+        value, slot = entries[name], layout.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}[{name!r}] is a {type(value).__name__}; an entry the strategy names in "
+                            f"mirrors maps the model's tensor names to tensors")
+        if slot is None or slot.part is None:  # held whole (or a non-persistent buffer: no slot)
+            dense[name if slot is None else slot.name] = value.detach().to("cpu", copy=True)
+        elif tuple(value.shape) != slot.part.local_shape():
+            raise ValueError(f"{where}[{name!r}] has shape {tuple(value.shape)}; the model's {name!r} here has "
+                             f"{slot.part.local_shape()}: per-tensor state must have its tensor's shape")
+        else:
+            dense[slot.name] = slot.part.gather(value).cpu()
+    return dense
+
+
+def _local_mirror(entries: dict[str, torch.Tensor], layout: dict[str, _Slot]) -> dict[str, torch.Tensor]:
+    """Saved per-tensor state cut to this model's layout and keyed by its names; a name this model lacks
+    stays as it is (the strategy refuses what does not fit)."""
+    local = {key: slot.shard(entries[slot.name]) for key, slot in layout.items()
+             if slot.name in entries and tuple(entries[slot.name].shape) == slot.shape}
+    dense_names = {slot.name for key, slot in layout.items() if key in local}
+    return {**local, **{name: value for name, value in entries.items() if name not in dense_names}}
+
+
+def _sync_state(model: nn.Module, layout: dict[str, _Slot]) -> dict[str, Any] | None:
+    """The state of the model's low-communication strategy, if it has any, its per-tensor entries dense (every
+    rank: it may wait for an exchange under way, and gathers shards)."""
+    strategy = strategy_of(model)
+    state = strategy.state_dict() if strategy is not None else None
+    if not state:
+        return None
+    unnamed = [key for key, value in state.items() if key not in strategy.mirrors and _holds_tensor(value)]
+    if unnamed and mp_modules(model):
+        log.warning("the checkpoint does not hold the state of %r with mp > 1: its entries %s hold tensors it "
+                    "does not name in %s.mirrors, so they may be this rank's shards, which a dense checkpoint "
+                    "cannot hold as they are; a restart starts its next round from the loaded model",
+                    strategy, unnamed, type(strategy).__name__)
+        return None
+    where = f"the state of {strategy!r}"
+    state = {key: _dense_mirror(value, layout, f"{where}[{key!r}]") if key in strategy.mirrors else value
+             for key, value in state.items()}
+    _check_loadable(state, where)
+    return {"mode": type(strategy).__name__, "state": state}
+
+
+def _restore_sync(model: nn.Module, saved: dict[str, Any] | None, path: str, layout: dict[str, _Slot]) -> None:
+    """Give the model's strategy its saved state, cut to this layout, or tell it to start afresh from the
+    loaded model."""
+    strategy = strategy_of(model)
+    if strategy is None:
+        return
+    if saved is not None and saved["mode"] != type(strategy).__name__:
+        log.info("the checkpoint %s holds the state of a %s run; this run uses %r, which starts afresh from the "
+                 "loaded model", path, saved["mode"], strategy)
+        saved = None
+    state = None if saved is None else {key: _local_mirror(value, layout) if key in strategy.mirrors else value
+                                        for key, value in saved["state"].items()}
+    strategy.load_state_dict(state)
+
+
+def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
+    """Save a checkpoint that resumes at any world size or model-parallel degree.
+
+    Every rank must call it (model-parallel shards are gathered with
+    collectives); rank 0 writes the file atomically and every rank returns
+    only once it is complete, so any rank may load it right after.
+
+    Args:
+        path: the file to write; missing parent directories are created, an
+            existing file is replaced only once the new one is complete, and
+            temporaries of earlier saves of it that were killed mid-write
+            are removed.
+        model: the model (parallelized or not).
+        optimizer: its optimizer, built over ``model.parameters()`` after
+            ``parallelize``; None to save the model alone.
+        **extra: anything else to resume with (epoch, step, a DataLoader
+            generator's ``get_state()``): numbers, strings, tensors, None, and
+            lists/tuples/dicts of them. ``load`` returns them.
+
+    Returns:
+        None. The file holds a CRC-32 of every tensor and of the rest, which
+        ``load`` checks.
+
+    Example:
+        >>> autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch, loader_rng=generator.get_state())
+
+    Note:
+        The random generators saved are rank 0's (torch CPU, the current CUDA
+        device's, python ``random``, numpy); ``load`` restores them on every
+        rank. A run whose ranks draw different random numbers (dropout seeded
+        per rank) should reseed per rank after loading. A model in a
+        low-communication mode (``sync=autodist.DiLoCo()``, ...) has its mode's
+        state saved too (DiLoCo's outer parameters and momentum, step counts),
+        which ``load`` gives back to it.
+    """
+    path = _checked_path(path, writing=True)
+    _check_model(model)
+    _check_optimizer(optimizer)
+    _check_loadable(extra, "extra")
+    world = init()
+    rng = _rng_state()  # before anything below could draw
+    layout = _layout(model)
+    sync = _sync_state(model, layout)
+    optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
+    state = gather_state_dict(model)
+    payload = None
+    if world.rank == 0:
+        payload = _with_checksum({"format": FORMAT, "version": VERSION, "model": state, "optimizer": optim,
+                                  "extra": extra, "rng": rng, **({"sync": sync} if sync else {})})
+    _write_on_rank0(payload, path, world)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+def _listed(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{f', ... ({len(names) - limit} more)' if len(names) > limit else ''}]"
+
+
+def _check_model_keys(dense: dict[str, Any], layout: dict[str, _Slot], model: nn.Module, path: str) -> None:
+    expected = {slot.name for slot in layout.values()}
+    missing, unexpected = sorted(expected - dense.keys()), sorted(dense.keys() - expected)
+    if missing or unexpected:
+        raise RuntimeError(f"the checkpoint {path!r} does not fit the model ({type(model).__name__}): missing keys "
+                           f"(in the model, not in the checkpoint) {_listed(missing)}; unexpected keys (in the "
+                           f"checkpoint, not in the model) {_listed(unexpected)}. Load it into the model it was "
+                           f"saved from, built as in the single-process script")
+    wrong = [f"{s.name!r}: checkpoint {tuple(dense[s.name].shape)}, model {s.shape}" for s in layout.values()
+             if s.shape is not None and isinstance(dense[s.name], torch.Tensor)
+             and tuple(dense[s.name].shape) != s.shape]
+    if wrong:
+        raise RuntimeError(f"the checkpoint {path!r} does not fit the model ({type(model).__name__}): size "
+                           f"mismatch (dense shapes) for {_listed(wrong)}; build the model with the sizes it "
+                           f"was saved with")
+
+
+def _load_model(dense: dict[str, Any], model: nn.Module, layout: dict[str, _Slot], path: str) -> None:
+    _check_model_keys(dense, layout, model, path)
+    local = {key: slot.shard(dense[slot.name]) if slot.shape is not None else dense[slot.name]
+             for key, slot in layout.items()}
+    model.load_state_dict(local, strict=True)
+
+
+def _local_entries(entries: dict[str, Any], slot: _Slot) -> dict[str, Any]:
+    """A parameter's saved optimizer state with every dense, parameter-shaped tensor cut to this rank's shard."""
+    def local(value: Any) -> Any:
+        dense = isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape
+        return slot.shard(value) if dense else value
+    return {key: local(value) for key, value in entries.items()}
+
+
+def _check_group_names(i: int, names: list[str], saved: list[str]) -> None:
+    if sorted(names) != sorted(saved):
+        raise ValueError(f"optimizer parameter group {i} holds {_listed(sorted(names))}, but the checkpoint's "
+                         f"group {i} holds {_listed(sorted(saved))}; build the optimizer over the same "
+                         f"parameters, grouped as when it was saved")
+
+
+def _local_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module,
+                           layout: dict[str, _Slot]) -> dict[str, Any]:
+    """The saved optimizer state in torch's index-based format for ``optimizer``, state tensors sliced."""
+    params = _param_slots(model, optimizer, layout)
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter group(s), "
+                         f"{type(optimizer).__name__} has {len(optimizer.param_groups)}; build the optimizer "
+                         f"with the same groups as when it was saved")
+    state, groups, start = {}, [], 0
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        indices = range(start, start + len(group["params"]))  # torch numbers parameters across the groups
+        _check_group_names(i, [params[j][1].name for j in indices], saved_group["params"])
+        for j in indices:
+            entries = saved["state"].get(params[j][1].name)
+            if entries is not None:
+                state[j] = _local_entries(entries, params[j][1])
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(indices)})
+        start += len(indices)
+    return {"state": state, "param_groups": groups}
+
+
+def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a checkpoint written by ``save`` into a model laid out in any way, and its optimizer.
+
+    Each rank reads the file and keeps its slice of every split layer and of
+    the optimizer state belonging to it: a checkpoint saved at one world size
+    or ``mp`` resumes at another, or in a plain single-process script. No
+    communication: it works without a process group.
+
+    Args:
+        path: a file written by ``autodist.save``.
+        model: the model to fill, parallelized (as it will be trained) or plain.
+        optimizer: its optimizer, built over ``model.parameters()`` after
+            ``parallelize``, with the same parameter groups as the saved one
+            (hyperparameters such as ``lr`` come from the checkpoint).
+
+    Returns:
+        The ``extra`` keyword arguments given to ``save`` (e.g. ``{"epoch": 3}``).
+
+    Raises:
+        CheckpointError: (a ValueError) the file is damaged (a checksum
+            differs), truncated, or not an autodist checkpoint; the message
+            names the file. Resume from an earlier one, or delete it.
+
+    Example:
+        >>> model, loader = autodist.parallelize(build_model(), loader, mp=2)
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> start = autodist.load("ckpt/last.pt", model, optimizer)["epoch"]
+
+    Note:
+        Restores rank 0's random generators (as saved) on every rank. Call it
+        after building an LR scheduler: building one resets the learning rates.
+    """
+    path = _checked_path(path, writing=False)
+    _check_model(model)
+    _check_optimizer(optimizer)
+    checkpoint = _read(path)
+    layout = _layout(model)
+    _load_model(checkpoint["model"], model, layout, path)
+    if optimizer is not None:
+        if checkpoint["optimizer"] is None:
+            raise ValueError(f"the checkpoint {path!r} was saved without an optimizer; pass optimizer=None, or "
+                             f"save with autodist.save(path, model, optimizer)")
+        optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
+    _restore_sync(model, checkpoint.get("sync"), path, layout)
+    _set_rng_state(checkpoint["rng"])
+    return dict(checkpoint["extra"])
+
+
+def _found_on_every_rank(path: str, world: World) -> bool:
+    """Whether ``path`` is a file, as every rank sees it; raises if the ranks disagree."""
+    found = os.path.isfile(path)
+    if world.size == 1:
+        return found
+    device = world.device if world.backend == "nccl" else torch.device("cpu")
+    seen = torch.zeros(world.size, device=device)
+    seen[world.rank] = float(found)
+    dist.all_reduce(seen)
+    missing = [r for r, s in enumerate(seen.tolist()) if not s]
+    if 0 < len(missing) < world.size:
+        raise RuntimeError(f"ranks {missing} see no checkpoint at {path!r} where the other ranks see one; every "
+                           f"rank must read the same checkpoint: put it on a file system every node shares")
+    return found
+
+
+def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+           **defaults: Any) -> dict[str, Any]:
+    """Restart from the checkpoint at ``path`` if there is one; start afresh if not.
+
+    One script then both starts a run and restarts it after a failure (under
+    ``autodist run --max-restarts N``, or when a job is requeued): the first
+    attempt finds no checkpoint and gets ``defaults``; a later one loads
+    model, optimizer and random generators as ``load`` does and gets the
+    extras saved with them. Every rank must call it: they check together
+    that all of them see the same file.
+
+    Args:
+        path: the checkpoint file the script writes with ``autodist.save``.
+        model: the model to fill, parallelized (as it will be trained) or plain.
+        optimizer: its optimizer, built over ``model.parameters()`` after
+            ``parallelize``, or None.
+        **defaults: what to return when there is no checkpoint yet (e.g.
+            ``epoch=0``); a saved extra of the same name replaces its default.
+
+    Returns:
+        ``defaults`` updated with the extras saved in the checkpoint.
+
+    Raises:
+        CheckpointError: the checkpoint exists but is damaged or truncated
+            (never silently ignored: that would restart the run from scratch).
+
+    Example:
+        >>> model, loader = autodist.parallelize(build_model(), loader)
+        >>> optimizer = torch.optim.Adam(model.parameters())
+        >>> start = autodist.resume("ckpt/last.pt", model, optimizer, epoch=0)["epoch"]
+        >>> for epoch in range(start, epochs):
+        ...     train_one_epoch(model, loader, optimizer)
+        ...     autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch + 1)
+
+    Note:
+        A restart repeats the steps since the last save; save as often as
+        you accept to repeat. A loader that shuffles with the global RNG
+        resumes its order (``load`` restores the RNG); one with its own
+        ``generator`` needs that generator's state saved as an extra
+        (``loader_rng=generator.get_state()``) and set back after resuming.
+    """
+    path = _checked_path(path, writing=False)
+    _check_model(model)
+    _check_optimizer(optimizer)
+    world = init()
+    if not _found_on_every_rank(path, world):
+        if world.rank == 0:
+            log.info("no checkpoint at %s yet: starting from the beginning", path)
+        return dict(defaults)
+    extra = load(path, model, optimizer)
+    if world.rank == 0:
+        log.info("resumed from %s (%s)", path, ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()) or "no extras")
+    return {**defaults, **extra}
