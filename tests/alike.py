@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.testing import assert_close
 
 
 def train_alike(models: tuple[nn.Module, ...], loss_of: Callable[[nn.Module], torch.Tensor],
@@ -25,3 +26,12 @@ def train_alike(models: tuple[nn.Module, ...], loss_of: Callable[[nn.Module], to
             optimizer.step()
         optimizers.append(optimizer)
     return optimizers
+
+
+def assert_same_training(results: list[tuple[dict, dict]], rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Each rank's parameters equal the single-process run's (``results``: per rank, (reference, parallel)),
+    and every rank holds the very same model."""
+    for ref, par in results:
+        assert_close(par, ref, rtol=rtol, atol=atol)
+    for _, par in results[1:]:
+        assert_close(par, results[0][1], rtol=0, atol=0)  # every rank holds the very same model

@@ -1,4 +1,9 @@
-"""Shared fixtures: a pool of real gloo ranks per world size, kept for the whole session."""
+"""Shared fixtures: a pool of real gloo ranks per world size, kept for the whole session.
+
+The tests are grouped like the package (tests/dp, tests/mp, ...); the shared helpers (workloads, alike, ranks,
+the scripts the launch tests run) stay here in tests/. Every folder goes on sys.path before any rank pool is
+spawned, so the ranks can unpickle a function of any test module, whichever test started the pool.
+"""
 from __future__ import annotations
 
 import os
@@ -7,7 +12,9 @@ from typing import Any, Callable
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE] + sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE)
+                                if os.path.isdir(os.path.join(_HERE, d)) and d not in ("outside", "__pycache__"))
 
 from ranks import RankPool  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""A training script with one fault injected, run on real ranks by tests/test_watchdog.py.
+"""A training script with one fault injected, run on real ranks by tests/faults/test_watchdog.py.
 
 Usage: python faulty_train.py FAULT [checkpoint path]. Each fault happens on rank 1 at step 3
 (unless it is about the data): "none", "sleep", "raise", "kill", "uneven_loader", "uneven_shards",

@@ -1,4 +1,4 @@
-"""A training script that resumes from its checkpoint, run by test_restart.py under `autodist run --max-restarts`.
+"""A training script that resumes from its checkpoint, run by tests/train/test_restart.py under `autodist run --max-restarts`.
 
 usage: restart_train.py CHECKPOINT OUT [KILL_MARKER]
 

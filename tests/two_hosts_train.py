@@ -1,4 +1,4 @@
-"""A training script for jobs across the two hosts of tests/cluster.py (run by tests/test_two_hosts.py).
+"""A training script for jobs across the two hosts of tests/cluster.py (run by tests/e2e/test_two_hosts.py).
 
 Usage: python two_hosts_train.py OUT [--mp K] [--epochs E] [--step-sleep S] [--hierarchical H]
 

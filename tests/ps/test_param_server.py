@@ -17,7 +17,7 @@ import autodist
 import workloads as w
 from autodist.ps.layout import ShardLayout
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 
 
 def test_layout_cuts_the_flat_vector_by_size():

@@ -22,7 +22,7 @@ from autodist.faults.verdicts import Status, judge, where
 from autodist.runtime.position import wait_words
 from autodist.runtime.environment import hang_timeout
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 SCRIPT = os.path.join(HERE, "faulty_train.py")
 TIMEOUT = 5  # AUTODIST_TIMEOUT in these runs
 

@@ -25,7 +25,7 @@ from outside.nanogpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,13 +6,7 @@ import torch
 from torch.testing import assert_close
 
 import workloads as w
-
-
-def assert_same_training(results: list[tuple[dict, dict]], rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    for ref, par in results:
-        assert_close(par, ref, rtol=rtol, atol=atol)
-    for _, par in results[1:]:
-        assert_close(par, results[0][1], rtol=0, atol=0)  # every rank holds the very same model
+from alike import assert_same_training
 
 
 def _mlp_run(opt_name: str, n: int, batch: int, epochs: int):

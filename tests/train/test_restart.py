@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 
 
 def _launch(directory, *marker: str) -> subprocess.Popen:

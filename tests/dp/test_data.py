@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import autodist
 import workloads as w
 from autodist.dp.data import shard, slice_bounds
-from test_equivalence import assert_same_training
+from alike import assert_same_training
 
 NO_ORDER = lambda order: pytest.fail("this loader must not need rank 0's order")  # noqa: E731
 

@@ -15,7 +15,7 @@ from autodist.cli.command import UsageError, torchrun_args
 from autodist.runtime.environment import Launch, detect_launch, rendezvous_address
 from autodist.runtime.world import choose_backend
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 
 
 def test_torchrun_environment():

@@ -16,7 +16,7 @@ import autodist
 from autodist.cli.command import main, torchrun_args
 from autodist.cli.launch import Failure, root_cause, summary
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 FAULTY = os.path.join(HERE, "faulty_train.py")
 AUTODIST = [sys.executable, "-m", "autodist"]
 

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 import two_hosts_train
 from cluster import Cluster, ClusterUnavailable, make_cluster
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 SCRIPT = os.path.join(HERE, "two_hosts_train.py")
 TIMEOUT = 5  # AUTODIST_TIMEOUT: how long the watchdog lets a rank wait for one that sends no heartbeat
 PORT = 29400  # each cluster's namespaces have ports of their own: a fixed one cannot collide

@@ -43,7 +43,7 @@ import workloads as w
 from autodist import engine
 from autodist.dp.data import slice_bounds
 from outside.word_language_model import RNNModel
-from test_equivalence import assert_same_training
+from alike import assert_same_training
 
 VOCAB, SEQ, WIDTH = 11, 5, 8
 

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 import autodist
 import workloads as w
-from test_equivalence import assert_same_training
+from alike import assert_same_training
 
 
 def _plain_sgd(model):

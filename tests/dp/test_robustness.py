@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import autodist
 import workloads as w
-from test_equivalence import assert_same_training
+from alike import assert_same_training
 
 
 class Masked(nn.Module):
