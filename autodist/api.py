@@ -69,7 +69,7 @@ def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float, sync_buffe
 
 
 def _through(sync_state: object | None) -> str:
-    """" through shared memory" where the gradient buckets of rank 0's group go that way (:mod:`~autodist.dp.exchange`)."""
+    """" through shared memory" where rank 0's group sums its buckets that way (:mod:`~autodist.dp.exchange`)."""
     exchange = getattr(sync_state, "exchange", None)
     return f" through {exchange.name}" if getattr(exchange, "name", "") == "shared memory" else ""
 

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from autodist.train.checkpoint import process_alive
+from autodist.train.checkpoint_file import process_alive
 
 _PREFIX = "autodist-"
 _SUBNET = "10.77.0"

@@ -33,14 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autodist.layers.comm import (
-    copy_to_group,
-    group_rank_size,
-    reduce_from_group_,
-    shard_range,
-    shard_sizes,
-    split_last_dim,
-)
+from autodist.layers.comm import (copy_to_group, group_rank_size, reduce_from_group_, shard_range, shard_sizes,
+                                  split_last_dim)
 from autodist.layers.shard import Shard
 
 _Layer = TypeVar("_Layer", bound="_SplitLinear")

@@ -11,15 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from autodist.mp.split_reshape import (
-    chunk_rule,
-    expand_rule,
-    flatten_rule,
-    getitem_rule,
-    reshape_rule,
-    split_rule,
-    unflatten_rule,
-)
+from autodist.mp.split_reshape import (chunk_rule, expand_rule, flatten_rule, getitem_rule, reshape_rule, split_rule,
+                                       unflatten_rule)
 from autodist.mp.split_types import FlowView, Split, Unsupported, norm, self_split
 
 __all__ = ["RULES", "PASSING", "Split", "Unsupported", "broadcast_split"]

@@ -18,6 +18,7 @@ from autodist.ps.layout import ShardLayout, flatten, unflatten_into
 from autodist.ps.server import Serving, ShardServer
 from autodist.runtime.world import log
 from autodist.sync.base import Strategy, SyncContext
+from autodist.train import checkpoint_file
 
 _QUIET = datetime.timedelta(days=30)  # a worker may stay silent this long (evaluating, saving) without being lost
 
@@ -274,10 +275,8 @@ class ParameterServer(Strategy):
         model's names, so ``plain_model.load_state_dict(torch.load(path)["model"])`` works; the servers' state
         is the extra ``param_server``: ``ps.load_state_dict(autodist.load(path, model)["param_server"])``.
         """
-        from autodist.train import checkpoint
-
-        path = checkpoint._checked_path(path, writing=True)
-        checkpoint._check_loadable(extra, "extra")
+        path = checkpoint_file.checked_path(path, writing=True)
+        checkpoint_file.check_loadable(extra, "extra")
         state = self.state_dict()
         if state is None:
             raise RuntimeError("nothing to save yet: the parameter servers start at the first optimizer.step()")
@@ -286,10 +285,8 @@ class ParameterServer(Strategy):
         for name, p in zip(self.names, self.params):
             model[name] = state["params"][offset:offset + p.numel()].view_as(p).to(p.dtype).clone()
             offset += p.numel()
-        payload = checkpoint._with_checksum({"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
-                                             "model": model, "optimizer": None,
-                                             "extra": {**extra, "param_server": state}, "rng": checkpoint._rng_state()})
-        checkpoint._atomic_save(payload, path)
+        extra = {**extra, "param_server": state}
+        checkpoint_file.atomic_save(checkpoint_file.contents(model, None, extra, checkpoint_file.rng_state()), path)
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError

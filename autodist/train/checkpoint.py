@@ -34,7 +34,7 @@ dicts only); its top-level keys are
                 have no such key: they load, with a warning that nothing was verified.
 ==============  ==========================================================================
 
-Rank 0 writes the file: to a temporary file beside it, flushed and fsynced,
+Rank 0 writes the file (:mod:`autodist.train.checkpoint_file`): to a temporary file beside it, flushed and fsynced,
 then ``os.replace``d over the final name and the directory fsynced, so the
 final name only ever holds a complete checkpoint. A writer killed mid-write
 (SIGKILL, power loss) leaves its temporary behind; the temporary's name says
@@ -47,17 +47,9 @@ defaults when it does not, so one script both starts and restarts a run.
 from __future__ import annotations
 
 import os
-import pickle
-import random
-import re
-import secrets
-import socket
-import time
-import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,45 +59,16 @@ from autodist.mp.gather import gather_state_dict
 from autodist.mp.rewrite import mp_modules
 from autodist.runtime.world import World, init, log
 from autodist.sync import strategy_of
+from autodist.train.checkpoint_file import (FORMAT, VERSION, CheckpointError, atomic_save, check_loadable, checked_path,
+                                            contents, leaves, read, rng_state, set_rng_state)
+
+__all__ = ["save", "load", "resume", "CheckpointError", "FORMAT", "VERSION"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-FORMAT = "autodist.checkpoint"
-VERSION = 1
-_LOADABLE_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
-_CHECKSUM = "crc32"  # ~6 GB/s here: a 200 MB checkpoint costs 30 ms to sum; corruption is not an adversary
-_ZIP_TAIL = 22 + 65535  # the end-of-directory record and its longest comment
-_STALE_AFTER_S = 3600.0  # a temporary whose writer cannot be checked is stale once untouched this long
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used: damaged, truncated, or not written by ``autodist.save``."""
 
 
 # -- arguments -----------------------------------------------------------------------------------
-
-def _checked_path(path: Any, *, writing: bool) -> str:
-    """``path`` as an absolute file name, or a TypeError / ValueError saying what is wrong with it."""
-    name = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else None
-    if isinstance(name, bytes):
-        raise TypeError(f"Expect a str file name for path, bytes {name!r} found; decode it first (os.fsdecode)")
-    if name is None:
-        raise TypeError(f"Expect a file name (str or os.PathLike) for path, {type(path).__name__} found; "
-                        f"e.g. autodist.save('ckpt/last.pt', model, optimizer)")
-    if not name:
-        raise ValueError("path is empty; give the checkpoint's file name, e.g. 'ckpt/last.pt'")
-    full = os.path.abspath(name)
-    if name.endswith(("/", os.sep)) or os.path.isdir(full):
-        raise ValueError(f"path {name!r} names a directory; give a file in it, e.g. "
-                         f"{os.path.join(name, 'last.pt')!r}")
-    if writing:
-        parent = os.path.dirname(full)
-        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise ValueError(f"cannot write the checkpoint {full!r}: {parent!r} is a file, not a directory; "
-                             f"choose another path")
-    return full
 
 
 def _check_model(model: Any) -> None:
@@ -170,22 +133,6 @@ def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 # -- what is saved -------------------------------------------------------------------------------
 
-def _check_loadable(value: Any, where: str) -> None:
-    """Raise unless ``value`` loads back with ``torch.load(weights_only=True)``."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise TypeError(f"{where} has a key of type {type(key).__name__}; a checkpoint needs str or int "
-                                f"keys so that it loads with torch.load(weights_only=True)")
-            _check_loadable(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_loadable(item, f"{where}[{i}]")
-    elif not isinstance(value, _LOADABLE_LEAVES):
-        raise TypeError(f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses to "
-                        f"load; a checkpoint holds numbers, strings, tensors, None, and lists/tuples/dicts of "
-                        f"them: convert it first (e.g. pass obj.state_dict() or generator.get_state())")
-
 
 def _dense_value(value: Any, param: nn.Parameter, slot: _Slot) -> Any:
     """A per-parameter optimizer state entry, gathered to the dense parameter's shape when it is a shard."""
@@ -208,238 +155,8 @@ def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
             state[slot.name] = {k: _dense_value(v, param, slot) for k, v in sorted(entries.items(), key=str)}
     groups = [{**{k: v for k, v in group.items() if k not in ("params", "param_names")},
                "params": [params[i][1].name for i in group["params"]]} for group in packed["param_groups"]]
-    _check_loadable(groups, "the optimizer's param_groups")
+    check_loadable(groups, "the optimizer's param_groups")
     return {"state": state, "param_groups": groups}
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's random generators as tensors and plain values (weights_only-loadable)."""
-    py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss_next": py_gauss},
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
-
-
-# -- checksums -----------------------------------------------------------------------------------
-
-def _leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
-    """Every leaf of a payload with where it sits (``model['0.weight']``), dicts in their (pickled) order."""
-    if isinstance(value, dict):
-        yield f"{where}:dict{len(value)}", None  # containers count too: an emptied one, a list made a tuple
-        for key, item in value.items():
-            yield from _leaves(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        yield f"{where}:{type(value).__name__}{len(value)}", None
-        for i, item in enumerate(value):
-            yield from _leaves(item, f"{where}[{i}]")
-    else:
-        yield where, value
-
-
-def _tensor_crc(tensor: torch.Tensor) -> int:
-    t = tensor.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    t = t.cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return zlib.crc32(t.view(torch.uint8).numpy())
-
-
-def _checksums(payload: dict[str, Any]) -> tuple[int, list[tuple[str, int]]]:
-    """A CRC-32 of everything but the tensors' bytes, and one per tensor (with where it sits)."""
-    structure, tensors = 0, []
-    for where, leaf in _leaves(payload, ""):
-        if isinstance(leaf, torch.Tensor):
-            tensors.append((where, _tensor_crc(leaf)))
-            text = f"{where}=tensor:{leaf.dtype}:{tuple(leaf.shape)}"
-        else:
-            text = f"{where}={type(leaf).__name__}:{leaf!r}"
-        structure = zlib.crc32(text.encode("utf-8", "surrogatepass") + b"\n", structure)
-    return structure, tensors
-
-
-def _with_checksum(payload: dict[str, Any]) -> dict[str, Any]:
-    structure, tensors = _checksums(payload)
-    return {**payload, "checksum": {"algorithm": _CHECKSUM, "structure": structure,
-                                    "tensors": [crc for _, crc in tensors]}}
-
-
-def _damaged(path: str, what: str) -> CheckpointError:
-    return CheckpointError(f"the checkpoint {path!r} is damaged: {what}. The file changed after autodist.save "
-                           f"wrote it (a disk, copy or transfer error); resume from an earlier checkpoint, or "
-                           f"delete this one to start over")
-
-
-def _verify(checkpoint: dict[str, Any], path: str) -> None:
-    """Recompute the checksums of a loaded checkpoint (its ``checksum`` entry popped) and raise on a mismatch."""
-    stored = checkpoint.pop("checksum", None)
-    if stored is None:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.warning("the checkpoint %s has no checksums (written by an autodist before they were added): "
-                        "loaded without verifying it; the next autodist.save writes them", path)
-        return
-    if not isinstance(stored, dict) or stored.get("algorithm") != _CHECKSUM:
-        raise _damaged(path, f"its checksum entry is not a {_CHECKSUM} record ({str(stored)[:60]!r})")
-    structure, tensors = _checksums(checkpoint)
-    if structure != stored.get("structure") or len(tensors) != len(stored.get("tensors", ())):
-        raise _damaged(path, "its names, shapes or numbers do not match the checksum saved with them")
-    bad = [where for (where, crc), saved in zip(tensors, stored["tensors"]) if crc != saved]
-    if bad:
-        raise _damaged(path, f"{len(bad)} of {len(tensors)} tensors do not match the checksums saved with them "
-                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
-
-
-# -- the file: atomic write, stale temporaries, verified read -----------------------------------
-
-def _machine_id() -> str:
-    """8 hex digits naming this machine, boot and PID namespace: where a PID in a temporary's name means
-    this process table's PID (a reboot or another container gives another id)."""
-    parts = [socket.gethostname()]
-    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(os.readlink(source) if source.endswith("ns/pid") else open(source).read().strip())
-        except OSError:
-            parts.append("")
-    return f"{zlib.crc32('|'.join(parts).encode()):08x}"
-
-
-_MACHINE = _machine_id()
-
-
-def _temporary_name(path: str) -> str:
-    return os.path.join(os.path.dirname(path),
-                        f".{os.path.basename(path)}.{_MACHINE}-{os.getpid()}-{secrets.token_hex(6)}.tmp")
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine still runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _remove_stale_temporaries(path: str) -> None:
-    """Delete the temporaries of ``path`` left by saves that were killed mid-write.
-
-    A temporary from this machine is stale once its writer's PID is gone; one
-    from another machine (a shared file system) or without a writer in its
-    name (older autodist) once untouched for an hour: a live writer is
-    writing to it. A live writer's file is never touched.
-    """
-    directory, base = os.path.split(path)
-    pattern = re.compile(rf"\.{re.escape(base)}\.(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{12}}\.tmp")
-    removed = []
-    for entry in os.scandir(directory):
-        match = pattern.fullmatch(entry.name)
-        if match is None:
-            continue
-        machine, pid = match.group(1), match.group(2)
-        try:
-            if machine == _MACHINE:
-                stale = int(pid) != os.getpid() and not process_alive(int(pid))
-            else:
-                stale = time.time() - entry.stat().st_mtime > _STALE_AFTER_S
-            if stale:
-                size = entry.stat().st_size
-                os.unlink(entry.path)
-                removed.append(f"{entry.name} ({size / 2**20:.1f} MiB)")
-        except FileNotFoundError:
-            continue  # its writer finished, or another cleaner got there first
-    if removed:
-        log.warning("removed %d temporary file(s) of %s left by a save that was killed mid-write: %s",
-                    len(removed), path, ", ".join(removed))
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename itself durable (POSIX; elsewhere a directory cannot be opened)."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_save(payload: dict[str, Any], path: str) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale_temporaries(path)  # before writing: a full disk may be full of them
-    temporary = _temporary_name(path)
-    try:
-        with open(temporary, "xb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-    _fsync_directory(directory)
-
-
-def _why_unreadable(path: str, err: Exception) -> str:
-    with open(path, "rb") as f:
-        head = f.read(4)
-        f.seek(max(0, os.fstat(f.fileno()).st_size - _ZIP_TAIL))
-        tail = f.read()
-    said = (str(err).strip().splitlines() or [""])[0][:160]
-    if not head:
-        return "the file is empty"
-    if head != b"PK\x03\x04":  # torch.save's zip archive
-        return "it is not a file written by torch.save or autodist.save (it does not start as a zip archive)"
-    if b"PK\x05\x06" not in tail:  # a zip archive ends with its directory
-        return "it is truncated (it ends before its zip archive's directory: a write or copy that did not finish)"
-    if isinstance(err, pickle.UnpicklingError):
-        return ("it holds objects that torch.load(weights_only=True) refuses, so it was not written by "
-                "autodist.save, or it is damaged")
-    return f"it is damaged ({type(err).__name__}: {said})"
-
-
-def _read(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}; write one with autodist.save(path, model, optimizer)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (PermissionError, MemoryError):
-        raise
-    except Exception as err:  # noqa: BLE001 - torch's many ways of failing on a bad file become one error
-        raise CheckpointError(f"cannot read the checkpoint {path!r}: {_why_unreadable(path, err)}. Resume from "
-                              f"an earlier checkpoint, or delete this one to start over") from err
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        keys = sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise CheckpointError(f"{path!r} is not an autodist checkpoint (expected format {FORMAT!r}, found "
-                              f"{keys}); load a plain state dict with model.load_state_dict(torch.load(path))")
-    if checkpoint.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path!r} has checkpoint format version {checkpoint['version']}, newer than this "
-                              f"autodist reads ({VERSION}); upgrade autodist")
-    _verify(checkpoint, path)
-    return checkpoint
 
 
 def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> None:
@@ -447,7 +164,7 @@ def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> 
     error: BaseException | None = None
     if world.rank == 0:
         try:
-            _atomic_save(payload, path)  # type: ignore[arg-type]
+            atomic_save(payload, path)  # type: ignore[arg-type]
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
             error = err
     failed = error is not None
@@ -464,7 +181,7 @@ def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> 
 
 
 def _holds_tensor(value: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for _, leaf in _leaves(value, ""))
+    return any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(value, ""))
 
 
 def _dense_mirror(entries: dict[str, Any], layout: dict[str, _Slot], where: str) -> dict[str, torch.Tensor]:
@@ -511,7 +228,7 @@ def _sync_state(model: nn.Module, layout: dict[str, _Slot]) -> dict[str, Any] | 
     where = f"the state of {strategy!r}"
     state = {key: _dense_mirror(value, layout, f"{where}[{key!r}]") if key in strategy.mirrors else value
              for key, value in state.items()}
-    _check_loadable(state, where)
+    check_loadable(state, where)
     return {"mode": type(strategy).__name__, "state": state}
 
 
@@ -565,20 +282,19 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         state saved too (DiLoCo's outer parameters and momentum, step counts),
         which ``load`` gives back to it.
     """
-    path = _checked_path(path, writing=True)
+    path = checked_path(path, writing=True)
     _check_model(model)
     _check_optimizer(optimizer)
-    _check_loadable(extra, "extra")
+    check_loadable(extra, "extra")
     world = init()
-    rng = _rng_state()  # before anything below could draw
+    rng = rng_state()  # before anything below could draw
     layout = _layout(model)
     sync = _sync_state(model, layout)
     optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
     state = gather_state_dict(model)
     payload = None
     if world.rank == 0:
-        payload = _with_checksum({"format": FORMAT, "version": VERSION, "model": state, "optimizer": optim,
-                                  "extra": extra, "rng": rng, **({"sync": sync} if sync else {})})
+        payload = contents(state, optim, extra, rng, sync)
     _write_on_rank0(payload, path, world)
 
 
@@ -681,10 +397,10 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         Restores rank 0's random generators (as saved) on every rank. Call it
         after building an LR scheduler: building one resets the learning rates.
     """
-    path = _checked_path(path, writing=False)
+    path = checked_path(path, writing=False)
     _check_model(model)
     _check_optimizer(optimizer)
-    checkpoint = _read(path)
+    checkpoint = read(path)
     layout = _layout(model)
     _load_model(checkpoint["model"], model, layout, path)
     if optimizer is not None:
@@ -693,7 +409,7 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
                              f"save with autodist.save(path, model, optimizer)")
         optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
     _restore_sync(model, checkpoint.get("sync"), path, layout)
-    _set_rng_state(checkpoint["rng"])
+    set_rng_state(checkpoint["rng"])
     return dict(checkpoint["extra"])
 
 
@@ -754,7 +470,7 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
         ``generator`` needs that generator's state saved as an extra
         (``loader_rng=generator.get_state()``) and set back after resuming.
     """
-    path = _checked_path(path, writing=False)
+    path = checked_path(path, writing=False)
     _check_model(model)
     _check_optimizer(optimizer)
     world = init()

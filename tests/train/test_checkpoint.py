@@ -23,7 +23,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
-import autodist.checkpoint as checkpoint_module
+from autodist.train import checkpoint_file
 import workloads as w
 from test_mp import FunctionalMLP as FunctionalNet  # F.linear calls: the MP layers keep the names w1, b1, ...
 
@@ -220,7 +220,7 @@ def test_checkpoint_file_format(tmp_path):
     assert set(checkpoint) == {"format", "version", "model", "optimizer", "extra", "rng", "checksum"}
     assert checkpoint["checksum"]["algorithm"] == "crc32"
     assert len(checkpoint["checksum"]["tensors"]) == sum(  # one per tensor: weights, momenta, RNG states
-        isinstance(leaf, torch.Tensor) for _, leaf in checkpoint_module._leaves(checkpoint, ""))
+        isinstance(leaf, torch.Tensor) for _, leaf in checkpoint_file.leaves(checkpoint, ""))
     assert set(checkpoint["optimizer"]["state"]) == set(checkpoint["model"])  # keyed by parameter name
     assert checkpoint["optimizer"]["param_groups"][0]["params"] == list(dict(model.named_parameters()))
     assert checkpoint["extra"] == {"epoch": 1, "history": [0.5, 0.25], "note": "ok"}
@@ -437,7 +437,7 @@ def test_a_save_killed_mid_write_leaves_the_last_checkpoint_and_the_next_save_cl
 
 
 def test_only_this_checkpoints_temporaries_of_dead_writers_are_removed(tmp_path):
-    machine = checkpoint_module._MACHINE
+    machine = checkpoint_file._MACHINE
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
