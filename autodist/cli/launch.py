@@ -79,7 +79,7 @@ def python_command(command: str, *, unbuffered: bool = False) -> list[str]:
         >>> python_command("_rank")[-1]
         '_rank'
     """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds autodist/cli/
     code = f"import sys; sys.path[0] = {root!r}; from autodist.cli.command import main; sys.exit(main())"
     return [sys.executable, *(["-u"] if unbuffered else []), "-c", code, command]
 

@@ -14,7 +14,7 @@ import pytest
 
 import autodist
 from autodist.cli.command import main, torchrun_args
-from autodist.cli.launch import Failure, root_cause, summary
+from autodist.cli.launch import Failure, python_command, root_cause, summary
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 FAULTY = os.path.join(HERE, "faulty_train.py")
@@ -306,3 +306,11 @@ def test_one_machine_listens_on_loopback_only_and_ranks_are_known_before_init(tm
     assert all(address in loopback for address, _ in r0["listening"]), r0["listening"]
     assert r0["gloo"] == "lo"  # gloo's own choice would be the address the host name resolves to
 
+
+
+def test_the_launchers_children_put_the_folder_holding_autodist_first_on_their_path():
+    """`autodist run` starts its launcher and ranks with the folder of the autodist package first on sys.path:
+    the package imports from there, and its own subfolders (runtime, train, ...) are no top-level names."""
+    code = python_command("_rank")[-2]
+    root = re.search(r"sys\.path\[0\] = '([^']+)'", code).group(1)
+    assert os.path.samefile(os.path.join(root, "autodist"), os.path.dirname(autodist.__file__))
