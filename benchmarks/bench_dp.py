@@ -15,7 +15,7 @@ What it measures
 
 How to run
     python benchmarks/bench_dp.py            # both parts, a couple of minutes on 2 cores
-    python benchmarks/bench_dp.py --quick    # smoke run, well under a minute
+    python benchmarks/bench_dp.py --quick    # smoke run of seconds, timing nothing
 
 How to read it
     Each line gives min / first quartile / median / third quartile of the step
@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import subprocess
 import sys
 
+import harness  # benchmarks/harness.py, next to this file
 import torch
 import torch.distributed as dist
-from timing import interleave, make_step, report, torchrun  # benchmarks/timing.py, next to this file
-from workload import build_model, random_batch  # benchmarks/workload.py
+from timing import interleave, make_step, report  # benchmarks/timing.py
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from workload import build_model, random_batch  # benchmarks/workload.py
 
 import autodist
 from autodist.dp.grad_sync import state_of
@@ -72,7 +72,6 @@ def bucket_layouts(ddp: DistributedDataParallel, model: nn.Module) -> tuple[str,
 
 def run_worker(args: argparse.Namespace) -> None:
     """One of the two torchrun ranks: DDP and autodist side by side on the same process group."""
-    torch.set_num_threads(args.threads)
     world = autodist.init()  # starts the gloo group that DDP then shares
     assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
     reference = build_model(seed=0)
@@ -100,7 +99,6 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_solo(args: argparse.Namespace) -> None:
     """World of one: the plain model against what ``parallelize`` returns for a copy of it."""
-    torch.set_num_threads(args.threads)
     plain = build_model(seed=0)
     returned, _ = autodist.parallelize(copy.deepcopy(plain))
     assert autodist.init().size == 1, "the world-of-one part must run without a launcher"
@@ -110,51 +108,15 @@ def run_solo(args: argparse.Namespace) -> None:
     report(f"world of one ({args.threads} thread(s)), batch {args.batch}:", times, paired, 1.02)
 
 
-def forwarded(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch", str(args.batch),
-            "--threads", str(args.threads), "--warmup", str(args.warmup)]
-
-
-def launch(args: argparse.Namespace) -> int:
-    """Run both parts one after the other, each in processes of its own, so they never share the cores."""
-    distributed = torchrun(__file__, RANKS, forwarded(args))
-    solo = [sys.executable, __file__, "--solo", *forwarded(args)]
-    for command in (distributed, solo):
-        code = subprocess.run(command).returncode
-        if code != 0:
-            return code
-    return 0
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=20, help="blocks of each contender")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each contender first")
+def main() -> int:
+    """Both parts one after the other, each in processes of its own, so they never share the cores."""
+    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True, solo=True)
+    parser.blocks(steps=10, rounds=20, warmup=5)
     parser.add_argument("--batch", type=int, default=128, help="global batch, split over the 2 ranks")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.rounds, args.warmup = 3, 4, 2
+    args = parser.parse(quick={"steps": 1, "rounds": 2, "warmup": 1})
     if args.batch % RANKS:
         parser.error(f"--batch must be divisible by {RANKS}")
-    if args.steps < 1 or args.rounds < 2:
-        parser.error("need --steps >= 1 and --rounds >= 2 (the quartiles need at least two values)")
-    return args
-
-
-def main() -> int:
-    args = parse_args()
-    if args.worker:
-        run_worker(args)
-    elif args.solo:
-        run_solo(args)
-    else:
-        return launch(args)
-    return 0
+    return harness.run(parser, args, run_worker, solo_part=run_solo)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ What it measures
 How to run
     python benchmarks/bench_exchange.py                 # 2 ranks, about half a minute
     python benchmarks/bench_exchange.py --ranks 3 --sizes 1,10,40
+    python benchmarks/bench_exchange.py --quick          # smoke run of seconds, timing nothing
 
 How to read it
     Per size, the median milliseconds of each and the ratio shared memory /
@@ -24,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
+import harness  # benchmarks/harness.py, next to this file
 import torch
 import torch.distributed as dist
-from timing import torchrun  # benchmarks/timing.py
 
 from autodist.dp import exchange
 
@@ -63,7 +63,6 @@ def measure(mb: float, rounds: int, block: int) -> tuple[float, float]:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rows = []
     for mb in args.sizes:
@@ -78,20 +77,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
+    parser = harness.Parser(__file__, __doc__, ranks=2, ranks_option=True)
     parser.add_argument("--sizes", type=lambda t: [float(v) for v in t.split(",")], default=[0.1, 1, 2.8, 10, 40],
                         help="comma-separated bucket sizes in MB (default 0.1,1,2.8,10,40)")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--block", type=int, default=5)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        run_worker(args)
-        return 0
-    sizes = ",".join(f"{mb:g}" for mb in args.sizes)
-    forwarded = ["--sizes", sizes, "--rounds", str(args.rounds), "--block", str(args.block)]
-    return subprocess.run(torchrun(__file__, args.ranks, forwarded)).returncode
+    parser.add_argument("--rounds", type=int, default=10, help="blocks of sums each way per size")
+    parser.add_argument("--block", type=int, default=5, help="sums per block")
+    args = parser.parse(quick={"sizes": [0.1, 1], "rounds": 2, "block": 2})
+    return harness.run(parser, args, run_worker)
 
 
 if __name__ == "__main__":

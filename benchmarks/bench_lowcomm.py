@@ -16,7 +16,8 @@ What it measures
 
 How to run
     python benchmarks/bench_lowcomm.py              # about a minute on 2 cores
-    python benchmarks/bench_lowcomm.py --epochs 3   # smoke run
+    python benchmarks/bench_lowcomm.py --epochs 3   # fewer epochs
+    python benchmarks/bench_lowcomm.py --quick      # smoke run of seconds (1 epoch)
 
 How to read it
     accuracy: test accuracy of the final model (%). MB/rank: megabytes each
@@ -30,12 +31,11 @@ How to read it
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from typing import Any, Callable
 
+import harness  # benchmarks/harness.py, next to this file
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,7 +43,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
 from autodist.comm import ring_bytes
-from timing import torchrun  # benchmarks/timing.py, next to this file
 
 BATCH, LR, MOMENTUM, PERIOD = 32, 0.05, 0.9, 16
 ADAMW_LR = 3e-3
@@ -121,7 +120,9 @@ def run(mode: str, train: TensorDataset, test: TensorDataset, epochs: int,
     if mode.endswith(", AdamW"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
     if mode.startswith("torch"):
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.algorithms.model_averaging.averagers import (
+            PeriodicModelAverager,
+        )
         from torch.distributed.optim import PostLocalSGDOptimizer
 
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=PERIOD, warmup_steps=0))
@@ -157,29 +158,24 @@ def print_table(title: str, metric: str, rows: list[tuple[str, str, float, float
         print(f"| {mode} | {value} | {mb:.2f} | {exact_mb / mb:.0f}x | {seconds:.1f} |")
 
 
-def worker(epochs: int) -> None:
+def worker(args: argparse.Namespace) -> None:
     train, test = digits()
     rows = []
     for mode in MODES + ADAMW_MODES:
-        acc, mb, seconds = run(mode, train, test, epochs)
+        acc, mb, seconds = run(mode, train, test, args.epochs)
         rows.append((mode, f"{acc:.1f}", mb, seconds))
-    print_table(f"digits, {epochs} epochs, global batch {BATCH}", "accuracy (%)", rows)
+    print_table(f"digits, {args.epochs} epochs, global batch {BATCH}", "accuracy (%)", rows)
 
 
-def main(script: str = __file__, work: Callable[[int], None] = worker, epochs: int = 20) -> None:
-    """``script`` on ``--ranks`` processes through torchrun, each running ``work(epochs)``."""
-    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=epochs)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        torch.set_num_threads(1)
-        work(args.epochs)
-        return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
-    sys.exit(subprocess.run(torchrun(script, args.ranks, ["--epochs", str(args.epochs)]), env=env).returncode)
+ENV = {"OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}  # for the ranks: one thread, no summary lines
+
+
+def main() -> int:
+    parser = harness.Parser(__file__, __doc__, ranks=2, ranks_option=True)
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set (default 20)")
+    args = parser.parse(quick={"epochs": 1})
+    return harness.run(parser, args, worker, env=ENV)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,22 +15,25 @@ What it measures
 
 How to run
     python benchmarks/bench_lowcomm_lm.py              # about 90 s on 2 cores
-    python benchmarks/bench_lowcomm_lm.py --epochs 1   # smoke run
+    python benchmarks/bench_lowcomm_lm.py --epochs 1   # fewer epochs
+    python benchmarks/bench_lowcomm_lm.py --quick      # smoke run of seconds (1 epoch of 512 windows)
 """
 from __future__ import annotations
 
-import argparse as _source  # the text the model learns
+import argparse  # its source is also the text the model learns
 import inspect
+import sys
 import time
 
+import harness  # benchmarks/harness.py, next to this file
 import torch
 import torch.nn.functional as F
+from bench_lowcomm import ADAMW_LR, BATCH, ENV, PERIOD, print_table, sent_so_far, strategy_for
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
 from autodist.comm import ring_bytes
-from bench_lowcomm import ADAMW_LR, BATCH, PERIOD, main, print_table, sent_so_far, strategy_for
 
 WINDOW = 64
 MODES = ("exact sync, AdamW", "LocalSGD(every=16), AdamW", "DiLoCo(every=16), AdamW",
@@ -39,7 +42,7 @@ MODES = ("exact sync, AdamW", "LocalSGD(every=16), AdamW", "DiLoCo(every=16), Ad
 
 def text_windows() -> tuple[TensorDataset, torch.Tensor, int]:
     """(train windows of WINDOW + 1 characters, held-out text, vocabulary size) from argparse's source."""
-    text = inspect.getsource(_source).encode("ascii", "replace")
+    text = inspect.getsource(argparse).encode("ascii", "replace")
     codes = torch.tensor(list(text), dtype=torch.long)
     vocab = int(codes.max()) + 1
     split = int(0.9 * len(codes))
@@ -79,7 +82,9 @@ def run(mode: str, train: TensorDataset, test: torch.Tensor, vocab: int, epochs:
     model, data = autodist.parallelize(CharLM(vocab), loader, sync=strategy)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
     if mode.startswith("torch"):
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.algorithms.model_averaging.averagers import (
+            PeriodicModelAverager,
+        )
         from torch.distributed.optim import PostLocalSGDOptimizer
 
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=PERIOD, warmup_steps=0))
@@ -97,15 +102,25 @@ def run(mode: str, train: TensorDataset, test: torch.Tensor, vocab: int, epochs:
     return held_out_loss(model, test), sent / 1e6, time.perf_counter() - start
 
 
-def worker(epochs: int) -> None:
+def worker(args: argparse.Namespace) -> None:
     train, test, vocab = text_windows()
+    if args.windows:
+        train = TensorDataset(train.tensors[0][:args.windows])
     rows = []
     for mode in MODES:
-        loss, mb, seconds = run(mode, train, test, vocab, epochs)
+        loss, mb, seconds = run(mode, train, test, vocab, args.epochs)
         rows.append((mode, f"{loss:.3f}", mb, seconds))
-    print_table(f"char LM on argparse's source ({len(train)} windows of {WINDOW}), {epochs} epochs, global batch "
+    print_table(f"char LM on argparse's source ({len(train)} windows of {WINDOW}), {args.epochs} epochs, global batch "
                 f"{BATCH}, AdamW", "held-out loss (nats/char)", rows)
 
 
+def main() -> int:
+    parser = harness.Parser(__file__, __doc__, ranks=2, ranks_option=True)
+    parser.add_argument("--epochs", type=int, default=8, help="passes over the training windows (default 8)")
+    parser.add_argument("--windows", type=int, default=0, help="train on the first N windows only (default 0: all)")
+    args = parser.parse(quick={"epochs": 1, "windows": 512})
+    return harness.run(parser, args, worker, env=ENV)
+
+
 if __name__ == "__main__":
-    main(__file__, worker, epochs=8)
+    sys.exit(main())

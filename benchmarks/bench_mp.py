@@ -37,7 +37,7 @@ What it measures
 
 How to run
     python benchmarks/bench_mp.py            # 1 to 1.5 minutes on 2 idle cores
-    python benchmarks/bench_mp.py --quick    # smoke run, well under a minute
+    python benchmarks/bench_mp.py --quick    # smoke run of seconds, timing nothing
     python benchmarks/bench_mp.py --tp-plan rowwise-last   # skip the choice of torch's plan
     python benchmarks/bench_mp.py --mp-layers 0,2          # autodist splits only these Linears
     python benchmarks/bench_mp.py --model gpt --batch 16   # the transformer case: a nanoGPT-style decoder,
@@ -58,19 +58,19 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import subprocess
 import sys
 from typing import Callable
 
+import harness  # benchmarks/harness.py, next to this file
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import describe, interleave, make_step, report, torchrun  # benchmarks/timing.py, next to this file
-from workload import build_model, random_batch  # benchmarks/workload.py
+from timing import describe, interleave, make_step, report  # benchmarks/timing.py
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from workload import build_model, random_batch  # benchmarks/workload.py
 
 import autodist
 
@@ -174,7 +174,6 @@ def run_gpt_worker(args: argparse.Namespace, world: autodist.World, mesh: Device
 
 def run_worker(args: argparse.Namespace) -> None:
     """One of the two torchrun ranks: torch TP and autodist side by side on the same process group."""
-    torch.set_num_threads(args.threads)
     world = autodist.init()  # starts the gloo group that the device mesh then shares
     assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
     mesh = init_device_mesh("cpu", (RANKS,))
@@ -205,25 +204,11 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def forwarded(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch", str(args.batch),
-            "--threads", str(args.threads), "--warmup", str(args.warmup), "--tp-plan", args.tp_plan,
-            "--mp-layers", args.mp_layers, "--model", args.model, "--layers", str(args.layers), "--seq", str(args.seq), "--select-steps", str(args.select_steps), "--select-rounds", str(args.select_rounds)]
-
-
-def launch(args: argparse.Namespace) -> int:
-    """Run the two ranks through torchrun, in processes of their own."""
-    command = torchrun(__file__, RANKS, forwarded(args))
-    return subprocess.run(command).returncode
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=40, help="blocks of each contender")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each contender first")
+def main() -> int:
+    """The two ranks through torchrun, in processes of their own."""
+    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True)
+    parser.blocks(steps=10, rounds=40, warmup=5)
     parser.add_argument("--batch", type=int, default=128, help="rows per step, the same on both ranks")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--tp-plan", choices=["auto", *TP_PLANS], default="auto",
                         help="torch's plan for the last layer (auto: the fastest of a short trial run)")
     parser.add_argument("--mp-layers", default="all",
@@ -234,22 +219,12 @@ def parse_args() -> argparse.Namespace:
                         help="mlp: the 3072-2048-2048-10 MLP; gpt: a nanoGPT-style decoder (width 256, 4 heads)")
     parser.add_argument("--layers", type=int, default=4, help="gpt: transformer blocks")
     parser.add_argument("--seq", type=int, default=128, help="gpt: tokens per row (--batch rows)")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.rounds, args.warmup, args.select_steps, args.select_rounds = 3, 4, 2, 2, 2
-    if min(args.steps, args.select_steps) < 1 or min(args.rounds, args.select_rounds) < 2:
-        parser.error("need steps >= 1 and rounds >= 2 (the quartiles need at least two values)")
-    return args
-
-
-def main() -> int:
-    args = parse_args()
-    if args.worker:
-        run_worker(args)
-        return 0
-    return launch(args)
+    # --quick: tiny blocks, and a batch (gpt: of short rows) that makes a step cheap
+    args = parser.parse(quick={"steps": 1, "rounds": 2, "warmup": 1, "select_steps": 1, "select_rounds": 2,
+                               "batch": 8, "seq": 32})
+    if args.select_steps < 1 or args.select_rounds < 2:
+        parser.error("need --select-steps >= 1 and --select-rounds >= 2 (the quartiles need at least two values)")
+    return harness.run(parser, args, run_worker)
 
 
 if __name__ == "__main__":

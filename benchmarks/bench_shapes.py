@@ -31,7 +31,7 @@ What it measures
 
 How to run
     python benchmarks/bench_shapes.py                       # all four, about 6 minutes on 2 idle cores
-    python benchmarks/bench_shapes.py --quick               # smoke run, about half a minute
+    python benchmarks/bench_shapes.py --quick               # smoke run of seconds, timing nothing
     python benchmarks/bench_shapes.py --only nosync,tfm2    # some of them
     python benchmarks/bench_shapes.py --steps 5 --rounds 20 --warmup 2   # same block size for all
 
@@ -53,18 +53,18 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable
 
-import shapes  # benchmarks/shapes.py, next to this file
+import harness  # benchmarks/harness.py, next to this file
+import shapes  # benchmarks/shapes.py
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import Step, interleave, make_step, report, torchrun  # benchmarks/timing.py
+from timing import Step, interleave, make_step, report  # benchmarks/timing.py
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -176,7 +176,6 @@ def table(medians: dict[str, tuple[float, float]]) -> str:
 
 def run_worker(args: argparse.Namespace) -> None:
     """One of the two torchrun ranks: every chosen workload in turn, on the same process group."""
-    torch.set_num_threads(args.threads)
     world = autodist.init()  # starts the gloo group that DDP then shares
     assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
     if world.rank == 0:
@@ -192,16 +191,6 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def forwarded(args: argparse.Namespace) -> list[str]:
-    return ["--only", ",".join(args.only), "--steps", str(args.steps), "--rounds", str(args.rounds),
-            "--warmup", str(args.warmup), "--threads", str(args.threads)]
-
-
-def launch(args: argparse.Namespace) -> int:
-    command = torchrun(__file__, RANKS, forwarded(args))
-    return subprocess.run(command).returncode
-
-
 def workload_names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -210,32 +199,15 @@ def workload_names(text: str) -> list[str]:
     return names
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True)
     parser.add_argument("--only", type=workload_names, default=list(WORKLOADS),
                         help=f"comma-separated workloads, of {','.join(WORKLOADS)} (default: all)")
-    parser.add_argument("--steps", type=int, default=0,
-                        help="steps per block for every workload (default: per workload, "
+    parser.blocks(steps=0, rounds=30, warmup=3, min_steps=0,
+                  steps_help="steps per block for every workload (default 0: per workload, "
                              + ", ".join(f"{n} {w.steps}" for n, w in WORKLOADS.items()) + ")")
-    parser.add_argument("--rounds", type=int, default=30, help="blocks of each contender")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each contender first")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.rounds, args.warmup = 2, 4, 1
-    if args.steps < 0 or args.rounds < 2:
-        parser.error("need --steps >= 0 (0: per workload) and --rounds >= 2 (the quartiles need at least two values)")
-    return args
-
-
-def main() -> int:
-    args = parse_args()
-    if args.worker:
-        run_worker(args)
-        return 0
-    return launch(args)
+    args = parser.parse(quick={"steps": 1, "rounds": 2, "warmup": 1})
+    return harness.run(parser, args, run_worker)
 
 
 if __name__ == "__main__":

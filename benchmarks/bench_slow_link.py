@@ -14,7 +14,8 @@ What it measures
 
 How to run (root, with iproute2: it makes the namespaces)
     python benchmarks/bench_slow_link.py --out slow_link        # 5 seeds, about 15 minutes
-    python benchmarks/bench_slow_link.py --epochs 3 --seeds 1 --out /tmp/s  # smoke run
+    python benchmarks/bench_slow_link.py --epochs 3 --seeds 1 --out /tmp/s  # a short run
+    python benchmarks/bench_slow_link.py --quick --out /tmp/s  # smoke run: 1 epoch, 1 seed, to a temporary folder
     python benchmarks/bench_slow_link.py --seeds 20 --mode "exact sync" --mode "LocalSGD(every=16)" \\
         --mode "torch PostLocalSGD(16)" --out slow_link_20   # three modes, 20 seeds
 
@@ -40,15 +41,17 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
+import bench_lowcomm as lowcomm  # next to this file: the task, the modes and the training loop
+import harness  # benchmarks/harness.py
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import autodist
-import bench_lowcomm as lowcomm  # next to this file: the task, the modes and the training loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
@@ -86,19 +89,19 @@ class Curve:
         return time.perf_counter() - start
 
 
-def worker(epochs: int, every: int, out: str, seeds: int, modes: list[str]) -> None:
+def worker(args: argparse.Namespace) -> None:
     train, test = lowcomm.digits()
-    results: dict[str, list[dict]] = {mode: [] for mode in modes}
-    for seed in range(seeds):  # seed by seed, every mode within a seed: the machine's load hits all modes alike
+    results: dict[str, list[dict]] = {mode: [] for mode in args.mode}
+    for seed in range(args.seeds):  # seed by seed, every mode within a seed: the machine's load hits all modes alike
         for mode in results:
-            curve, before = Curve(test, every), wire_bytes()
-            acc, mb, seconds = lowcomm.run(mode, train, test, epochs, probe=curve, seed=seed)
+            curve, before = Curve(test, args.eval_every), wire_bytes()
+            acc, mb, seconds = lowcomm.run(mode, train, test, args.epochs, probe=curve, seed=seed)
             wire = torch.tensor([(wire_bytes() - before - curve.wire_off) / 1e6])
             dist.all_reduce(wire)
             results[mode].append({"seed": seed, "accuracy": acc, "mb": mb, "seconds": seconds, "points": curve.points,
                                   "wire_mb": float(wire) / dist.get_world_size()})
     if autodist.init().rank == 0:
-        with open(os.path.join(out, "slow_link.json"), "w") as f:
+        with open(os.path.join(args.out, "slow_link.json"), "w") as f:
             json.dump(results, f, indent=1)
 
 
@@ -168,27 +171,34 @@ def plot(results: dict, rate: str, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
+    """The two hosts, one rank on each through ``autodist run --nnodes 2``; then the table and the plot."""
     sys.path.insert(0, TESTS)
     from cluster import ClusterUnavailable, make_cluster
 
-    os.makedirs(args.out, exist_ok=True)
-    out = os.path.abspath(args.out)
     try:
         cluster = make_cluster()
     except ClusterUnavailable as error:
-        print(f"bench_slow_link: cannot make the two hosts: {error}", file=sys.stderr)
-        return 2
+        # --quick where the benchmark cannot run (not root, no namespaces) skips, as the tests of tests/cluster.py do
+        print(f"bench_slow_link{' --quick: skipped' if args.quick else ''}: cannot make the two hosts: {error}",
+              file=sys.stderr)
+        return 0 if args.quick else 2
     with cluster:
+        shown = args.out
+        if args.quick:  # a smoke run never overwrites measured results
+            shown = tempfile.mkdtemp(prefix="bench_slow_link_quick-")
+            print(f"bench_slow_link --quick: writing to {shown}, not to {args.out}", flush=True)
+        os.makedirs(shown, exist_ok=True)
+        out = os.path.abspath(shown)
         if args.rate != "none":
             cluster.limit(args.rate)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
+        options = parser.forwarded(argparse.Namespace(**vars(args) | {"out": out}))
+        worker = harness.worker_command(parser.script, options)
         procs = []
         for node, host in enumerate(cluster.hosts):
             cmd = [sys.executable, "-m", "autodist", "run", "--nnodes", "2", "--node-rank", str(node),
-                   "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", os.path.abspath(__file__),
-                   "--worker", "--epochs", str(args.epochs), "--eval-every", str(args.eval_every), "--seeds", str(args.seeds), "--out", out,
-                   *(f"--mode={mode}" for mode in args.mode)]
+                   "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", *worker]
             procs.append(cluster.popen(host, cmd, env=env | {"GLOO_SOCKET_IFNAME": host.dev}))
         codes = [p.wait() for p in procs]
     if any(codes):
@@ -201,12 +211,12 @@ def launch(args: argparse.Namespace) -> int:
           f"accuracy checked every {args.eval_every} steps; medians over {args.seeds} seeds (initial weights "
           f"and data order)\n")
     print(table(results, args.target))
-    print(f"\nplot: {os.path.join(args.out, 'slow_link.png')}")
+    print(f"\nplot: {os.path.join(shown, 'slow_link.png')}")
     return 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = harness.Parser(__file__, __doc__)  # 2 ranks: one on each host
     parser.add_argument("--out", required=True, help="folder for slow_link.json and slow_link.png")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--rate", default="100mbit", help="tc tbf rate of the link, e.g. 100mbit, 1gbit, or none")
@@ -217,17 +227,13 @@ def main() -> None:
     parser.add_argument("--mode", action="append", default=[], choices=all_modes, metavar="MODE",
                         help="run only this mode (repeat for several; the first should be 'exact sync'); of: "
                              + "; ".join(all_modes))
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    # --quick: one epoch of one seed, written to a fresh temporary folder instead of --out
+    args = parser.parse(quick={"epochs": 1, "seeds": 1})
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     args.mode = args.mode or list(all_modes)
-    if args.worker:
-        torch.set_num_threads(1)
-        worker(args.epochs, args.eval_every, args.out, args.seeds, args.mode)
-        return
-    sys.exit(launch(args))
+    return harness.run(parser, args, worker, launch=launch)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

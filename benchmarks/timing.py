@@ -1,7 +1,8 @@
 """Timing helpers shared by the benchmarks: a timed training step, interleaved blocks, the summary.
 
-Used by ``bench_dp.py`` and ``bench_mp.py`` (imported as ``timing``: a script's
-own folder is first on ``sys.path``, under torchrun too). Not a benchmark itself.
+Used by ``bench_dp.py``, ``bench_mp.py`` and ``bench_shapes.py`` (imported as ``timing``: a script's own
+folder is first on ``sys.path``, under torchrun too); how they take options and start their ranks is
+``harness.py``. Not a benchmark itself.
 
 The method: every contender runs the same full training step; blocks of steps
 of each contender alternate, the order flipping every round, so slow drift of
@@ -12,7 +13,6 @@ ratio of the two blocks' medians in that round) cancels drift further.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Callable
 
@@ -82,9 +82,3 @@ def report(title: str, times: dict[str, list[float]], paired: list[float], goal:
           f"{'met' if ratio <= goal else 'NOT met'})")
     print(f"  paired per-round ratio: median {pmed:.3f}  quartiles {pq1:.3f} .. {pq3:.3f}  ({len(paired)} rounds)",
           flush=True)
-
-
-def torchrun(script: str, ranks: int, args: list[str]) -> list[str]:
-    """The command that runs ``script --worker ARGS`` on ``ranks`` local processes through torchrun."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            script, "--worker", *args]
