@@ -47,3 +47,24 @@ def test_synchronize_model_checks_its_arguments():
         autodist.synchronize_model(nn.Linear(2, 2), what="buffers")
     with pytest.raises(TypeError, match="Expect nn.Module"):
         autodist.synchronize_model("model")
+
+
+def test_the_public_names_import_as_they_always_did():
+    """The package moved into subsystem folders; what users import did not move."""
+    import subprocess
+    import sys
+
+    code = (
+        "import autodist, autodist.engine, autodist.comm, autodist.checkpoint\n"
+        "from autodist import *\n"
+        "from autodist.engine import Metrics, prefetch, evaluate, progress, rank_logger, log_epoch, drift\n"
+        "from autodist.comm import all_reduce, broadcast, all_gather, reduce_scatter, send, recv, host, ring_bytes\n"
+        "from autodist.checkpoint import CheckpointError, save, load, resume\n"
+        "from autodist.layers import (MPInitialReshape, MPInitialLinear, MPBaseReshape, MPBaseLinear, MPTanh,\n"
+        "                             ColumnParallelLinear, RowParallelLinear, MPMultiheadAttention)\n"
+        "from autodist.cli import main\n"
+        "assert autodist.engine.Metrics is Metrics and autodist.checkpoint.save is autodist.save\n"
+        "assert all(hasattr(autodist, name) for name in autodist.__all__)\n"
+    )
+    # a fresh interpreter: `import autodist.engine` must work before anything imported the module by its new path
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -82,6 +82,7 @@ def detect_launch(env: Mapping[str, str]) -> Launch:
                       local_size, addr, port)
     return Launch("none", 0, 1, 0, 1, None, None)
 
+_LAUNCHERS = {"torchrun": "a torchrun", "openmpi": "an Open MPI", "mpich": "an MPICH", "slurm": "a Slurm"}
 _ADDR_HINTS = {
     "openmpi": "e.g. mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...",
     "mpich": "e.g. mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT 29500 ...",
@@ -101,7 +102,7 @@ def rendezvous_address(launch: Launch) -> tuple[str, int]:
     missing = [name for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", launch.master_port)) if not value]
     if missing:
         raise RuntimeError(
-            f"autodist found a {launch.launcher} launch of {launch.size} ranks but no rendezvous address: "
+            f"autodist found {_LAUNCHERS[launch.launcher]} launch of {launch.size} ranks but no rendezvous address: "
             f"set {' and '.join(missing)} in every rank's environment "
             f"(MASTER_ADDR = host name of rank 0, MASTER_PORT = a free TCP port), "
             f"{_ADDR_HINTS[launch.launcher]}"

@@ -1,0 +1,241 @@
+"""Docs that cannot rot: every python and bash block of README.md and docs/*.md runs (see tests/docs_blocks.py).
+
+One test per page runs its blocks in order in a fresh folder (two pages at a time); a block that fails
+names its page and line with its output. Fragments are skipped and counted, and there may be only a few. Links between pages and
+to files of the repository must lead somewhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from concurrent.futures import Future, ThreadPoolExecutor
+import multiprocessing
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+import pytest
+
+from docs_blocks import BENCHMARK, FENCE, ROOT, Block, DocsFormatError, blocks_of, pages
+
+MAX_FRAGMENTS = 12  # deliberate fragments in all pages together: a signature, the shape of a loop
+README_LINES = 220  # the front page stays a front page (about 200 lines)
+CHECKOUT = ("examples", "benchmarks", "scripts", "tests")  # what a page's folder links to, as a checkout has it
+BLOCK_TIMEOUT = 300.0
+CONCURRENT_PAGES = 2  # a page mostly waits for the processes it starts: two pages at a time fill two cores
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a page starts outside any launch, as a user's shell does
+    return env
+
+
+def _interpreter(conn: Any, folder: str, env: dict[str, str]) -> None:
+    """The page's Python: runs each block it is sent in one namespace, replies (ok, output)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(folder)
+    sys.path.insert(0, folder)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        code, where = message
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own code
+            conn.send((True, out.getvalue()))
+        except BaseException:  # noqa: BLE001 - everything goes back to the test
+            conn.send((False, out.getvalue() + traceback.format_exc()))
+
+
+class Page:
+    """A page's folder, its interpreter (started at its first python block) and its environment."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.folder, self.env = folder, _environment()
+        for name in CHECKOUT:
+            (folder / name).symlink_to(ROOT / name)
+        self.conn: Any = None
+        self.process: Any = None
+
+    def python(self, block: Block) -> None:
+        if self.process is None:
+            ctx = multiprocessing.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=_interpreter, args=(child, str(self.folder), self.env), daemon=True)
+            self.process.start()
+        self.conn.send((block.code, block.where))
+        if not self.conn.poll(BLOCK_TIMEOUT):
+            self.close()
+            pytest.fail(f"{block.where}: the python block did not finish within {BLOCK_TIMEOUT:.0f} s")
+        ok, output = self.conn.recv()
+        if not ok:
+            pytest.fail(f"{block.where}: the python block failed:\n{output}")
+
+    def command(self, block: Block, argv: list[str]) -> None:
+        try:
+            done = subprocess.run(argv, cwd=self.folder, env=self.env, capture_output=True, text=True,
+                                  timeout=BLOCK_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{block.where}: did not finish within {BLOCK_TIMEOUT:.0f} s:\n{exc.stdout}\n{exc.stderr}")
+        if done.returncode != 0:
+            pytest.fail(f"{block.where}: the {block.language} block exited with status {done.returncode}:\n"
+                        f"{done.stdout[-6000:]}\n{done.stderr[-6000:]}")
+
+    def run(self, block: Block) -> None:
+        if block.file is not None:
+            target = self.folder / block.file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(block.code)
+        elif not block.runs:
+            return
+        elif block.language == "bash":
+            self.command(block, ["bash", "-e", "-o", "pipefail", "-c", block.command])
+        elif block.ranks is not None:
+            script = self.folder / f"block_at_line_{block.line}.py"
+            script.write_text(block.code)
+            self.command(block, [sys.executable, "-m", "autodist", "run", "-n", str(block.ranks), script.name])
+        else:
+            self.python(block)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.conn.send(None)
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+            self.process = None
+
+
+def _all_blocks() -> list[Block]:
+    return [b for page in pages() for b in blocks_of(page)]
+
+
+def _run_page(page: str, folder: pathlib.Path) -> str | None:
+    """Run the page's blocks in order; None, or why a block failed."""
+    runner = Page(folder)
+    try:
+        for block in blocks_of(ROOT / page):
+            runner.run(block)
+    except pytest.fail.Exception as failure:
+        return str(failure)
+    finally:
+        runner.close()
+    return None
+
+
+def _launches(page: str) -> int:
+    """Roughly how many processes a page starts: its slow ones go first."""
+    return sum(2 * (b.ranks is not None) + 2 * len(BENCHMARK.findall(b.command)) + (b.language == "bash")
+               for b in blocks_of(ROOT / page) if b.runs)
+
+
+@pytest.fixture(scope="module")
+def page_outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """The selected pages, run CONCURRENT_PAGES at a time as soon as the first page's test asks."""
+    selected = [item.callspec.params["page"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_every_block_of_the_page_runs"]
+    with ThreadPoolExecutor(CONCURRENT_PAGES) as pool:
+        yield {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(re.sub(r"\W", "-", page)))
+               for page in sorted(selected, key=_launches, reverse=True)}
+
+
+@pytest.mark.parametrize("page", [str(p.relative_to(ROOT)) for p in pages()])
+def test_every_block_of_the_page_runs(page, page_outcomes):
+    failure = page_outcomes[page].result()
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+def test_every_fence_is_understood_and_fragments_are_few():
+    blocks = _all_blocks()
+    fragments = [b.where for b in blocks if b.fragment]
+    ran = [b for b in blocks if b.runs]
+    print(f"doc blocks: {len(ran)} run ({sum(b.ranks is not None for b in ran)} on ranks, "
+          f"{sum(b.quick for b in ran)} benchmark smoke runs), "
+          f"{sum(b.file is not None for b in blocks)} saved as files, {len(fragments)} fragments: {fragments}")
+    assert ran, "no block runs: is the collector reading the pages?"
+    assert len(fragments) <= MAX_FRAGMENTS, f"{len(fragments)} fragments (at most {MAX_FRAGMENTS}): {fragments}"
+
+
+def test_the_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_LINES, f"README.md has {lines} lines; move the detail to a page of docs/"
+
+
+REPOSITORY_FILE = re.compile(r"(?<![\w/.])((?:autodist|tests|benchmarks|examples|scripts|docs)/[\w./-]*\w\.(?:py|md|sh))\b")
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings (outside code blocks): lower case, punctuation dropped, spaces to
+    hyphens, and -1, -2, ... after a repeated one."""
+    seen: dict[str, int] = {}
+    fence = None
+    for line in text.split("\n"):
+        opened = FENCE.match(line)
+        if opened and (fence is None or line.strip().startswith(fence) and not line.strip().strip(fence[0])):
+            fence = opened.group("fence") if fence is None else None
+            continue
+        heading = re.match(r"#{1,6} (.+)$", line) if fence is None else None
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            if seen[slug]:
+                seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def test_links_and_file_names_lead_somewhere():
+    broken = []
+    for page in pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address: not ours to check
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+        for named in set(REPOSITORY_FILE.findall(page.read_text())):  # `autodist/dp/data.py` in the text
+            if not (ROOT / named).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {named} (no such file in the repository)")
+    assert broken == []
+
+
+def test_anchors_are_githubs_and_skip_code():
+    text = "# Two words\n```bash\n# not a heading\n```\n## Two words\n### What `x` does!\n"
+    assert anchors(text) == {"two-words", "two-words-1", "what-x-does"}
+
+
+def test_the_collector_refuses_what_it_cannot_place(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text\n```python ranks=2\nprint(1)\n```\n````bash fragment\ngit clone URL\n````\n"
+                    "```bash quick\npython benchmarks/bench_dp.py --steps 3   # about 70 s\n```\n")
+    first, second, third = blocks_of(page, tmp_path)
+    assert third.command == "python benchmarks/bench_dp.py --quick --steps 3   # about 70 s\n"
+    page.write_text("```bash quick\nX=0 python benchmarks/a.py && time python3 benchmarks/b.py\n```\n")
+    assert blocks_of(page, tmp_path)[0].command == \
+        "X=0 python benchmarks/a.py --quick && time python3 benchmarks/b.py --quick\n"
+    assert (first.language, first.ranks, first.line, first.runs) == ("python", 2, 2, True)
+    assert (second.language, second.fragment, second.runs, second.code) == ("bash", True, False, "git clone URL\n")
+    for fence, says in [("```\nx\n```", "must name python, bash or text"), ("```py\nx\n```", "found 'py'"),
+                        ("```python fragmnt\nx\n```", "unknown option 'fragmnt'"),
+                        ("```bash ranks=2\nx\n```", "are for python blocks"), ("```python\nx\n", "never closed"),
+                        ("```bash quick\necho\n```", "must run a benchmark"),
+                        ("```bash quick\npython benchmarks/a.py\nbash -c benchmarks/b.py\n```", "would run in full")]:
+        page.write_text(fence + "\n")
+        with pytest.raises(DocsFormatError, match=says):
+            blocks_of(page, tmp_path)
