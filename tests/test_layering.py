@@ -168,3 +168,22 @@ def test_the_tree_is_the_diagram_few_entries_and_every_subsystem_says_what_it_ma
         words = {w for w in re.split(r"[,\s]+", said.group(1)) if w}
         expected = {"everything"} if name == "cli" else allowed or {"nothing"}
         assert words - {"of", "autodist's", "and"} == expected, (name, words, expected)
+
+
+def test_the_environment_is_read_in_one_place():
+    """runtime/environment.py reads it for the library; the command (cli/) prepares its children's."""
+    readers = sorted(module for module, text in module_sources().items()
+                     if re.search(r"\bos\.(environ|getenv|putenv)\b|\bgetenv\(", _code(text))
+                     and module != "autodist.runtime.environment" and subsystem(module) != "cli")
+    assert readers == []
+
+
+def _code(text: str) -> str:
+    """The source without its docstrings and comments (they may name os.environ)."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)

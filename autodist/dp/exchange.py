@@ -27,7 +27,7 @@
   from 2.8 MB up, 0.7x at 1 MB (``benchmarks/bench_exchange.py``).
 
 :func:`choose` takes shared memory when every rank of the group is on this
-machine as the launcher placed it (:func:`autodist.runtime.machine`), every rank
+machine as the launcher placed it (:func:`autodist.runtime.environment.machine`), every rank
 could map the file the group's first rank made (the final word on "one
 machine"), the buckets (ranks + 1 x bucket bytes) fit in half of ``/dev/shm``'s free
 space and of the memory still available, and ``AUTODIST_SHARED_MEMORY`` is not

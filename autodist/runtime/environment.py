@@ -1,4 +1,5 @@
-"""What the launcher and the user set in the environment: the one module of autodist that reads it.
+"""What the launcher and the user set in the environment: the one module of the library that reads it (the
+``autodist`` command in :mod:`autodist.cli` reads and sets the environment of the processes it starts).
 
 torchrun's, Open MPI's, MPICH's and Slurm's variables say who this process is
 (:func:`detect_launch`); ``MASTER_ADDR`` / ``MASTER_PORT`` where the ranks meet;
