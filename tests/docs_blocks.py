@@ -63,27 +63,37 @@ def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
-def blocks_of(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[Block]:
-    """The fenced blocks of one page, in order; raises :class:`DocsFormatError` on a fence it cannot place."""
-    page, out = str(path.relative_to(root)), []
-    lines = path.read_text().split("\n")
-    i = 0
+def _fences(lines: list[str], page: str) -> list[tuple[int, int, list[str]]]:
+    """(index of the opening fence, index of the closing one, the info string's words) of each fenced block."""
+    spans, i = [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
         if m is None:
             i += 1
             continue
-        start, fence, words = i + 1, m.group("fence"), m.group("info").split()
-        body = []
+        start, fence = i, m.group("fence")
         i += 1
         while i < len(lines) and not (lines[i].strip().startswith(fence) and lines[i].strip().strip(fence[0]) == ""):
-            body.append(lines[i])
             i += 1
         if i == len(lines):
-            raise DocsFormatError(f"{page}:{start}: the fence opened here is never closed")
+            raise DocsFormatError(f"{page}:{start + 1}: the fence opened here is never closed")
+        spans.append((start, i, m.group("info").split()))
         i += 1
-        out.append(_block(page, start, words, "\n".join(body) + "\n"))
-    return out
+    return spans
+
+
+def blocks_of(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[Block]:
+    """The fenced blocks of one page, in order; raises :class:`DocsFormatError` on a fence it cannot place."""
+    page, lines = str(path.relative_to(root)), path.read_text().split("\n")
+    return [_block(page, start + 1, words, "\n".join(lines[start + 1:end]) + "\n")
+            for start, end, words in _fences(lines, page)]
+
+
+def prose(text: str, page: str = "page") -> list[str]:
+    """The lines of a page outside its fenced blocks (where its headings are)."""
+    lines = text.split("\n")
+    inside = {i for start, end, _ in _fences(lines, page) for i in range(start, end + 1)}
+    return [line for i, line in enumerate(lines) if i not in inside]
 
 
 def _block(page: str, line: int, words: list[str], code: str) -> Block:

@@ -1,8 +1,8 @@
 """Docs that cannot rot: every python and bash block of README.md and docs/*.md runs (see tests/docs_blocks.py).
 
 One test per page runs its blocks in order in a fresh folder (two pages at a time); a block that fails
-names its page and line with its output. Fragments are skipped and counted, and there may be only a few. Links between pages and
-to files of the repository must lead somewhere.
+names its page and line with its output. Fragments are skipped and counted, and there may be only a few.
+Links between pages and file names of the repository must lead somewhere.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from docs_blocks import BENCHMARK, FENCE, ROOT, Block, DocsFormatError, blocks_of, pages
+from docs_blocks import BENCHMARK, ROOT, Block, DocsFormatError, blocks_of, pages, prose
 
 MAX_FRAGMENTS = 12  # deliberate fragments in all pages together: a signature, the shape of a loop
 README_LINES = 220  # the front page stays a front page (about 200 lines)
@@ -175,20 +175,16 @@ def test_the_readme_is_a_front_page():
     assert lines <= README_LINES, f"README.md has {lines} lines; move the detail to a page of docs/"
 
 
-REPOSITORY_FILE = re.compile(r"(?<![\w/.])((?:autodist|tests|benchmarks|examples|scripts|docs)/[\w./-]*\w\.(?:py|md|sh))\b")
+REPOSITORY_FILE = re.compile(  # a file of the repository named in a page: `autodist/dp/data.py`
+    r"(?<![\w/.])((?:autodist|tests|benchmarks|examples|scripts|docs)/[\w./-]*\w\.(?:py|md|sh))\b")
 
 
 def anchors(text: str) -> set[str]:
     """GitHub's anchors of a page's headings (outside code blocks): lower case, punctuation dropped, spaces to
     hyphens, and -1, -2, ... after a repeated one."""
     seen: dict[str, int] = {}
-    fence = None
-    for line in text.split("\n"):
-        opened = FENCE.match(line)
-        if opened and (fence is None or line.strip().startswith(fence) and not line.strip().strip(fence[0])):
-            fence = opened.group("fence") if fence is None else None
-            continue
-        heading = re.match(r"#{1,6} (.+)$", line) if fence is None else None
+    for line in prose(text):
+        heading = re.match(r"#{1,6} (.+)$", line)
         if heading:
             slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
             seen[slug] = seen.get(slug, -1) + 1
