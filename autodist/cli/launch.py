@@ -46,6 +46,7 @@ class Failure:
     exitcode: int  # negative: killed by that signal
     error: str | None  # the last line of its traceback, when it raised
     time: float  # when it raised, or when the launcher noticed it had died
+    verdict: bool = False  # the error is autodist's watchdog stopping every rank: its words name the culprit
 
     @property
     def how(self) -> str:
@@ -101,18 +102,10 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 def _record(error: BaseException, tb: TracebackType | None, error_file: str | None) -> None:
     """Write the error where torchrun looks for it (its own format, plus the exact time and last line)."""
-    if not error_file:
-        return
-    now = time.time()
-    data = {"message": {"message": _one_line(error),
-                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
-                                      "timestamp": str(int(now))}},
-            "autodist": {"time": now, "line": _one_line(error)}}
-    try:
-        with open(error_file, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass  # the summary then names the rank and exit code without the line: no reason to fail the rank
+    from autodist.runtime import ending  # in the rank, which has torch loaded already
+
+    ending.record_error(_one_line(error), "".join(traceback.format_exception(type(error), error, tb)),
+                        path=error_file)
 
 
 def _stay_on_loopback() -> tuple[object, object] | None:
@@ -222,12 +215,12 @@ def run_script(argv: list[str]) -> None:
 # -- the launcher ----------------------------------------------------------------------------------
 
 def failure_of(rank: int, failure) -> Failure:
-    line, when, exitcode = None, float(failure.timestamp), failure.exitcode
+    line, when, exitcode, verdict = None, float(failure.timestamp), failure.exitcode, False
     try:
         with open(failure.error_file) as f:
             data = json.load(f)
         ours = data.get("autodist") or {}
-        line, when = ours.get("line"), float(ours.get("time", when))
+        line, when, verdict = ours.get("line"), float(ours.get("time", when)), bool(ours.get("verdict"))
         if line is not None and exitcode == -signal.SIGTERM:
             exitcode = 1  # it raised, and the launcher stopped it while it was exiting with status 1
         if line is None:  # a script that records its own errors (torch's @record): the message is the line
@@ -235,7 +228,7 @@ def failure_of(rank: int, failure) -> Failure:
             line = message.get("message") if isinstance(message, dict) else message
     except (OSError, ValueError, TypeError, AttributeError):
         pass  # no error file: the rank was killed, or exited without raising
-    return Failure(rank, exitcode, line, when)
+    return Failure(rank, exitcode, line, when, verdict)
 
 
 def _quiet_shutdown(record: logging.LogRecord) -> bool:
@@ -280,7 +273,7 @@ def launch(report: str, torchrun_argv: list[str]) -> int:
 def root_cause(failures: list[Failure]) -> Failure:
     """The failure the others most likely follow from: a rank's own error or a kill before a vanished
     peer's error or a bare exit status (what a rank stopped by autodist's watchdog leaves), then the first."""
-    return min(failures, key=lambda f: (f.secondary, f.error is None and f.exitcode > 0, f.time))
+    return min(failures, key=lambda f: (f.secondary, f.verdict, f.error is None and f.exitcode > 0, f.time))
 
 
 def summary(failures: list[Failure], world: int | None = None) -> list[str]:
@@ -292,13 +285,16 @@ def summary(failures: list[Failure], world: int | None = None) -> list[str]:
     """
     root = root_cause(failures)
     of = f" of {world}" if world else ""
+    if root.verdict and root.error:  # no rank raised: the watchdog's words (the deciding rank's) say who did what
+        found = [f.error for f in failures if f.verdict and f.error and not f.error.startswith("stopped because ")]
+        return [f"autodist run: the ranks were stopped: {found[0] if found else root.error.removeprefix('stopped because ')}"]
     # Only ranks that lost a peer (on this node): the line they died with names the peer and why.
     verb = "stopped" if root.secondary else "failed"
     error = root.error.removeprefix("autodist.faults.watchdog.PeerFailure: ") if root.error else None
     lines = [f"autodist run: rank {root.rank}{of} {verb} ({root.how}){': ' + error if error else ''}"]
     # Ranks that died of the first one's death (peer gone, stopped by the launcher or by the watchdog,
     # which exit without an error of their own) are not named again.
-    also = [f for f in failures if f is not root and f.error is not None and not f.secondary]
+    also = [f for f in failures if f is not root and f.error is not None and not f.secondary and not f.verdict]
     lines += [f"autodist run: rank {f.rank} also failed ({f.how}){': ' + f.error if f.error else ''}" for f in also[:3]]
     if len(also) > 3:
         lines.append(f"autodist run: and {len(also) - 3} more ranks failed")

@@ -28,7 +28,6 @@ Example:
 """
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 import sys
@@ -42,7 +41,7 @@ import torch.distributed as dist
 
 from autodist.faults.verdicts import Status, judge
 from autodist.faults.verdicts import where as where_is
-from autodist.runtime import position
+from autodist.runtime import ending, position
 from autodist.runtime.position import record, wait_words, waiting
 from autodist.runtime.world import log
 
@@ -205,8 +204,9 @@ class Watchdog:
         self.store_lost = _first_line(exc)
         log.debug("watchdog: the rendezvous store failed: %s", exc)
         if self._in_collective():
-            self.report(self._store_host_gone(self.status.wait or "a collective"))
-            _exit()
+            message = self._store_host_gone(self.status.wait or "a collective")
+            self.report(message)
+            _exit(message)
         self.stop.set()
 
     def _store_host_gone(self, where: str) -> str:
@@ -228,6 +228,7 @@ class Watchdog:
         first = self.store.compare_set("verdict", "", f"{self.rank}\n{message}").decode()
         if first != f"{self.rank}\n{message}":
             self.obey(first)
+        ending.record_error(message.splitlines()[0], verdict=True)  # now: the launcher may stop this rank soon
         self.report(message)
         record.state = "stopped"
         self._observe(time.monotonic())
@@ -245,11 +246,14 @@ class Watchdog:
     def obey(self, verdict: str) -> None:
         """Another rank found the error: one line here, tell it we saw it, exit."""
         decider, _, message = verdict.partition("\n")
-        self.report(f"stopped because rank {decider} found: {message.splitlines()[0]}")
+        if decider == str(self.rank):
+            return  # this rank's own verdict: the thread that wrote it prints it and leaves
+        line = f"stopped because rank {decider} found: {message.splitlines()[0]}"
+        self.report(line)
         try:
             self.store.set(f"ack/{self.rank}", "1")
         finally:
-            _exit()
+            _exit(line)
 
     # -- a collective that failed ------------------------------------------------------------------
     def failed_wait(self, where: str, exc: BaseException) -> None:
@@ -307,12 +311,11 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - nothing more to say if the store is gone
             pass
 
-    # -- a normal end ------------------------------------------------------------------------------
-    def at_exit(self) -> None:
+    # -- a normal end: the meeting of :mod:`autodist.runtime.ending` -----------------------------------
+    def arrive(self) -> None:
         """Every rank ends together: wait here until all ranks ended (or one failed, or a verdict came)."""
         try:
-            if record.state != "running" or getattr(sys, "last_value", None) is not None \
-                    or not dist.is_initialized() or self.store_lost is not None:
+            if record.state != "running" or not dist.is_initialized() or self.store_lost is not None:
                 return
             record.state = "exited"
             self._observe(time.monotonic())
@@ -333,6 +336,16 @@ class Watchdog:
             if self.thread.is_alive() and threading.current_thread() is not self.thread:
                 self.thread.join(timeout=5)
 
+    def missing(self) -> str:
+        """The ranks still running, and where each is."""
+        late = [f"rank {r} {where_is(s)}" if s is not None else f"rank {r} never reported its progress"
+                for r, s in sorted(self.peers().items()) if s is None or s.state == "running"]
+        return "; ".join(late) if late else "every rank arrived"
+
+    def give_up(self, message: str) -> None:
+        """The end took too long: stop every rank with ``message`` (the stalled ones read it within a tick)."""
+        self.decide(message)
+
 
 def _collective_in_traceback(tb: Any) -> str:
     """The torch.distributed call an exception came out of, in words (for an error raised outside autodist)."""
@@ -351,16 +364,9 @@ def _first_line(exc: BaseException, exc_type: type | None = None) -> str:
     return (lines[-1] if lines else repr(exc)).strip().splitlines()[0][:300]
 
 
-def _exit() -> None:
+def _exit(verdict: str | None = None) -> None:
     """Leave now with status 1: the main thread may be blocked inside a collective that never returns."""
-    for handler in log.handlers:
-        handler.flush()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(_EXIT_CODE)
+    ending.leave(_EXIT_CODE, verdict)
 
 
 _watchdog: Watchdog | None = None
@@ -385,7 +391,7 @@ def start(rank: int, size: int, timeout: float) -> Watchdog | None:
     _watchdog = dog = Watchdog(store, rank, size, float(timeout), threading.get_ident())
     previous = sys.excepthook
     sys.excepthook = lambda *args: dog.excepthook(previous, *args)
-    atexit.register(dog.at_exit)  # registered after the process group's own teardown, so it runs before it
+    ending.use_meeting(dog)  # at exit the ranks meet through the watchdog, which also sees failed ranks
     position.on_failure(dog.failed_wait)
     dog._observe(time.monotonic())
     dog.publish()

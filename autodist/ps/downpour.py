@@ -98,7 +98,7 @@ class Downpour(ParameterServer):
         self._sum.zero_()  # type: ignore[union-attr]
         self._set_params(replies)
 
-    def _settle(self) -> None:
+    def _hand_back(self) -> None:
         if self.steps % self.every:
             self._push()
 

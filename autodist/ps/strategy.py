@@ -1,9 +1,7 @@
 """What Downpour and EASGD share: the servers, the worker's side of the conversation, the step hooks, the end."""
 from __future__ import annotations
 
-import atexit
 import datetime
-import os
 import weakref
 from typing import Any
 
@@ -16,6 +14,7 @@ from autodist.faults import watchdog
 from autodist.ps import wire
 from autodist.ps.layout import ShardLayout, flatten, unflatten_into
 from autodist.ps.server import Serving, ShardServer
+from autodist.runtime import ending
 from autodist.runtime.world import log
 from autodist.sync.base import Strategy, SyncContext
 from autodist.train import checkpoint_file
@@ -94,7 +93,6 @@ class ParameterServer(Strategy):
                                    self._worker_lost)
         _watch(self)
         watchdog.on_data_end(self)
-        atexit.register(self._at_exit)
         return None
 
     def _alpha(self, world: int) -> float | None:
@@ -171,13 +169,13 @@ class ParameterServer(Strategy):
         Done for you when a pass over the loader ``parallelize`` returned ends, and by :meth:`close`.
         """
         if self.started and not self.closed:
-            self._settle()
+            self._hand_back()
             self._set_params(self._exchange(wire.PULL))
 
     def data_ended(self) -> None:
         self.pull()
 
-    def _settle(self) -> None:
+    def _hand_back(self) -> None:
         """Send what this worker still holds back (Downpour's accumulated gradient)."""
 
     # -- the end -------------------------------------------------------------------------------------
@@ -189,10 +187,10 @@ class ParameterServer(Strategy):
         if self.closed:
             return
         if self.started and not self.broken:
-            self._settle()
+            self._hand_back()
         self.closed = True
-        atexit.unregister(self._at_exit)
         _live.discard(self)
+        ending.forget(self.settle)
         if self.broken:
             return
         self._exchange(wire.DONE)
@@ -208,12 +206,9 @@ class ParameterServer(Strategy):
             log.warning("parameter server: training finished with %d of %d workers; lost: %s",
                         dist.get_world_size() - len(self.lost), dist.get_world_size(), gone)
 
-    def _at_exit(self) -> None:
-        try:
-            self.close()
-        except ServerLost as exc:
-            log.error("%s", exc)
-            os._exit(1)
+    def settle(self) -> None:
+        """At the end of the script: :meth:`close`, if the script did not (a lost server is an error there)."""
+        self.close()
 
     def remove(self) -> None:
         self.close()

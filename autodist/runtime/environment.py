@@ -114,6 +114,17 @@ def rendezvous_address(launch: Launch) -> tuple[str, int]:
         raise RuntimeError(f"MASTER_PORT={launch.master_port!r} is not a port number") from None
 
 
+def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
+    text = env.get(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={text!r}: give a positive number of seconds")
+    return value
+
+
 def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
     """Seconds a rank may wait in a collective for the others before the watchdog stops every rank:
     ``AUTODIST_TIMEOUT``, 60 by default.
@@ -122,14 +133,23 @@ def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
         >>> hang_timeout({"AUTODIST_TIMEOUT": "5"})
         5.0
     """
-    text = env.get("AUTODIST_TIMEOUT", "60")
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"AUTODIST_TIMEOUT={text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"AUTODIST_TIMEOUT={text!r}: give a positive number of seconds")
-    return value
+    return _seconds(env, "AUTODIST_TIMEOUT", "60")
+
+
+def exit_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a rank that reached the end of its script waits for the others to reach theirs before it
+    names the missing ranks and leaves with status 1: ``AUTODIST_EXIT_TIMEOUT``, 60 by default.
+
+    Example:
+        >>> exit_timeout({"AUTODIST_EXIT_TIMEOUT": "10"})
+        10.0
+    """
+    return _seconds(env, "AUTODIST_EXIT_TIMEOUT", "60")
+
+
+def error_file(env: Mapping[str, str] = os.environ) -> str | None:
+    """Where the launcher (torchrun, ``autodist run``) reads this rank's error: ``TORCHELASTIC_ERROR_FILE``."""
+    return env.get("TORCHELASTIC_ERROR_FILE") or None
 
 
 def machine(env: Mapping[str, str] = os.environ) -> str:

@@ -6,17 +6,14 @@ else in autodist receives a :class:`World` (or values taken from it) as an argum
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
-import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from autodist.runtime import environment
+from autodist.runtime import ending, environment
 from autodist.runtime.environment import Launch, rendezvous_address, shared_memory_allowed
 
 log = logging.getLogger("autodist")
@@ -102,29 +99,6 @@ def _adopt_existing_group(launch: Launch) -> World:
                  "the process group was started before autodist.init()")
 
 
-def _shutdown() -> None:
-    """At exit: all ranks leave together, then the group they share is torn down.
-
-    gloo's worker threads release finished work objects after the caller has
-    seen them complete, and releasing one can need the GIL; if the interpreter
-    is already finalizing by then, the process aborts at exit ("terminate
-    called without an active exception"). So: a barrier (nobody is still
-    sending), the group destroyed, garbage collected while the interpreter is
-    whole, and a moment with the GIL released for those threads to finish.
-    """
-    if dist.is_available() and dist.is_initialized():
-        # A rank dying of an unhandled exception skips the barrier: its peers may be inside another
-        # collective, which the barrier must not be matched with.
-        if getattr(sys, "last_value", None) is None:
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - a peer that died already: tear down what is left anyway
-                pass
-        dist.destroy_process_group()
-        gc.collect()
-        time.sleep(0.1)
-
-
 def _place() -> tuple[int, int]:
     if _world is not None:
         return _world.rank, _world.size
@@ -194,6 +168,7 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
     launch = environment.launch()
     _setup_logging(launch.rank)
     shared_memory_allowed()  # a bad value raises here, before any rank waits for this one
+    environment.exit_timeout()  # and this one before the end of the script, where it is read
     if dist.is_available() and dist.is_initialized():
         _world = _adopt_existing_group(launch)
         return _world
@@ -209,7 +184,7 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
                             world_size=launch.size, timeout=timeout)
     # Exiting with a live process group can abort in its background threads ("terminate called
     # without an active exception"): the group autodist started, autodist also ends.
-    atexit.register(_shutdown)
+    atexit.register(ending.shutdown)
     # One line on rank 0 says what was chosen and why; parallelize prints it with its own summary,
     # so that a training script's first log line is its own.
     log.debug("%d ranks via %s, backend %s: %s", launch.size, launch.launcher, chosen, why)

@@ -53,6 +53,11 @@ class Pending:
                 self.handles.append(comm.all_reduce(flat, comm=group, async_op=True))
         self._result: list[torch.Tensor] | None = None
 
+    def abandon(self) -> None:
+        """Wait for the communication and keep no result (the same on every rank, whatever the counts)."""
+        for handle in self.handles:
+            handle.wait()
+
     def wait(self) -> list[torch.Tensor]:
         """Every rank gets sum_r w_r t_r / sum_r w_r; all raise together if a rank could not count (NaN)."""
         if self._result is not None:
@@ -79,6 +84,7 @@ class Done(Pending):
 
     def __init__(self, result: list[torch.Tensor]) -> None:
         self._result = result
+        self.handles = []
 
 
 class Averager:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autodist.dp.shares import SampleCounter
-from autodist.runtime import comm
+from autodist.runtime import comm, ending
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,14 @@ class Strategy:
                                f"{type(self).__name__}(...) to each parallelize call")
         self._model = weakref.ref(model)
         self._comm = comm.of_group(ctx.group, "data-parallel ranks")
-        return self._start(model, ctx)
+        exact = self._start(model, ctx)
+        if type(self).settle is not Strategy.settle:  # it may have work in flight at the end
+            ending.settle_at_exit(self.settle)
+        return exact
+
+    def settle(self) -> None:
+        """At the end of the script, on every rank: wait for (or abandon alike on every rank) the
+        communication still in flight, so that no rank leaves while its peers still talk to it."""
 
     def _start(self, model: nn.Module, ctx: SyncContext) -> object | None:
         raise NotImplementedError

@@ -217,6 +217,13 @@ class DiLoCo(Periodic):
                 b.copy_(avg)
         self.syncs += 1
 
+    def settle(self) -> None:
+        """At the end of the script: the averages under way are waited for on every rank and not applied
+        (every fragment always has one under way in streamed DiLoCo; ``autodist.save`` keeps them)."""
+        for average in self._pending.values():
+            average.abandon()
+        self._pending = {}
+
     def state_dict(self) -> dict[str, Any]:
         """The outer parameters and their momentum, and the averages of fragments under way (waited for: every
         rank holds the same result), each keyed by the model's tensor names; the outer SGD's hyperparameters,

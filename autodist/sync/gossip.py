@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from autodist.runtime import comm
+from autodist.runtime import comm, ending
+from autodist.runtime.world import log
 from autodist.sync.averaging import float_state
 from autodist.sync.base import Strategy, SyncContext
 from autodist.sync.periodic import _positive
@@ -120,6 +121,15 @@ class Gossip(Strategy):
                 for t, step in zip(ts, _unflatten_dense_tensors(sums[i] / (1 + k), ts)):
                     t.add_(step)
 
+    def settle(self) -> None:
+        """The script ended without ``flush()``: wait for the last exchange, as ``flush()`` would."""
+        if self._pending:
+            self.flush()
+            if self._comm is not None and self._comm.rank == 0:
+                log.warning("%r: the script ended with its last exchange under way; autodist waited for it at "
+                            "exit (end with gossip.flush() and autodist.synchronize_model(model, what='parameters') "
+                            "for one final model)", self)
+
     def state_dict(self) -> dict[str, Any]:
         """The step and round counts (the graph's phase); the exchange under way is folded in first."""
         self.flush()
@@ -133,6 +143,7 @@ class Gossip(Strategy):
     def remove(self) -> None:
         self.flush()
         self.watch.remove()
+        ending.forget(self.settle)
 
     def __repr__(self) -> str:
         return f"Gossip(every={self.every}, peers={self.peers})"

@@ -157,6 +157,17 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_lost_it():
                    "autodist run: rank 0 also failed (exit code 1): KeyError: 'x'"]
 
 
+def test_a_watchdog_verdict_is_the_summary_when_no_rank_raised():
+    found = "rank 0 has waited 5 s in the gradient sync of step 4 of epoch 0 for the other ranks: rank 1 is in its own code"
+    decider = Failure(0, 1, found, 12.0, verdict=True)
+    obeyed = Failure(1, 1, f"stopped because rank 0 found: {found}", 11.9, verdict=True)
+    assert summary([obeyed, decider], world=2) == [f"autodist run: the ranks were stopped: {found}"]
+    assert summary([obeyed], world=2) == [f"autodist run: the ranks were stopped: rank 0 found: {found}"]
+    raised = Failure(1, 1, "ValueError: boom", 13.0)
+    told = Failure(0, 1, "rank 1 failed (ValueError: boom) while rank 0 waits in gradient sync #4", 12.5, verdict=True)
+    assert summary([told, raised], world=2) == ["autodist run: rank 1 of 2 failed (exit code 1): ValueError: boom"]
+
+
 # -- rank accessors --------------------------------------------------------------------------------
 
 def test_rank_and_world_size_under_every_launcher_and_engine_after_import():

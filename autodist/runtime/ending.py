@@ -1,0 +1,227 @@
+"""The end of a script on every rank: work in flight settled, the ranks leaving together within a bound,
+then the process group torn down.
+
+At exit (one ``atexit`` hook, registered by :func:`autodist.runtime.world.init`):
+
+1. every callable registered with :func:`settle_at_exit` settles what it still has in flight (Gossip's
+   last exchange, streamed DiLoCo's averages under way, a parameter server's last conversation);
+2. the ranks meet: through the watchdog where one runs (:func:`use_meeting`; it also counts a rank that
+   failed or fell silent as arrived), otherwise through the rendezvous store;
+3. the process group is destroyed.
+
+Steps 1 and 2 are bounded: after ``AUTODIST_EXIT_TIMEOUT`` seconds (60 by default) the rank prints one
+line naming the ranks that did not arrive and leaves with status 1; with the watchdog, every other rank
+stops with it. A rank that dies of an exception skips both (its peers learn of it from the watchdog).
+
+Example:
+    >>> ending.settle_at_exit(gossip.settle)     # a strategy with messages under way at the end
+    >>> ending.forget(gossip.settle)             # removed: nothing to settle any more
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+import torch.distributed as dist
+
+from autodist.runtime.environment import error_file, exit_timeout
+from autodist.runtime.position import waiting
+
+log = logging.getLogger("autodist")
+
+_STORE_PREFIX = "autodist/runtime/ending/"
+
+
+class Meeting(Protocol):
+    """How the ranks meet at the end of their scripts."""
+
+    def arrive(self) -> None:
+        """Say this rank arrived; return once every rank has (or can no longer)."""
+
+    def missing(self) -> str:
+        """The ranks that did not arrive (and where they are), in words."""
+
+    def give_up(self, message: str) -> None:
+        """Print ``message``, stop every rank that can be reached, and leave with status 1 (never returns)."""
+
+
+class StoreMeeting:
+    """The ranks meet through the rendezvous store: a key per rank that arrived."""
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+
+    def arrive(self) -> None:
+        try:
+            self.store.set(f"arrived/{self.rank}", "1")
+            keys = [f"arrived/{r}" for r in range(self.size)]
+            while not self.store.check(keys):
+                time.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 - rank 0, which hosts the store, left: it had seen everyone arrive
+            log.debug("at exit: the rendezvous store stopped answering: %s", exc)
+
+    def missing(self) -> str:
+        late = [r for r in range(self.size) if not self.store.check([f"arrived/{r}"])]
+        return f"{_ranks(late)} did not reach the end of the script"
+
+    def give_up(self, message: str) -> None:
+        log.error("%s", message)
+        leave(1, message)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "no rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+_settlers: list[Callable[[], None]] = []
+_meeting: Meeting | None = None
+
+
+def settle_at_exit(settle: Callable[[], None]) -> None:
+    """Have ``settle()`` called at the end of the script, on every rank, before the ranks meet: it waits for,
+    or abandons alike on every rank, the communication its owner still has in flight. Held until
+    :func:`forget` (a strategy whose model the script dropped still has its messages under way)."""
+    _settlers.append(settle)
+
+
+def forget(settle: Callable[[], None]) -> None:
+    """Nothing left to settle at exit for ``settle``'s owner (it was removed or closed)."""
+    if settle in _settlers:
+        _settlers.remove(settle)
+
+
+def use_meeting(meeting: Meeting | None) -> None:
+    """The watchdog's meeting replaces the store's (None: back to the store's)."""
+    global _meeting
+    _meeting = meeting
+
+
+def record_error(line: str, callstack: str = "", *, verdict: bool = False, path: str | None = None) -> None:
+    """Write this rank's error where the launcher looks for it (torchrun's error file, with the exact time
+    and line for ``autodist run``'s summary); ``verdict``: the watchdog's, naming another rank's fault.
+    Nothing is written without a launcher that asks for it."""
+    path = path or error_file()
+    if not path:
+        return
+    if not verdict and _holds_verdict(path):
+        return  # the watchdog's verdict stays: what the main thread raises afterwards follows from it
+    now = time.time()
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}},
+            "autodist": {"time": now, "line": line, "verdict": verdict}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then names the rank and exit code without the line: no reason to fail the rank
+
+
+def _holds_verdict(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return bool(json.load(f).get("autodist", {}).get("verdict"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def leave(code: int, verdict: str | None = None) -> None:
+    """Leave now with ``code``, output flushed: the main thread may be blocked in a call that never returns.
+    ``verdict``: why every rank stops (the watchdog's words), recorded for the launcher's summary."""
+    if verdict is not None:
+        record_error(verdict.splitlines()[0], verdict=True)
+    for handler in log.handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def _store_meeting() -> Meeting | None:
+    try:
+        store = dist.PrefixStore(_STORE_PREFIX, dist.distributed_c10d._get_default_store())
+    except Exception:  # noqa: BLE001 - a process group started without a store: meet in a barrier instead
+        return None
+    return StoreMeeting(store, dist.get_rank(), dist.get_world_size())
+
+
+class _Bound:
+    """The deadline of the end: past it, the meeting gives up, naming who is missing."""
+
+    def __init__(self, meeting: Meeting | None, seconds: float) -> None:
+        self.meeting, self.seconds = meeting, seconds
+        self.timer = threading.Timer(seconds, self._expired)
+        self.timer.daemon = True
+        self.timer.name = "autodist-exit-bound"
+
+    def _expired(self) -> None:
+        try:
+            who = self.meeting.missing() if self.meeting is not None else "the other ranks did not arrive"
+        except Exception as exc:  # noqa: BLE001
+            who = f"the other ranks cannot be asked ({exc})"
+        message = (f"rank {dist.get_rank()} reached the end of its script and waited {self.seconds:g} s for the "
+                   f"others: {who} (AUTODIST_EXIT_TIMEOUT={self.seconds:g} s; raise it if a rank legitimately "
+                   f"finishes this much later)")
+        if self.meeting is None:
+            log.error("%s", message)
+            leave(1, message)
+        self.meeting.give_up(message)
+
+
+def _settle() -> bool:
+    """Every registered settle(); False if one failed (it says why)."""
+    fine = True
+    for settle in list(_settlers):
+        try:
+            with waiting("exit"):  # a lost peer is named (the watchdog's explanation), not gloo's socket error
+                settle()
+        except Exception as exc:  # noqa: BLE001 - one line, then the others still settle and the ranks still meet
+            log.error("at the end of the script: %s", str(exc).strip().splitlines()[0] if str(exc).strip()
+                      else type(exc).__name__)
+            fine = False
+    _settlers.clear()
+    return fine
+
+
+def shutdown() -> None:
+    """At exit: settle, meet (bounded), tear the process group down.
+
+    gloo's worker threads release finished work objects after the caller has seen them complete, and
+    releasing one can need the GIL; if the interpreter is already finalizing by then, the process aborts
+    at exit ("terminate called without an active exception"). So the group is destroyed and garbage
+    collected while the interpreter is whole, with a moment for those threads to finish.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    fine = True
+    # A rank dying of an unhandled exception neither settles nor meets: its peers may be inside a collective
+    # that nothing here must be matched with; the watchdog tells them.
+    if getattr(sys, "last_value", None) is None:
+        meeting = _meeting or _store_meeting()
+        bound = _Bound(meeting, exit_timeout())
+        bound.timer.start()
+        try:
+            fine = _settle()
+            with waiting("exit"):
+                if meeting is not None:
+                    meeting.arrive()
+                else:
+                    dist.barrier()
+        except Exception as exc:  # noqa: BLE001 - a peer that died already: tear down what is left anyway
+            log.debug("at exit: %s", exc)
+        finally:
+            bound.timer.cancel()
+    dist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.1)
+    if not fine:
+        leave(1)
