@@ -178,6 +178,15 @@ def test_the_environment_is_read_in_one_place():
     assert readers == []
 
 
+def test_nothing_received_is_unpickled():
+    """Bytes from another process become objects only as data: torch.load(weights_only=True) or JSON. torch's
+    *_object collectives unpickle what arrives (runtime/plain.py replaces them), as does weights_only=False."""
+    unpicklers = re.compile(r"\b(all_gather_object|broadcast_object_list|gather_object|scatter_object_list|"
+                            r"recv_object_list|pickle\.loads?|weights_only=False)\b")
+    found = sorted(module for module, text in module_sources().items() if unpicklers.search(_code(text)))
+    assert found == []
+
+
 def _code(text: str) -> str:
     """The source without its docstrings and comments (they may name os.environ)."""
     tree = ast.parse(text)

@@ -50,7 +50,9 @@ def run_each(nproc: int, script: list[str], workdir: str) -> int:
         env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(port), "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{rank}.json")}
-        procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), *script], env=env))
+        # --loopback-store: rank 0 hosts the store on 127.0.0.1, as under autodist run without --keep-going
+        procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), "--loopback-store", *script],
+                                      env=env))
     stopped: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:

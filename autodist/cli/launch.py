@@ -26,7 +26,6 @@ import runpy
 import signal
 import subprocess
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType

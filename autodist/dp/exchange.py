@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.dp import shared_memory
+from autodist.runtime import plain
 from autodist.runtime.environment import machine, shared_memory_allowed
 from autodist.runtime.world import log
 
@@ -143,8 +144,7 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
         return AllReduce(flats, group)
     wish = (machine(), shared_memory_allowed() and shared_memory.available(),
             all(f.device.type == "cpu" for f in flats))
-    wishes: list[Any] = [None] * size
-    dist.all_gather_object(wishes, wish, group=group)
+    wishes = plain.all_gather(wish, group)
     if len({w[0] for w in wishes}) > 1 or not all(w[1] and w[2] for w in wishes):
         return AllReduce(flats, group)
     shared = _open(flats, group, size)
@@ -159,8 +159,7 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, size: int)
     made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
     path, why = made
     try:
-        dist.broadcast_object_list(made, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-        path, why = made
+        path, why = plain.broadcast(made, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
         mapping = None
         if path is not None:
             try:

@@ -44,7 +44,7 @@ from autodist.dp.shares import Counted, SampleCounter, combine, watch_outputs
 from autodist.dp.structure import Watch
 from autodist.dp.weights import Pack, Window
 from autodist.faults import watchdog
-from autodist.runtime import provenance
+from autodist.runtime import plain, provenance
 from autodist.runtime.position import waiting
 from autodist.runtime.world import log
 
@@ -455,9 +455,8 @@ def _unparallelized_registration(model: nn.Module, world: Any) -> Registration:
     if registration is None:
         watchdog.start(world.rank, world.size, hang_timeout())
         mine = signature(model_tensors(model))
-        gathered: list = [None] * world.size
         with waiting("autodist.synchronize_model's check that the ranks hold the same model"):
-            dist.all_gather_object(gathered, mine)
+            gathered = plain.all_gather(mine)
         why = next((d for r, sig in enumerate(gathered) if (d := first_difference(gathered[0], sig, r))), None)
         if why is not None:
             raise ValueError(f"autodist.synchronize_model: the ranks hold different models ({why}), so their "

@@ -5,6 +5,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.runtime import plain
+
 _BROADCAST_CHUNK_BYTES = 64 * 1024 * 1024
 
 
@@ -50,8 +52,7 @@ def first_difference(reference: list[tuple], other: list[tuple], rank: int, refe
 def check_same_model(entries: list[Entry], group: dist.ProcessGroup | None = None) -> None:
     """Raise on every rank, naming the first difference, unless all ranks of ``group`` hold the same tensors."""
     mine = signature(entries)
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = plain.all_gather(mine, group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
     problems = [first_difference(gathered[0], sig, ranks[i], ranks[0]) for i, sig in enumerate(gathered)]
     why = next((p for p in problems if p is not None), None)

@@ -7,7 +7,7 @@ worker on this very rank calls :meth:`ShardServer.handle` directly.
 """
 from __future__ import annotations
 
-import importlib
+import sys
 import threading
 from typing import Any, Callable
 
@@ -19,9 +19,15 @@ from autodist.runtime.world import log
 
 
 def _optimizer_class(module: str, qualname: str) -> type:
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    """The worker's optimizer class, found among the modules this process has imported already (the server
+    runs the same script, so the user's own optimizer module is there): nothing is imported on a peer's
+    word, and only a ``torch.optim.Optimizer`` is accepted."""
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split(".") if obj is not None else ():
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise wire.Refused(f"the optimizer {module}.{qualname} a worker asked for is not a torch.optim.Optimizer "
+                           f"this server has imported: every rank must run the same script with the same optimizer")
     return obj
 
 
@@ -212,12 +218,18 @@ class Serving:
             from autodist.faults.watchdog import is_peer_lost
 
             why = "its connection closed: the process died or was killed" if is_peer_lost(exc) else \
-                (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            if worker not in self.server.done:
+                (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            if worker in self.server.done:
+                return
+            if isinstance(exc, wire.Refused):
+                log.error("parameter server: %s; worker rank %d is no longer served, training goes on with the "
+                          "others", why, worker)
+                why = f"its message was refused: {why}"
+            else:
                 log.warning("parameter server: worker rank %d is gone (%s); training goes on with the others",
                             worker, why)
-                self.server.lose(worker, why)
-                self.on_lost(worker, why)
+            self.server.lose(worker, why)
+            self.on_lost(worker, why)
 
     def join(self, timeout: float | None = None) -> None:
         for t in self.threads:

@@ -2,7 +2,11 @@
 
 A request is a header (int64 ``[op, clock, floats, bytes]``) and up to two
 payloads: ``floats`` float32 elements (parameters, gradients) and ``bytes``
-bytes of a pickled blob (the optimizer's description, its state). A reply is
+bytes of a blob (the optimizer's description, its state) holding data only:
+tensors, numbers, strings, None, and lists / tuples / dicts of them. A blob is
+read back with ``torch.load(weights_only=True)``, so a message that holds
+anything else (an object whose unpickling would run code) is refused
+(:class:`Refused`), never loaded. A reply is
 an info header (int64 ``[version, slowest clock, floats, bytes]``) and the same
 two payloads. Requests travel under one tag and replies under another, so a
 rank that is both a worker and a server never mixes its two conversations with
@@ -11,11 +15,13 @@ a peer; each pair of ranks has at most one request outstanding in each direction
 from __future__ import annotations
 
 import io
-import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from autodist.train import checkpoint_file
 
 INIT, PUSH, ELASTIC, PULL, STATE, LOAD, DONE, FINAL, BYE = range(1, 10)
 NAMES = {INIT: "init", PUSH: "push", ELASTIC: "elastic", PULL: "pull", STATE: "state", LOAD: "load", DONE: "done",
@@ -33,19 +39,35 @@ class Message:
     blob: Any = None
 
 
+class Refused(ValueError):
+    """A message whose blob is not plain data: it was not loaded."""
+
+
 def encode(obj: Any) -> torch.Tensor | None:
-    """``obj`` as a uint8 tensor (torch.save: tensors inside are kept), None for None."""
+    """``obj`` (data only, see the module's doc) as a uint8 tensor, None for None."""
     if obj is None:
         return None
+    checkpoint_file.check_loadable(obj, "a message to the parameter servers (the optimizer's hyperparameters or "
+                                        "state)")
     buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save(obj, buffer)  # the default protocol: the one torch.load(weights_only=True) reads
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def decode(data: torch.Tensor | None) -> Any:
+def decode(data: torch.Tensor | None, peer: int | None = None) -> Any:
+    """The blob ``encode`` made; :class:`Refused` for anything but data (nothing else is unpickled)."""
     if data is None:
         return None
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on an unexpected pickle protocol: the refusal says it
+            return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load's refusal, or bytes that are no checkpoint at all
+        sender = f"rank {peer}" if peer is not None else "a peer"
+        detail = [line.strip() for line in str(exc).splitlines() if "nsupported" in line]
+        raise Refused(f"a message from {sender} holds more than data (tensors, numbers, strings, and lists and "
+                      f"dicts of them), so it was refused, not loaded ({detail[0] if detail else type(exc).__name__})"
+                      ) from None
 
 
 def send(group: Any, peer: int, tag: int, message: Message) -> list[Any]:
@@ -74,7 +96,7 @@ def recv(group: Any, peer: int, tag: int) -> Message:
     if n_bytes:
         blob = torch.empty(n_bytes, dtype=torch.uint8)
         group.recv([blob], peer, tag).wait()
-    return Message((a, b), floats, decode(blob))
+    return Message((a, b), floats, decode(blob, peer))
 
 
 def wait(works: list[Any]) -> None:

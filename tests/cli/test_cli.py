@@ -305,10 +305,11 @@ dist.barrier()
 
 @pytest.mark.e2e
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the socket table of /proc (Linux)")
-def test_one_machine_listens_on_loopback_only_and_ranks_are_known_before_init(tmp_path):
+@pytest.mark.parametrize("keep_going", [[], ["--keep-going"]], ids=["torchrun", "keep-going"])
+def test_one_machine_listens_on_loopback_only_and_ranks_are_known_before_init(tmp_path, keep_going):
     script = tmp_path / "listeners.py"
     script.write_text(_LISTENERS)
-    code, out, _ = _run("-n", "2", str(script), str(tmp_path / "r0.json"), str(tmp_path / "r1.json"))
+    code, out, _ = _run(*keep_going, "-n", "2", str(script), str(tmp_path / "r0.json"), str(tmp_path / "r1.json"))
     assert code == 0, out
     r0, r1 = (json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(2))
     assert (r0["before"], r0["after"], r1["before"], r1["after"]) == ([0, 2], [0, 2], [1, 2], [1, 2])

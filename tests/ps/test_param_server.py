@@ -28,6 +28,29 @@ def test_layout_cuts_the_flat_vector_by_size():
         ShardLayout.split((2,), servers=(0, 1, 2))
 
 
+def test_messages_carry_data_only(tmp_path):
+    import io
+
+    from autodist.ps import wire
+    from autodist.ps.server import _optimizer_class
+
+    spec = {"class": ("torch.optim.adam", "Adam"), "defaults": {"lr": 0.1, "betas": (0.9, 0.99), "foreach": None},
+            "groups": [({"lr": 1e-3}, [0, 1])], "lost": {1: "why"}, "state": torch.ones(3)}
+    assert str(wire.decode(wire.encode(spec))) == str(spec)
+    with pytest.raises(TypeError, match=r"the optimizer's hyperparameters or state\)\['lr'\] is a "
+                                        r"_RunsCodeWhenLoaded, which torch.load\(weights_only=True\) refuses"):
+        wire.encode({"lr": _RunsCodeWhenLoaded(str(tmp_path / "ran"))})
+    buffer = io.BytesIO()
+    torch.save({"lr": _RunsCodeWhenLoaded(str(tmp_path / "ran"))}, buffer)
+    with pytest.raises(wire.Refused, match="a message from rank 3 holds more than data"):
+        wire.decode(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8), peer=3)
+    assert not os.path.exists(tmp_path / "ran")
+    assert _optimizer_class("torch.optim.adam", "Adam") is torch.optim.Adam
+    for module, name in [("os", "system"), ("never_imported_module", "Opt"), ("torch.nn", "Linear")]:
+        with pytest.raises(wire.Refused, match="is not a torch.optim.Optimizer this server has imported"):
+            _optimizer_class(module, name)
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="staleness must be an int >= 0"):
         autodist.Downpour(staleness=-1)
@@ -186,15 +209,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(size: int, victim: int, out: str) -> tuple[list[int], list[str], float]:
-    """``size`` processes as mpirun starts them; rank ``victim`` SIGKILLs itself mid-run."""
+def _launch(size: int, victim: int, out: str, *how: str) -> tuple[list[int], list[str], float]:
+    """``size`` processes as mpirun starts them; rank ``victim`` SIGKILLs itself mid-run (``how``: "crafted",
+    it sends a crafted message first and leaves)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_"))}
     env |= {"PYTHONPATH": os.pathsep.join([HERE, env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
             "AUTODIST_TIMEOUT": "20"}
     port, procs = _free_port(), []
     for rank in range(size):
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, str(victim), out],
+            [sys.executable, __file__, str(victim), out, *how],
             env=env | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
                        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(size),
                        "MASTER_PORT": str(port)},
@@ -214,6 +238,19 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path):
     final = torch.load(out, weights_only=True)
     assert final["lost"] == [2] and final["epochs"] == 3
     assert final["accuracy"] > 0.8  # the two survivors trained on: the servers' final model learned
+
+
+@pytest.mark.e2e
+def test_a_message_that_would_run_code_is_refused_and_the_others_train_on(tmp_path):
+    out = str(tmp_path / "final.pt")
+    codes, outputs, _ = _launch(3, 2, out, "crafted")
+    assert not os.path.exists(out + ".ran"), "the server ran the code a worker sent"
+    assert codes == [0, 0, 0], "\n".join(outputs)
+    assert ("parameter server: a message from rank 2 holds more than data (tensors, numbers, strings, and lists and "
+            "dicts of them), so it was refused, not loaded (Trying to load unsupported GLOBAL posix.system whose "
+            "module posix is blocked.); worker rank 2 is no longer served") in outputs[0], outputs[0]
+    final = torch.load(out, weights_only=True)
+    assert final["lost"] == [2] and final["epochs"] == 3 and final["accuracy"] > 0.8
 
 
 @pytest.mark.e2e
@@ -244,8 +281,35 @@ def test_a_killed_server_ends_the_job_with_the_last_checkpoint_intact(tmp_path):
     plain.load_state_dict(torch.load(out + ".ckpt", weights_only=True)["model"])
 
 
-def _script(victim: int, out: str) -> None:
-    """One rank of the fault tests: 3 epochs of Downpour on 3 ranks; ``victim`` dies in epoch 1."""
+class _RunsCodeWhenLoaded:
+    """Unpickling this runs a shell command (what a crafted message would do to a server that unpickles)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _send_crafted(ps, out: str) -> None:
+    """Send server 0 a push whose blob would run code if unpickled, then leave."""
+    import io
+
+    from autodist.ps import wire
+
+    buffer = io.BytesIO()
+    torch.save({"lr": _RunsCodeWhenLoaded(out + ".ran")}, buffer)
+    blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    header = torch.tensor([wire.PUSH, ps.clock + 1, 0, blob.numel()], dtype=torch.int64)
+    for payload in (header, blob):
+        ps.group.send([payload], 0, wire.REQUEST_TAG).wait()
+    time.sleep(1)
+    os._exit(0)
+
+
+def _script(victim: int, out: str, crafted: bool = False) -> None:
+    """One rank of the fault tests: 3 epochs of Downpour on 3 ranks; ``victim`` dies in epoch 1 (``crafted``:
+    it sends a message that would run code on the server first)."""
     torch.set_num_threads(1)
     x, y = w.digits_like(96, classes=2)
     y = (x[:, 0] + x[:, 1] > 0).long()  # a learnable rule
@@ -255,6 +319,8 @@ def _script(victim: int, out: str) -> None:
     rank = autodist.rank()
     for epoch in range(3):
         for step, (xb, yb) in enumerate(data):
+            if rank == victim and epoch == 1 and step == 2 and crafted:
+                _send_crafted(ps, out)
             if rank == victim and epoch == 1 and step == 2:
                 with open(out + ".killed", "w") as f:
                     f.write(str(time.time()))
@@ -273,7 +339,7 @@ def _script(victim: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    _script(int(sys.argv[1]), sys.argv[2])
+    _script(int(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["crafted"])
 
 
 # -- convergence on a small real task: scikit-learn's handwritten digits ------------------------------------
