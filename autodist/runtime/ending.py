@@ -171,10 +171,13 @@ class _Bound:
         message = (f"rank {dist.get_rank()} reached the end of its script and waited {self.seconds:g} s for the "
                    f"others: {who} (AUTODIST_EXIT_TIMEOUT={self.seconds:g} s; raise it if a rank legitimately "
                    f"finishes this much later)")
-        if self.meeting is None:
-            log.error("%s", message)
-            leave(1, message)
-        self.meeting.give_up(message)
+        if self.meeting is not None:
+            try:
+                self.meeting.give_up(message)  # prints it, stops the others, leaves
+            except Exception as exc:  # noqa: BLE001 - the store is gone: leave alone
+                log.debug("at exit: could not stop the other ranks: %s", exc)
+        log.error("%s", message)
+        leave(1, message)
 
 
 def _settle() -> bool:
@@ -192,8 +195,8 @@ def _settle() -> bool:
     return fine
 
 
-def shutdown() -> None:
-    """At exit: settle, meet (bounded), tear the process group down.
+def shutdown(destroy: bool = True) -> None:
+    """At exit: settle, meet (bounded), tear the process group down (``destroy``: autodist started it).
 
     gloo's worker threads release finished work objects after the caller has seen them complete, and
     releasing one can need the GIL; if the interpreter is already finalizing by then, the process aborts
@@ -220,8 +223,9 @@ def shutdown() -> None:
             log.debug("at exit: %s", exc)
         finally:
             bound.timer.cancel()
-    dist.destroy_process_group()
-    gc.collect()
-    time.sleep(0.1)
+    if destroy:
+        dist.destroy_process_group()
+        gc.collect()
+        time.sleep(0.1)
     if not fine:
         leave(1)

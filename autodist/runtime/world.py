@@ -171,6 +171,7 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
     environment.exit_timeout()  # and this one before the end of the script, where it is read
     if dist.is_available() and dist.is_initialized():
         _world = _adopt_existing_group(launch)
+        atexit.register(ending.shutdown, destroy=False)  # settle and meet; the group is its starter's to end
         return _world
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = pin_device(launch.local_rank, gpus)
