@@ -21,6 +21,7 @@ from autodist.runtime.environment import hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
+from autodist.sharded import optimizer as sharded_optimizer
 
 
 def _check_model(model: nn.Module) -> None:
@@ -66,6 +67,24 @@ def _check_options(mp: int, bucket_mb: float, first_bucket_mb: float, sync_buffe
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None (chosen for you: NCCL when every rank has a "
                          f"GPU of its own, gloo otherwise), got {backend!r}")
+
+
+SHARD_LEVELS = ("optimizer", "gradients", "parameters")
+
+
+def _check_shard(shard: str | None, strategy: sync_mod.Strategy) -> None:
+    if shard is None:
+        return
+    if shard not in SHARD_LEVELS:
+        raise ValueError(f"shard must be None (every rank holds everything), 'optimizer' (each data-parallel rank "
+                         f"keeps 1/N of the optimizer state), 'gradients' or 'parameters'; got {shard!r}")
+    if shard != "optimizer":
+        raise NotImplementedError(f"shard={shard!r} is not in this version of autodist yet: shard='optimizer' "
+                                  f"splits the optimizer state (for Adam, 12 of the 16 bytes per parameter)")
+    if not isinstance(strategy, sync_mod.Exact):
+        raise ValueError(f"shard={shard!r} keeps the exact training of sync='backward' or 'manual' and splits its "
+                         f"optimizer state; {strategy!r} keeps replicas apart, each with its own state. Use one or "
+                         f"the other")
 
 
 def _through(sync_state: object | None) -> str:
@@ -170,6 +189,7 @@ def parallelize(
     samples: SampleFn | None = None,
     example: observe.Example | None = None,
     backend: str | None = None,
+    shard: Literal["optimizer", "gradients", "parameters"] | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -208,6 +228,10 @@ def parallelize(
             forward runs; default: two samples of ``data``, a dict batch as
             keyword arguments, a tuple batch's first element as the input.
         backend: force "gloo" or "nccl" (default: chosen by ``autodist.init``).
+        shard: "optimizer": each data-parallel rank keeps and updates only its
+            1/N of the optimizer state and the ranks all-gather the updated
+            parameters (ZeRO stage 1; the same training). None: every rank
+            holds everything. See :mod:`autodist.sharded.optimizer`.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -242,6 +266,7 @@ def parallelize(
     _check_model(model)
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
+    _check_shard(shard, strategy)
     _check_counting(batch_dim, samples)
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
@@ -254,7 +279,7 @@ def parallelize(
     dims = ParallelDims.for_world(world.size, mp)
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
-    shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
+    data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
                                                      partial(data_mod.broadcast_order, device=world.device))
     if world.backend == "nccl":
         model.to(world.device)
@@ -270,10 +295,13 @@ def parallelize(
         sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
             groups.dp, dp_ranks, dims.dp_rank(world.rank), SampleCounter(batch_dim, samples), bucket_mb,
             first_bucket_mb, sync_buffers))
+    if shard == "optimizer" and dims.dp > 1:
+        sharded_optimizer.setup(model, groups.dp, dims.dp_rank(world.rank), dims.dp)
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
-                 "sync=%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
+                 "sync=%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),
+                 f", optimizer state sharded over the {dims.dp} data-parallel ranks" if shard and dims.dp > 1 else "",
                  _device_of(model, world))
-    return model, shard
+    return model, data_shard

@@ -1,7 +1,7 @@
 """One cell of the fault matrix (tests/faults/test_fault_matrix.py): a sync mode, a fault, a checkpoint.
 
 Usage: python matrix_train.py MODE FAULT CHECKPOINT, under a launcher on 2 ranks. MODE: backward, manual,
-localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2 (and comm: no parallelize). FAULT, on rank 1 at step 4: none (the script
+localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, shard-optimizer (and comm: no parallelize). FAULT, on rank 1 at step 4: none (the script
 ends without any flush or close call), raise, kill (SIGKILL), stall (sleeps). A checkpoint is written with
 autodist.save after step 2 (none at the end: saving would settle what the end must settle by itself).
 """
@@ -27,6 +27,7 @@ def strategy(mode: str) -> dict:
         "gossip": lambda: {"sync": autodist.Gossip()},
         "hierarchical": lambda: {"sync": autodist.Hierarchical(ranks_per_host=1, across=autodist.LocalSGD(every=2))},
         "downpour": lambda: {"sync": autodist.Downpour()}, "easgd": lambda: {"sync": autodist.EASGD(every=2)},
+        "shard-optimizer": lambda: {"shard": "optimizer"},
     }[mode]()
 
 
@@ -48,7 +49,7 @@ def main(mode: str, fault: str, path: str) -> None:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(96, 6, generator=g), torch.randint(0, 4, (96,), generator=g))
     model, loader = autodist.parallelize(model, DataLoader(data, batch_size=16), **strategy(mode))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # state to shard and to checkpoint
     for step, (x, y) in enumerate(loader, 1):
         if autodist.rank() == 1 and step == FAULT_STEP and fault != "none":
             print(f"fault at {time.time():.3f}", flush=True)

@@ -21,7 +21,8 @@ import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts
 SCRIPT = os.path.join(HERE, "matrix_train.py")
-MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2"]
+MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2",
+         "shard-optimizer"]
 FAULTS = ["none", "raise", "kill", "stall"]
 TIMEOUT = 5  # AUTODIST_TIMEOUT and AUTODIST_EXIT_TIMEOUT in these runs
 LIMIT = 60  # every process of a cell must be gone by then

@@ -1,0 +1,298 @@
+"""``shard="optimizer"`` (ZeRO stage 1): each data-parallel rank keeps and updates only its slice of the
+optimizer state, then the ranks all-gather the updated parameters.
+
+The user's optimizer is built from ``model.parameters()`` as always. Around each of its steps one global
+pair of optimizer-step hooks swaps, for the duration of the step, every parameter of the model in its
+param groups for this rank's *pieces* of it (:mod:`autodist.sharded.layout`): 1-D views of the
+parameter's elements this rank owns, whose ``.grad`` is the same slice of the (already averaged)
+gradient. The optimizer updates those views in place, so it touches 1/N of the elements and creates
+1/N of the state. After the step the parameters are put back and every rank's updated elements are
+all-gathered, so that each rank again holds the whole, identical model. Between steps the pieces' state
+lives here, not in ``optimizer.state``.
+
+This is the single-process update exactly, for optimizers that update each element on its own
+(:data:`ELEMENTWISE`: SGD, Adam, AdamW, ...); one that looks across elements (Adafactor's factored
+moments, LBFGS, Muon's orthogonalization) would compute something else on a slice, so it is refused.
+Gradients are whole on every rank, so ``torch.nn.utils.clip_grad_norm_`` gives the global norm.
+
+``optimizer.state_dict()`` gives the dense state, as one process would have it (a collective: call it on
+every rank, as ``autodist.save`` does), and ``optimizer.load_state_dict`` takes a dense state (from any
+run, sharded or not, of any size) and keeps this rank's slice of it.
+
+Example:
+    >>> model, loader = autodist.parallelize(model, loader, shard="optimizer")
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # each rank keeps 1/N of its state
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from autodist.runtime import plain
+from autodist.runtime.position import waiting
+from autodist.sharded.layout import Layout, Piece
+
+ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+                          torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
+                          torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD}
+
+
+def elementwise(cls: type) -> type:
+    """Declare that optimizer class ``cls`` updates each element from that element's gradient and state alone
+    (no norms, factors or matrices across elements), so ``shard="optimizer"`` may step it on slices.
+
+    Example:
+        >>> autodist.sharded.optimizer.elementwise(Lion)   # a decorator works too
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"elementwise() takes a torch.optim.Optimizer subclass, got {cls!r}")
+    ELEMENTWISE.add(cls)
+    return cls
+
+
+_live: "weakref.WeakSet[OptimizerSharding]" = weakref.WeakSet()
+_by_model: "weakref.WeakKeyDictionary[nn.Module, OptimizerSharding]" = weakref.WeakKeyDictionary()
+_hooks: list[Any] = []
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for sharding in list(_live):
+        sharding.before_step(optimizer)
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for sharding in list(_live):
+        sharding.after_step(optimizer)
+
+
+class OptimizerSharding:
+    """The pieces of ``model``'s trainable parameters this rank owns, their optimizer state between steps,
+    and the hooks around the steps of every optimizer that holds them."""
+
+    def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int) -> None:
+        self.group, self.rank, self.ranks = group, rank, ranks
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for p in self.params:
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()  # the pieces are views of the flattened parameter
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.layout = Layout.of(self.params, ranks)
+        self.pieces: dict[int, list[Piece]] = {}
+        for piece in self.layout.mine(rank):
+            self.pieces.setdefault(piece.index, []).append(piece)
+        self.views: dict[Piece, torch.Tensor] = {}  # the tensor the optimizer steps for each piece (its state key)
+        self.store: dict[Piece, dict[str, Any]] = {}  # each piece's optimizer state between steps
+        self.holds: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self.swapped: dict[int, list[torch.Tensor]] = {}  # id(param group) -> its own params, during a step
+        if not _hooks:
+            _hooks.append(register_optimizer_step_pre_hook(_before_any_step))
+            _hooks.append(register_optimizer_step_post_hook(_after_any_step))
+        _live.add(self)
+
+    # -- which optimizers --------------------------------------------------------------------------
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        holds = self.holds.get(optimizer)
+        if holds is None:
+            holds = any(id(p) in self.index for g in optimizer.param_groups for p in g["params"])
+            if holds:
+                self._adopt(optimizer)
+            self.holds[optimizer] = holds
+        return holds
+
+    def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        cls = type(optimizer)
+        if not any(cls is known for known in ELEMENTWISE):
+            raise TypeError(
+                f"shard='optimizer' steps each rank's slice of every parameter on its own, which is the "
+                f"single-process update only for an optimizer that treats every element alone (SGD, Adam, AdamW, "
+                f"...); {cls.__module__}.{cls.__qualname__} is not known to (Adafactor, LBFGS or Muon look across "
+                f"elements). Use shard=None, or, if its update is elementwise, declare it first with "
+                f"autodist.sharded.optimizer.elementwise({cls.__qualname__})")
+        optimizer.register_state_dict_post_hook(self._dense_state_dict)
+        optimizer.register_load_state_dict_post_hook(self._loaded)
+
+    # -- around a step -----------------------------------------------------------------------------
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._holds(optimizer):
+            return
+        self._restore(optimizer)  # a step that raised never reached after_step
+        self._cut(optimizer)
+        for group in optimizer.param_groups:
+            own, stepped = group["params"], []
+            for p in own:
+                i = self.index.get(id(p))
+                if i is None:
+                    stepped.append(p)  # not the model's: stepped whole, as always
+                    continue
+                if p.grad is None:
+                    continue  # the optimizer would skip it: nothing of it changes on any rank
+                flat, grad = p.detach().view(-1), p.grad.detach().reshape(-1)
+                for piece in self.pieces.get(i, ()):
+                    view = self.views.get(piece)
+                    if view is None:
+                        view = self.views[piece] = flat[piece.start:piece.stop]
+                    else:
+                        view.data = flat[piece.start:piece.stop]  # the parameter's storage may have been replaced
+                    view.grad = grad[piece.start:piece.stop]
+                    state = self.store.pop(piece, None)
+                    if state is not None:
+                        optimizer.state[view] = state
+                    stepped.append(view)
+            self.swapped[id(group)] = own
+            group["params"] = stepped
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._holds(optimizer) or not self.swapped:
+            return
+        self._restore(optimizer)
+        with torch.no_grad(), waiting("the all-gather of the sharded parameters after optimizer.step()"):
+            self._gather_parameters()
+
+    def _restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the param groups their own parameters back; the pieces' state goes back to the store."""
+        for group in optimizer.param_groups:
+            own = self.swapped.pop(id(group), None)
+            if own is None:
+                continue
+            pieces = {id(v): piece for piece, v in self.views.items()}
+            for t in group["params"]:
+                piece = pieces.get(id(t))
+                if piece is not None:
+                    t.grad = None
+                    state = optimizer.state.pop(t, None)
+                    if state:
+                        self.store[piece] = state
+            group["params"] = own
+
+    def _gather_parameters(self) -> None:
+        for kind in self.layout.kinds:
+            mine = torch.zeros(kind.chunk, dtype=kind.dtype, device=kind.device)
+            for piece in kind.pieces[self.rank]:
+                mine[piece.at:piece.at + piece.stop - piece.start] = \
+                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
+            every = torch.empty(self.ranks * kind.chunk, dtype=kind.dtype, device=kind.device)
+            dist.all_gather(list(every.view(self.ranks, kind.chunk)), mine, group=self.group)
+            for r, pieces in enumerate(kind.pieces):
+                if r == self.rank:
+                    continue
+                base = r * kind.chunk
+                for piece in pieces:
+                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop].copy_(
+                        every[base + piece.at:base + piece.at + piece.stop - piece.start])
+
+    # -- state: dense outside, sliced inside -------------------------------------------------------
+    def _cut(self, optimizer: torch.optim.Optimizer) -> None:
+        """Dense state the optimizer holds for the model's parameters (loaded) becomes this rank's slices."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                i = self.index.get(id(p))
+                if i is None or p not in optimizer.state:
+                    continue
+                dense = optimizer.state.pop(p)
+                for piece in self.pieces.get(i, ()):
+                    self.store[piece] = {k: _slice(v, p, piece) for k, v in dense.items()}
+
+    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """``load_state_dict`` replaced the whole state: the slices held before go, the new dense state is cut."""
+        self.store.clear()
+        self._cut(optimizer)
+
+    def _dense_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state every rank holds a slice of, whole, at each parameter's index in ``state_dict``."""
+        positions: dict[int, int] = {}
+        start = 0
+        for group in optimizer.param_groups:  # torch's own numbering (Optimizer.state_dict)
+            for i, p in enumerate(group["params"], start):
+                positions.setdefault(id(p), i)
+            start += len(group["params"])
+        with waiting("optimizer.state_dict() of an optimizer over a sharded model (a collective: call it on every "
+                     "rank, as autodist.save does)"):
+            dense = self._dense()
+        for i, state in dense.items():
+            if id(self.params[i]) in positions:
+                state_dict["state"][positions[id(self.params[i])]] = state
+        return state_dict
+
+    def _dense(self) -> dict[int, dict[str, Any]]:
+        """{parameter index: its whole state} for every parameter that has state on its owners."""
+        elementwise: dict[str, str] = {}  # key -> dtype, of the per-element entries this rank holds
+        scalars: dict[int, dict[str, Any]] = {}  # parameter -> its other entries, from the owner of its first element
+        for piece, state in self.store.items():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    elementwise[k] = str(v.dtype).removeprefix("torch.")
+                elif piece.start == 0:
+                    scalars.setdefault(piece.index, {})[k] = _plain(v)
+            if piece.start == 0:
+                scalars.setdefault(piece.index, {})
+        keys: dict[str, str] = {}
+        merged: dict[int, dict[str, Any]] = {}
+        for their_keys, their_scalars in plain.all_gather((elementwise, scalars), self.group):
+            keys.update(their_keys)
+            merged.update({int(i): s for i, s in their_scalars.items()})
+        dense = {i: {k: _unplain(v) for k, v in s.items()} for i, s in merged.items()}
+        for key, dtype in sorted(keys.items()):
+            for kind in self.layout.kinds:
+                if not any(i in dense for i in kind.indices):
+                    continue
+                whole = self._gather_key(kind, key, getattr(torch, dtype))
+                for i, flat in whole.items():
+                    if i in dense:
+                        dense[i][key] = flat.view_as(self.params[i])
+        return dense
+
+    def _gather_key(self, kind: Any, key: str, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        mine = torch.zeros(kind.chunk, dtype=dtype, device=kind.device)
+        for piece in kind.pieces[self.rank]:
+            value = self.store.get(piece, {}).get(key)
+            if value is not None:
+                mine[piece.at:piece.at + piece.stop - piece.start] = value
+        every = torch.empty(self.ranks * kind.chunk, dtype=dtype, device=kind.device)
+        dist.all_gather(list(every.view(self.ranks, kind.chunk)), mine, group=self.group)
+        whole = {i: torch.zeros(self.params[i].numel(), dtype=dtype, device=kind.device) for i in kind.indices}
+        for r, pieces in enumerate(kind.pieces):
+            for piece in pieces:
+                at = r * kind.chunk + piece.at
+                whole[piece.index][piece.start:piece.stop] = every[at:at + piece.stop - piece.start]
+        return whole
+
+    def held_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds between steps (its slices)."""
+        return sum(v.numel() * v.element_size() for s in self.store.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _slice(value: Any, param: torch.Tensor, piece: Piece) -> Any:
+    """A dense state entry cut to ``piece``: per-element tensors sliced (a copy), the rest as they are."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
+        return value.detach().reshape(-1)[piece.start:piece.stop].clone()
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _plain(value: Any) -> Any:
+    """A scalar state entry as plain data (a 0-dim tensor keeps its dtype)."""
+    if torch.is_tensor(value):
+        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return value
+
+
+def _unplain(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
+def setup(model: nn.Module, group: Any, rank: int, ranks: int) -> OptimizerSharding:
+    """Shard the optimizer state of ``model`` over the ``ranks`` data-parallel ranks of ``group`` (this one is
+    ``rank``); the model keeps the sharding alive."""
+    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks)
+    return sharding
+
+
+def sharding_of(model: nn.Module) -> OptimizerSharding | None:
+    """The sharding ``parallelize(..., shard="optimizer")`` set up for ``model``, if any."""
+    return _by_model.get(model)
