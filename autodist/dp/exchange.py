@@ -140,22 +140,39 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
     """Shared memory where the group is on one machine and can map one file, the backend's all-reduce
     otherwise. A collective over ``group``: every rank calls it with buckets of the same sizes."""
     size = dist.get_world_size(group)
-    if size < 2 or not flats or dist.get_backend(group) != "gloo":
+    # every rank's bucket, and the sum
+    shared = _open(flats, group, size + 1, "gradient buckets") if _one_machine(flats, group) else None
+    if shared is None:
         return AllReduce(flats, group)
+    views, mapping = shared
+    return SharedSum([v[:size] for v in views], [v[size] for v in views], dist.get_rank(group), group, mapping)
+
+
+def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str
+                 ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
+    """One slot per rank of ``group`` for each of ``flats`` (each rank's, the same sizes), in a file of shared
+    memory every rank maps: ``slots[i][r]``, and the mapping that keeps them alive; None where the ranks are
+    not on one machine or cannot share a file (then use the backend; ``what`` goes through it, in words, for
+    the log line saying why). A collective over ``group``."""
+    return _open(flats, group, dist.get_world_size(group), what) if _one_machine(flats, group) else None
+
+
+def _one_machine(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
+    if dist.get_world_size(group) < 2 or not flats or dist.get_backend(group) != "gloo":
+        return False
     wish = (machine(), shared_memory_allowed() and shared_memory.available(),
             all(f.device.type == "cpu" for f in flats))
     wishes = plain.all_gather(wish, group)
-    if len({w[0] for w in wishes}) > 1 or not all(w[1] and w[2] for w in wishes):
-        return AllReduce(flats, group)
-    shared = _open(flats, group, size)
-    return shared if shared is not None else AllReduce(flats, group)
+    return len({w[0] for w in wishes}) == 1 and all(w[1] and w[2] for w in wishes)
 
 
-def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> SharedSum | None:
-    """Group rank 0 makes the file, every rank maps it, and shared memory is used only if all could."""
+def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: int, what: str
+          ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
+    """Group rank 0 makes the file of ``regions`` views of each flat, every rank maps it, and shared memory is
+    used only if all could."""
     me = dist.get_rank(group)
     strides = [shared_memory.aligned(f.numel() * f.element_size()) for f in flats]
-    nbytes = (size + 1) * sum(strides)  # every rank's bucket, and the sum
+    nbytes = regions * sum(strides)
     made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
     path, why = made
     try:
@@ -173,18 +190,15 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, size: int)
             shared_memory.remove(path)
     if mapped.item() < 1.0:
         if me == 0:
-            log.info("gradient buckets go through gloo's all-reduce, not shared memory: %s",
+            log.info("%s go through gloo, not shared memory: %s", what,
                      why or "another rank could not open the file this rank made in shared memory")
         return None
     assert mapping is not None
-    slots, sums, offset = [], [], 0
+    views, offset = [], 0
     for flat, stride in zip(flats, strides):
-        views = [torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
-                 for r in range(size + 1)]
-        slots.append(views[:size])
-        sums.append(views[size])
-        offset += (size + 1) * stride
+        views.append([torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
+                      for r in range(regions)])
+        offset += regions * stride
     if me == 0:
-        log.debug("the %d ranks on this machine keep their gradient buckets in shared memory (%.1f MiB in %s)",
-                  size, nbytes / 2**20, shared_memory.DIRECTORY)
-    return SharedSum(slots, sums, me, group, mapping)
+        log.debug("the ranks on this machine share %.1f MiB in %s", nbytes / 2**20, shared_memory.DIRECTORY)
+    return views, mapping

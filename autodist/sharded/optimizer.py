@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from autodist.dp import exchange
 from autodist.runtime import plain
 from autodist.runtime.position import waiting
 from autodist.sharded.layout import Layout, Piece
@@ -89,6 +90,10 @@ class OptimizerSharding:
         self.store: dict[Piece, dict[str, Any]] = {}  # each piece's optimizer state between steps
         self.holds: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.swapped: dict[int, list[torch.Tensor]] = {}  # id(param group) -> its own params, during a step
+        # On one machine the updated chunks meet in shared memory: each rank writes its own, reads the others'.
+        self.slots = exchange.shared_slots([torch.empty(k.chunk, dtype=k.dtype, device=k.device)
+                                            for k in self.layout.kinds], group, "the sharded parameters")
+        self.flag = torch.zeros(1)
         if not _hooks:
             _hooks.append(register_optimizer_step_pre_hook(_before_any_step))
             _hooks.append(register_optimizer_step_post_hook(_after_any_step))
@@ -170,6 +175,25 @@ class OptimizerSharding:
             group["params"] = own
 
     def _gather_parameters(self) -> None:
+        if self.slots is None:
+            self._gather_through_backend()
+            return
+        slots, _ = self.slots
+        for kind, mine in zip(self.layout.kinds, (s[self.rank] for s in slots)):
+            for piece in kind.pieces[self.rank]:
+                mine[piece.at:piece.at + piece.stop - piece.start] = \
+                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
+        dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank wrote its chunk
+        for kind, theirs in zip(self.layout.kinds, slots):
+            for r, pieces in enumerate(kind.pieces):
+                if r == self.rank:
+                    continue
+                for piece in pieces:
+                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop].copy_(
+                        theirs[r][piece.at:piece.at + piece.stop - piece.start])
+        dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank read: the chunks may be written again
+
+    def _gather_through_backend(self) -> None:
         for kind in self.layout.kinds:
             mine = torch.zeros(kind.chunk, dtype=kind.dtype, device=kind.device)
             for piece in kind.pieces[self.rank]:

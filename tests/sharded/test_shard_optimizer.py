@@ -4,6 +4,7 @@ project's models and outside code); the state travels dense."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -50,8 +51,9 @@ def _train(model, batches, optimizer: str, clip: bool = False):
     return opt
 
 
-def _mlp_run(optimizer: str, clip: bool):
+def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1"):
     torch.set_default_dtype(torch.float64)
+    os.environ["AUTODIST_SHARED_MEMORY"] = shared_memory  # "0": the chunks meet through gloo's all-gather
     try:
         x, y = w.digits_like(60, features=7, classes=5)
         build = lambda: torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))  # noqa: E731
@@ -68,12 +70,14 @@ def _mlp_run(optimizer: str, clip: bool):
         return w.state(ref), w.state(model), held, full, dense, ref_dense
     finally:
         torch.set_default_dtype(torch.float32)
+        del os.environ["AUTODIST_SHARED_MEMORY"]
 
 
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("optimizer, clip", [("adam", False), ("adamw", True)])
-def test_sharded_optimizer_state_trains_as_one_process(ranks, size, optimizer, clip):
-    results = ranks(size, _mlp_run, optimizer, clip)
+@pytest.mark.parametrize("optimizer, clip, shared_memory", [("adam", False, "1"), ("adamw", True, "1"),
+                                                             ("adamw", True, "0")])
+def test_sharded_optimizer_state_trains_as_one_process(ranks, size, optimizer, clip, shared_memory):
+    results = ranks(size, _mlp_run, optimizer, clip, shared_memory)
     for ref, par, held, full, dense, ref_dense in results:
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
         assert held <= full / size * 1.01 + 64, (held, full)  # 1/N of the per-element state (+ an element)
