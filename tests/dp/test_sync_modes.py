@@ -57,12 +57,13 @@ def test_parameter_averaging(ranks):
         assert_close(par, expected, rtol=1e-6, atol=1e-6)
 
 
-def _accumulate(micro: int, n: int):
-    """Each optimizer step accumulates `micro` global micro-batches of 5 samples (the last one of n % 5)."""
+def _accumulate(micro: int, n: int, **options):
+    """Each optimizer step accumulates `micro` global micro-batches of 5 samples (the last one of n % 5);
+    ``options`` go to parallelize."""
     x, y = w.digits_like(n)
     ref_model, model = w.seeded(w.mlp, 0), w.seeded(w.mlp, w.rank())
     ref_opt = w.optimizer("adam", ref_model)
-    model, data = autodist.parallelize(model, w.loader(x, y, 5, shuffle=False))
+    model, data = autodist.parallelize(model, w.loader(x, y, 5, shuffle=False), **options)
     opt = w.optimizer("adam", model)
     ref_batches, batches = list(w.loader(x, y, 5, shuffle=False)), list(data)
     for start in range(0, len(batches), micro):

@@ -52,6 +52,27 @@ def _data_parallel():
     return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu, world.backend, str(device)
 
 
+def _sharded_optimizer():
+    world = autodist.init()
+    device = world.device
+    x, y = w.digits_like(22)
+    ref = w.seeded(w.mlp, 0).double().to(device)
+    _train(ref, w.loader(x, y, 8), w.optimizer("adamw", ref), device)
+    model = w.seeded(w.mlp, w.rank() * 7).double().to(device)
+    model, data = autodist.parallelize(model, w.loader(x, y, 8), shard="optimizer")
+    optimizer = w.optimizer("adamw", model)
+    _train(model, data, optimizer, device)
+    dense = optimizer.state_dict()["state"]  # gathered on the GPU
+    return _cpu(ref.state_dict()), _cpu(model.state_dict()), all(v.is_cuda for s in dense.values()
+                                                                  for v in s.values() if v.dim() > 0)
+
+
+def test_sharded_optimizer_state_on_one_shared_gpu_trains_as_one_process(ranks):
+    for ref, par, on_gpu in ranks(2, _sharded_optimizer):
+        assert on_gpu
+        assert_close(par, ref, rtol=1e-9, atol=1e-12)
+
+
 def test_two_ranks_sharing_one_gpu_train_as_one_process(ranks):
     # 22 samples, batch 8: the last global batch of 6 splits 3/3; Adam in float64
     for ref, par, on_gpu, backend, device in ranks(2, _data_parallel):

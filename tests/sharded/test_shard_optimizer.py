@@ -13,9 +13,11 @@ from torch.testing import assert_close
 
 import autodist
 import workloads as w
+from alike import assert_same_training
 from autodist.sharded.layout import Layout
 from autodist.sharded.optimizer import sharding_of
 from outside.nanogpt import GPT, GPTConfig
+from test_sync_modes import _accumulate
 
 
 def test_the_layout_gives_every_rank_one_nth_of_the_elements():
@@ -85,6 +87,15 @@ def test_sharded_optimizer_state_trains_as_one_process(ranks, size, optimizer, c
         assert_close(dense["state"], ref_dense["state"], rtol=1e-12, atol=1e-14)
     for _, par, *_ in results[1:]:
         assert_close(par, results[0][1], rtol=0, atol=0)
+
+
+def _accumulate_sharded():
+    return _accumulate(2, 17, shard="optimizer")
+
+
+def test_no_sync_accumulation_with_uneven_micro_batches(ranks):
+    # 17 samples in micro-batches of 5: the last step's ranks hold 1, 1 and 0 samples (tests/dp/test_sync_modes.py)
+    assert_same_training(ranks(3, _accumulate_sharded))
 
 
 def _nanogpt_run():
