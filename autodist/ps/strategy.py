@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from autodist.dp import step_hooks
 from autodist.faults import watchdog
 from autodist.ps import wire
 from autodist.ps.layout import ShardLayout, flatten, unflatten_into
@@ -24,25 +24,6 @@ _QUIET = datetime.timedelta(days=30)  # a worker may stay silent this long (eval
 
 class ServerLost(RuntimeError):
     """A parameter server is gone: its shard was the only up-to-date copy, so the job cannot go on."""
-
-
-# -- one pair of process-wide optimizer-step hooks (torch iterates its hook table while calling it) -----------
-
-_live: "weakref.WeakSet[ParameterServer]" = weakref.WeakSet()
-_hooks: list[Any] = []
-
-
-def _each(optimizer: torch.optim.Optimizer, before: bool) -> None:
-    for strategy in list(_live):
-        if strategy.holds(optimizer):
-            strategy._before_step(optimizer) if before else strategy._after_step(optimizer)
-
-
-def _watch(strategy: "ParameterServer") -> None:
-    if not _hooks:
-        _hooks.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: _each(opt, True)))
-        _hooks.append(register_optimizer_step_post_hook(lambda opt, args, kwargs: _each(opt, False)))
-    _live.add(strategy)
 
 
 def _positive(name: str, value: object, minimum: int = 1) -> int:
@@ -91,12 +72,20 @@ class ParameterServer(Strategy):
                                       self._alpha(world))
             self.serving = Serving(self.server, self.group, [w for w in range(world) if w != self.me],
                                    self._worker_lost)
-        _watch(self)
+        step_hooks.listen(self)  # before_step / after_step around every optimizer.step()
         watchdog.on_data_end(self)
         return None
 
     def _alpha(self, world: int) -> float | None:
         return None
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.holds(optimizer):
+            self._before_step(optimizer)
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.holds(optimizer):
+            self._after_step(optimizer)
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         holds = self._mine.get(optimizer)
@@ -189,7 +178,7 @@ class ParameterServer(Strategy):
         if self.started and not self.broken:
             self._hand_back()
         self.closed = True
-        _live.discard(self)
+        step_hooks.forget(self)
         ending.forget(self.settle)
         if self.broken:
             return

@@ -1,11 +1,11 @@
 """``shard="optimizer"`` (ZeRO stage 1): each data-parallel rank keeps and updates only its slice of the
 optimizer state, then the ranks all-gather the updated parameters.
 
-The user's optimizer is built from ``model.parameters()`` as always. Around each of its steps one global
-pair of optimizer-step hooks swaps, for the duration of the step, every parameter of the model in its
-param groups for this rank's *pieces* of it (:mod:`autodist.sharded.layout`): 1-D views of the
-parameter's elements this rank owns, whose ``.grad`` is the same slice of the (already averaged)
-gradient. The optimizer updates those views in place, so it touches 1/N of the elements and creates
+The user's optimizer is built from ``model.parameters()`` as always. Around each of its steps the
+process-wide optimizer-step hooks (:mod:`autodist.dp.step_hooks`) swap, for the duration of the step,
+every parameter of the model in its param groups for this rank's *pieces* of it
+(:mod:`autodist.sharded.layout`): 1-D views of the parameter's elements this rank owns, whose ``.grad``
+is the same slice of the (already averaged) gradient. The optimizer updates those views in place, so it touches 1/N of the elements and creates
 1/N of the state. After the step the parameters are put back and every rank's updated elements are
 all-gathered, so that each rank again holds the whole, identical model. Between steps the pieces' state
 lives here, not in ``optimizer.state``.
@@ -31,9 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autodist.dp import exchange
+from autodist.dp import exchange, step_hooks
 from autodist.runtime import plain
 from autodist.runtime.position import waiting
 from autodist.sharded.layout import Layout, Piece
@@ -56,19 +55,7 @@ def elementwise(cls: type) -> type:
     return cls
 
 
-_live: "weakref.WeakSet[OptimizerSharding]" = weakref.WeakSet()
 _by_model: "weakref.WeakKeyDictionary[nn.Module, OptimizerSharding]" = weakref.WeakKeyDictionary()
-_hooks: list[Any] = []
-
-
-def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for sharding in list(_live):
-        sharding.before_step(optimizer)
-
-
-def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for sharding in list(_live):
-        sharding.after_step(optimizer)
 
 
 class OptimizerSharding:
@@ -94,10 +81,7 @@ class OptimizerSharding:
         self.slots = exchange.shared_slots([torch.empty(k.chunk, dtype=k.dtype, device=k.device)
                                             for k in self.layout.kinds], group, "the sharded parameters")
         self.flag = torch.zeros(1)
-        if not _hooks:
-            _hooks.append(register_optimizer_step_pre_hook(_before_any_step))
-            _hooks.append(register_optimizer_step_post_hook(_after_any_step))
-        _live.add(self)
+        step_hooks.listen(self)
 
     # -- which optimizers --------------------------------------------------------------------------
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:

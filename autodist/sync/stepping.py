@@ -1,11 +1,11 @@
 """Watching a model's training without the user's help: its optimizer steps and the samples behind them.
 
 The optimizer is built after ``parallelize`` (model parallelism replaces
-parameters), so autodist cannot wrap it. Instead one global optimizer-step
-post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) sees
-every ``optimizer.step()`` in the process and passes on those of optimizers
-holding at least one of the model's parameters; the answer is remembered per
-optimizer, so the filter costs a dictionary look-up per step.
+parameters), so autodist cannot wrap it. Instead the process-wide optimizer-step
+hooks (:mod:`autodist.dp.step_hooks`) see every ``optimizer.step()`` in the
+process, and a :class:`StepWatch` passes on those of optimizers holding at least
+one of the model's parameters; the answer is remembered per optimizer, so the
+filter costs a dictionary look-up per step.
 
 Samples are counted as exact sync counts them (:class:`autodist.dp.shares.SampleCounter`:
 from the sharded DataLoader's batch shares, else from the forward's tensors), and only for
@@ -20,25 +20,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from autodist.dp import step_hooks
 from autodist.dp.shares import Counted, SampleCounter, watch_outputs
 from autodist.dp.structure import Watch
-
-_watches: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()
-_hooks: list[Any] = []
-
-
-def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The one global hook: it never changes torch's hook table (which torch is iterating over right now)."""
-    for watch in list(_watches):
-        watch.after_step(optimizer)
-
-
-def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for watch in list(_watches):
-        watch.before_step(optimizer)
-
 
 class StepWatch:
     """Calls ``on_step()`` after every step of an optimizer holding any of ``model``'s parameters (and
@@ -54,11 +39,8 @@ class StepWatch:
         self.mine: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.on_step = weakref.WeakMethod(on_step)  # type: ignore[arg-type]
         self.on_before = weakref.WeakMethod(before_step) if before_step is not None else None  # type: ignore[arg-type]
-        if not _hooks:
-            _hooks.append(register_optimizer_step_post_hook(_after_any_step))
-            _hooks.append(register_optimizer_step_pre_hook(_before_any_step))
-        _watches.add(self)
-        weakref.finalize(on_step.__self__, _watches.discard, self)  # type: ignore[attr-defined]
+        step_hooks.listen(self)
+        weakref.finalize(on_step.__self__, step_hooks.forget, self)  # type: ignore[attr-defined]
 
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
         holds = self.mine.get(optimizer)
@@ -80,7 +62,7 @@ class StepWatch:
             callback()
 
     def remove(self) -> None:
-        _watches.discard(self)
+        step_hooks.forget(self)
 
 
 class SampleTally:

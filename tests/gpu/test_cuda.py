@@ -39,37 +39,28 @@ def _train(model, batches, optimizer, device):
         optimizer.step()
 
 
-def _data_parallel():
+def _data_parallel(opt_name: str = "adam", **options):
     world = autodist.init()
     device = world.device
     x, y = w.digits_like(22)
     ref = w.seeded(w.mlp, 0).double().to(device)
-    _train(ref, w.loader(x, y, 8), w.optimizer("adam", ref), device)
+    _train(ref, w.loader(x, y, 8), w.optimizer(opt_name, ref), device)
     model = w.seeded(w.mlp, w.rank() * 7).double().to(device)  # ranks differ: rank 0's weights must win
-    model, data = autodist.parallelize(model, w.loader(x, y, 8))
-    _train(model, data, w.optimizer("adam", model), device)
-    on_gpu = all(p.is_cuda and p.grad.is_cuda for p in model.parameters())
-    return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu, world.backend, str(device)
-
-
-def _sharded_optimizer():
-    world = autodist.init()
-    device = world.device
-    x, y = w.digits_like(22)
-    ref = w.seeded(w.mlp, 0).double().to(device)
-    _train(ref, w.loader(x, y, 8), w.optimizer("adamw", ref), device)
-    model = w.seeded(w.mlp, w.rank() * 7).double().to(device)
-    model, data = autodist.parallelize(model, w.loader(x, y, 8), shard="optimizer")
-    optimizer = w.optimizer("adamw", model)
+    model, data = autodist.parallelize(model, w.loader(x, y, 8), **options)
+    optimizer = w.optimizer(opt_name, model)
     _train(model, data, optimizer, device)
-    dense = optimizer.state_dict()["state"]  # gathered on the GPU
-    return _cpu(ref.state_dict()), _cpu(model.state_dict()), all(v.is_cuda for s in dense.values()
-                                                                  for v in s.values() if v.dim() > 0)
+    on_gpu = all(p.is_cuda and p.grad.is_cuda for p in model.parameters())
+    state_on_gpu = all(v.is_cuda for s in optimizer.state_dict()["state"].values() for v in s.values() if v.dim())
+    return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu and state_on_gpu, world.backend, str(device)
+
+
+def _sharded():
+    return _data_parallel("adamw", shard="optimizer")
 
 
 def test_sharded_optimizer_state_on_one_shared_gpu_trains_as_one_process(ranks):
-    for ref, par, on_gpu in ranks(2, _sharded_optimizer):
-        assert on_gpu
+    for ref, par, on_gpu, backend, _ in ranks(2, _sharded):
+        assert on_gpu and backend == "gloo"
         assert_close(par, ref, rtol=1e-9, atol=1e-12)
 
 
