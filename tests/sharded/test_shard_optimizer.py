@@ -284,3 +284,31 @@ def test_a_checkpoint_resumes_at_another_level_and_world_size_exactly(ranks, tmp
     for state, opt_state in ranks(3, _resume_run, path, load_shard):
         assert_close(state, ref, rtol=1e-12, atol=1e-14)
         assert_close(opt_state["state"], ref_opt["state"], rtol=1e-12, atol=1e-14)
+
+
+def _round_trip_run():
+    """Two steps, the optimizer's state through state_dict() and back into it, a third step."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        x, y = w.digits_like(36, features=6, classes=3)
+        batches = [(x[i:i + 12], y[i:i + 12]) for i in range(0, 36, 12)]
+        ref = w.seeded(w.mlp, 0)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        model, (xs, ys) = autodist.parallelize(w.seeded(w.mlp, 100 * w.rank()), (x, y), shard="optimizer")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mine = [(xs[i:i + 4], ys[i:i + 4]) for i in range(0, 12, 4)]  # this rank's rows of each global batch
+        for step, ((xb, yb), (xr, yr)) in enumerate(zip(mine, batches)):
+            if step == 2:
+                opt.load_state_dict(opt.state_dict())  # dense out, cut back in
+            for m, o, a, b in ((model, opt, xb, yb), (ref, ref_opt, xr, yr)):
+                o.zero_grad()
+                F.cross_entropy(m(a), b).backward()
+                o.step()
+        return w.state(ref), w.state(model)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_the_state_goes_out_dense_and_back_in_between_steps(ranks):
+    for ref, par in ranks(3, _round_trip_run):
+        assert_close(par, ref, rtol=1e-12, atol=1e-14)
