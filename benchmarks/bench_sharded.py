@@ -105,14 +105,8 @@ def together(args: argparse.Namespace) -> None:
     built = {name: contender(name, args) for name in CONTENDERS}
     x, y = _batch(args)
     steps = {name: (lambda m=m, o=o: _step(m, o, x, y)) for name, (m, o, _) in built.items()}
+    times, _ = timing.interleave(steps, args.steps, args.rounds, args.warmup)
     names = list(CONTENDERS)
-    for name in names:
-        for _ in range(args.warmup):
-            steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            times[name] += [steps[name]() for _ in range(args.steps)]
     # the same steps on the same data from the same weights: the same parameters
     params = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for name, (m, _, _) in built.items()}
     gap = {n: (params[n] - params["dp"]).abs().max().item() for n in names[1:]}

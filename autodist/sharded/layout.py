@@ -28,6 +28,10 @@ class Piece:
     stop: int
     at: int
 
+    def in_chunk(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Where the piece's elements sit in ``chunk`` (its owner's)."""
+        return chunk[self.at:self.at + self.stop - self.start]
+
 
 @dataclass
 class Kind:

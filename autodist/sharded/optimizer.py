@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch import nn
 from autodist.dp import exchange, step_hooks
 from autodist.runtime import plain
 from autodist.runtime.position import waiting
-from autodist.sharded.layout import Layout, Piece
+from autodist.sharded.layout import Kind, Layout, Piece
 
 ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                           torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
@@ -144,11 +144,11 @@ class OptimizerSharding:
 
     def _restore(self, optimizer: torch.optim.Optimizer) -> None:
         """Give the param groups their own parameters back; the pieces' state goes back to the store."""
+        pieces = {id(v): piece for piece, v in self.views.items()}
         for group in optimizer.param_groups:
             own = self.swapped.pop(id(group), None)
             if own is None:
                 continue
-            pieces = {id(v): piece for piece, v in self.views.items()}
             for t in group["params"]:
                 piece = pieces.get(id(t))
                 if piece is not None:
@@ -158,40 +158,48 @@ class OptimizerSharding:
                         self.store[piece] = state
             group["params"] = own
 
-    def _gather_parameters(self) -> None:
-        if self.slots is None:
-            self._gather_through_backend()
-            return
-        slots, _ = self.slots
-        for kind, mine in zip(self.layout.kinds, (s[self.rank] for s in slots)):
-            for piece in kind.pieces[self.rank]:
-                mine[piece.at:piece.at + piece.stop - piece.start] = \
-                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
-        dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank wrote its chunk
-        for kind, theirs in zip(self.layout.kinds, slots):
-            for r, pieces in enumerate(kind.pieces):
-                if r == self.rank:
-                    continue
-                for piece in pieces:
-                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop].copy_(
-                        theirs[r][piece.at:piece.at + piece.stop - piece.start])
-        dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank read: the chunks may be written again
+    def _param_slice(self, piece: Piece) -> torch.Tensor:
+        return self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
 
-    def _gather_through_backend(self) -> None:
-        for kind in self.layout.kinds:
-            mine = torch.zeros(kind.chunk, dtype=kind.dtype, device=kind.device)
-            for piece in kind.pieces[self.rank]:
-                mine[piece.at:piece.at + piece.stop - piece.start] = \
-                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
-            every = torch.empty(self.ranks * kind.chunk, dtype=kind.dtype, device=kind.device)
-            dist.all_gather(list(every.view(self.ranks, kind.chunk)), mine, group=self.group)
-            for r, pieces in enumerate(kind.pieces):
-                if r == self.rank:
-                    continue
-                base = r * kind.chunk
+    def _gather_parameters(self) -> None:
+        """Every rank's updated elements into every rank's parameters: through the shared slots on one machine
+        (each rank writes its chunk, then reads the others'), else the backend's all-gather, a kind at a time."""
+        shared = self.slots[0] if self.slots is not None else None
+        if shared is not None:
+            for kind, slots in zip(self.layout.kinds, shared):
+                self._pack(kind, slots[self.rank], self._param_slice)
+            dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank wrote its chunk
+        for k, kind in enumerate(self.layout.kinds):
+            theirs = shared[k] if shared is not None else self._through_backend(kind, kind.dtype, self._param_slice)
+            self._unpack(kind, theirs, lambda piece, values: self._param_slice(piece).copy_(values), skip=self.rank)
+        if shared is not None:
+            dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank read: the chunks may be written again
+
+    def _pack(self, kind: Kind, chunk: torch.Tensor, value_of: Callable[[Piece], torch.Tensor | None]) -> None:
+        """This rank's pieces of ``kind`` into its ``chunk`` (a piece whose value is None is left as it is)."""
+        for piece in kind.pieces[self.rank]:
+            value = value_of(piece)
+            if value is not None:
+                piece.in_chunk(chunk).copy_(value)
+
+    def _through_backend(self, kind: Kind, dtype: torch.dtype,
+                         value_of: Callable[[Piece], torch.Tensor | None]) -> list[torch.Tensor]:
+        """Every rank's chunk of ``kind`` (this rank's packed from ``value_of``, zeros elsewhere), all-gathered."""
+        mine = torch.zeros(kind.chunk, dtype=dtype, device=kind.device)
+        self._pack(kind, mine, value_of)
+        every = torch.empty(self.ranks * kind.chunk, dtype=dtype, device=kind.device)
+        chunks = list(every.view(self.ranks, kind.chunk))
+        dist.all_gather(chunks, mine, group=self.group)
+        return chunks
+
+    @staticmethod
+    def _unpack(kind: Kind, chunks: list[torch.Tensor], put: Callable[[Piece, torch.Tensor], Any],
+                skip: int | None = None) -> None:
+        """``put(piece, its values)`` for every rank's pieces of ``kind`` (but rank ``skip``'s) from ``chunks``."""
+        for r, pieces in enumerate(kind.pieces):
+            if r != skip:
                 for piece in pieces:
-                    self.params[piece.index].detach().view(-1)[piece.start:piece.stop].copy_(
-                        every[base + piece.at:base + piece.at + piece.stop - piece.start])
+                    put(piece, piece.in_chunk(chunks[r]))
 
     # -- state: dense outside, sliced inside -------------------------------------------------------
     def _cut(self, optimizer: torch.optim.Optimizer) -> None:
@@ -254,19 +262,10 @@ class OptimizerSharding:
                         dense[i][key] = flat.view_as(self.params[i])
         return dense
 
-    def _gather_key(self, kind: Any, key: str, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        mine = torch.zeros(kind.chunk, dtype=dtype, device=kind.device)
-        for piece in kind.pieces[self.rank]:
-            value = self.store.get(piece, {}).get(key)
-            if value is not None:
-                mine[piece.at:piece.at + piece.stop - piece.start] = value
-        every = torch.empty(self.ranks * kind.chunk, dtype=dtype, device=kind.device)
-        dist.all_gather(list(every.view(self.ranks, kind.chunk)), mine, group=self.group)
+    def _gather_key(self, kind: Kind, key: str, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        theirs = self._through_backend(kind, dtype, lambda piece: self.store.get(piece, {}).get(key))
         whole = {i: torch.zeros(self.params[i].numel(), dtype=dtype, device=kind.device) for i in kind.indices}
-        for r, pieces in enumerate(kind.pieces):
-            for piece in pieces:
-                at = r * kind.chunk + piece.at
-                whole[piece.index][piece.start:piece.stop] = every[at:at + piece.stop - piece.start]
+        self._unpack(kind, theirs, lambda piece, values: whole[piece.index][piece.start:piece.stop].copy_(values))
         return whole
 
     def held_bytes(self) -> int:
