@@ -23,9 +23,7 @@ def _device(group: Any) -> torch.device:
 
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    data = json.dumps(obj, allow_nan=True).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
-        torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)  # never empty
 
 
 def _tuples(value: Any) -> Any:

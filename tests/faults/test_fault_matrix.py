@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_watchdog import TIMEOUT, child_env
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts
 SCRIPT = os.path.join(HERE, "matrix_train.py")
 MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2",
          "shard-optimizer"]
 FAULTS = ["none", "raise", "kill", "stall"]
-TIMEOUT = 5  # AUTODIST_TIMEOUT and AUTODIST_EXIT_TIMEOUT in these runs
 LIMIT = 60  # every process of a cell must be gone by then
 
 
@@ -45,10 +45,7 @@ class Cell:
 def _run(mode: str, fault: str, folder: str, ranks: int = 2) -> Cell:
     os.makedirs(folder, exist_ok=True)
     checkpoint = os.path.join(folder, "ckpt.pt")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_",
-                                                                      "LOCAL_", "AUTODIST_", "TORCHELASTIC"))}
-    env |= {"PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "AUTODIST_TIMEOUT": str(TIMEOUT), "AUTODIST_EXIT_TIMEOUT": str(TIMEOUT)}
+    env = child_env()
     start = time.time()
     try:
         proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", str(ranks), SCRIPT, mode, fault,

@@ -24,7 +24,7 @@ from autodist.runtime.environment import hang_timeout
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 SCRIPT = os.path.join(HERE, "faulty_train.py")
-TIMEOUT = 5  # AUTODIST_TIMEOUT in these runs
+TIMEOUT = 5  # AUTODIST_TIMEOUT (and AUTODIST_EXIT_TIMEOUT) in these runs
 
 
 # -- pure: what the messages say ---------------------------------------------------------------------
@@ -118,12 +118,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env() -> dict:
+def child_env() -> dict:
+    """The environment of a launched job: no launch of the caller's, tests/ importable, AUTODIST_TIMEOUT and
+    AUTODIST_EXIT_TIMEOUT of TIMEOUT seconds (tests/faults/test_fault_matrix.py uses it too)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_",
-                                                                      "LOCAL_", "AUTODIST_"))}
+                                                                      "LOCAL_", "AUTODIST_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    env["AUTODIST_TIMEOUT"] = str(TIMEOUT)
+    env["AUTODIST_TIMEOUT"] = env["AUTODIST_EXIT_TIMEOUT"] = str(TIMEOUT)
     return env
 
 
@@ -145,7 +147,7 @@ def _run(fault: str, tmp_path) -> Job:
     for _ in range(3):  # the free port may be taken before rank 0 binds it: try another
         port, procs, logs = _free_port(), [], []
         for rank in range(2):
-            env = _child_env() | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+            env = child_env() | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                                   "MASTER_PORT": str(port)}
             logs.append(open(tmp_path / f"rank{rank}.txt", "w+"))
@@ -261,7 +263,7 @@ def test_save_on_rank_0_only_names_the_collective_and_the_line(tmp_path):
 
 @pytest.mark.e2e
 def test_a_stall_under_autodist_run_ends_the_job(tmp_path):
-    env = _child_env()
+    env = child_env()
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", "2", SCRIPT, "sleep"], env=env,
                           capture_output=True, text=True, timeout=120)
