@@ -64,6 +64,11 @@ class Failure:
         return self.error is not None and any(p in self.error.lower() for p in _PEER_GONE)
 
     @property
+    def obeyed(self) -> bool:
+        """Whether it is a rank stopped by another rank's watchdog verdict (that rank's words say more)."""
+        return self.error is not None and self.error.startswith("stopped because ")
+
+    @property
     def status(self) -> int:
         """The exit status a shell gives a process that ended this way."""
         return self.exitcode if self.exitcode > 0 else 128 - self.exitcode
@@ -272,7 +277,7 @@ def launch(report: str, torchrun_argv: list[str]) -> int:
 def root_cause(failures: list[Failure]) -> Failure:
     """The failure the others most likely follow from: a rank's own error or a kill before a vanished
     peer's error or a bare exit status (what a rank stopped by autodist's watchdog leaves), then the first."""
-    return min(failures, key=lambda f: (f.secondary, f.verdict, f.error is None and f.exitcode > 0, f.time))
+    return min(failures, key=lambda f: (f.secondary, f.verdict, f.obeyed, f.error is None and f.exitcode > 0, f.time))
 
 
 def summary(failures: list[Failure], world: int | None = None) -> list[str]:
@@ -285,8 +290,7 @@ def summary(failures: list[Failure], world: int | None = None) -> list[str]:
     root = root_cause(failures)
     of = f" of {world}" if world else ""
     if root.verdict and root.error:  # no rank raised: the watchdog's words (the deciding rank's) say who did what
-        found = [f.error for f in failures if f.verdict and f.error and not f.error.startswith("stopped because ")]
-        return [f"autodist run: the ranks were stopped: {found[0] if found else root.error.removeprefix('stopped because ')}"]
+        return [f"autodist run: the ranks were stopped: {root.error.removeprefix('stopped because ')}"]
     # Only ranks that lost a peer (on this node): the line they died with names the peer and why.
     verb = "stopped" if root.secondary else "failed"
     error = root.error.removeprefix("autodist.faults.watchdog.PeerFailure: ") if root.error else None

@@ -5,10 +5,10 @@ The user's optimizer is built from ``model.parameters()`` as always. Around each
 process-wide optimizer-step hooks (:mod:`autodist.dp.step_hooks`) swap, for the duration of the step,
 every parameter of the model in its param groups for this rank's *pieces* of it
 (:mod:`autodist.sharded.layout`): 1-D views of the parameter's elements this rank owns, whose ``.grad``
-is the same slice of the (already averaged) gradient. The optimizer updates those views in place, so it touches 1/N of the elements and creates
-1/N of the state. After the step the parameters are put back and every rank's updated elements are
-all-gathered, so that each rank again holds the whole, identical model. Between steps the pieces' state
-lives here, not in ``optimizer.state``.
+is the same slice of the (already averaged) gradient. The optimizer updates those views in place, so it
+touches 1/N of the elements and creates 1/N of the state. After the step the parameters are put back and
+every rank's updated elements are all-gathered, so that each rank again holds the whole, identical model.
+Between steps the pieces' state lives here, not in ``optimizer.state``.
 
 This is the single-process update exactly, for optimizers that update each element on its own
 (:data:`ELEMENTWISE`: SGD, Adam, AdamW, ...); one that looks across elements (Adafactor's factored

@@ -158,7 +158,8 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_lost_it():
 
 
 def test_a_watchdog_verdict_is_the_summary_when_no_rank_raised():
-    found = "rank 0 has waited 5 s in the gradient sync of step 4 of epoch 0 for the other ranks: rank 1 is in its own code"
+    found = ("rank 0 has waited 5 s in the gradient sync of step 4 of epoch 0 for the other ranks: rank 1 is in its "
+             "own code")
     decider = Failure(0, 1, found, 12.0, verdict=True)
     obeyed = Failure(1, 1, f"stopped because rank 0 found: {found}", 11.9, verdict=True)
     assert summary([obeyed, decider], world=2) == [f"autodist run: the ranks were stopped: {found}"]

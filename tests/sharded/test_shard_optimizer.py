@@ -58,7 +58,9 @@ def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1"):
     os.environ["AUTODIST_SHARED_MEMORY"] = shared_memory  # "0": the chunks meet through gloo's all-gather
     try:
         x, y = w.digits_like(60, features=7, classes=5)
-        build = lambda: torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))  # noqa: E731
+        def build():
+            return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+
         ref = w.seeded(build, 0)
         ref_opt = _train(ref, w.loader(x, y, 12, shuffle=False), optimizer, clip)
         model, data = autodist.parallelize(w.seeded(build, 100 * w.rank()), w.loader(x, y, 12, shuffle=False),
