@@ -22,6 +22,7 @@ from autodist.runtime.mesh import Groups, ParallelDims, build_groups
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
 from autodist.sharded import optimizer as sharded_optimizer
+from autodist.sharded.scatter import Scatter
 
 
 def _check_model(model: nn.Module) -> None:
@@ -78,13 +79,22 @@ def _check_shard(shard: str | None, strategy: sync_mod.Strategy) -> None:
     if shard not in SHARD_LEVELS:
         raise ValueError(f"shard must be None (every rank holds everything), 'optimizer' (each data-parallel rank "
                          f"keeps 1/N of the optimizer state), 'gradients' or 'parameters'; got {shard!r}")
-    if shard != "optimizer":
-        raise NotImplementedError(f"shard={shard!r} is not in this version of autodist yet: shard='optimizer' "
-                                  f"splits the optimizer state (for Adam, 12 of the 16 bytes per parameter)")
+    if shard == "parameters":
+        raise NotImplementedError("shard='parameters' is not in this version of autodist yet: shard='gradients' "
+                                  "splits the optimizer state and the gradients (for Adam, 16 of the 20 bytes per "
+                                  "parameter a rank holds)")
     if not isinstance(strategy, sync_mod.Exact):
         raise ValueError(f"shard={shard!r} keeps the exact training of sync='backward' or 'manual' and splits its "
                          f"optimizer state; {strategy!r} keeps replicas apart, each with its own state. Use one or "
                          f"the other")
+
+
+def _sharded(shard: str | None, dp: int) -> str:
+    """What the summary line says of ``shard``."""
+    if shard is None or dp == 1:
+        return ""
+    what = "optimizer state" if shard == "optimizer" else "optimizer state and gradients"
+    return f", {what} sharded over the {dp} data-parallel ranks"
 
 
 def _through(sync_state: object | None) -> str:
@@ -231,7 +241,10 @@ def parallelize(
         shard: "optimizer": each data-parallel rank keeps and updates only its
             1/N of the optimizer state and the ranks all-gather the updated
             parameters (ZeRO stage 1; the same training). None: every rank
-            holds everything. See :mod:`autodist.sharded.optimizer`.
+            holds everything. "gradients": also keeps only its 1/N of the
+            averaged gradients (each bucket reduce-scattered; ZeRO stage 2;
+            ``.grad`` holds this rank's slice, and ``clip_grad_norm_`` still
+            gives the global norm). See docs/sharded.md.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -294,14 +307,16 @@ def parallelize(
         dp_ranks = tuple(d * dims.mp + dims.mp_rank(world.rank) for d in range(dims.dp))
         sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
             groups.dp, dp_ranks, dims.dp_rank(world.rank), SampleCounter(batch_dim, samples), bucket_mb,
-            first_bucket_mb, sync_buffers))
-    if shard == "optimizer" and dims.dp > 1:
-        sharded_optimizer.setup(model, groups.dp, dims.dp_rank(world.rank), dims.dp)
+            first_bucket_mb, sync_buffers, scatter=Scatter(groups.dp, dims.dp_rank(world.rank), dims.dp)
+            if shard == "gradients" else None))
+    if shard is not None and dims.dp > 1:
+        sharded_optimizer.setup(model, groups.dp, dims.dp_rank(world.rank), dims.dp,
+                                sync_state if shard == "gradients" else None)
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),
-                 f", optimizer state sharded over the {dims.dp} data-parallel ranks" if shard and dims.dp > 1 else "",
+                 _sharded(shard, dims.dp),
                  _device_of(model, world))
     return model, data_shard

@@ -6,10 +6,14 @@ What it measures
 
     * ``dp``: autodist's data parallelism, every rank holding everything (``shard=None``);
     * ``shard=optimizer``: autodist with each rank keeping 1/N of the optimizer state (ZeRO stage 1);
+    * ``shard=gradients``: also 1/N of the averaged gradients, each bucket reduce-scattered (ZeRO stage 2);
     * ``ZeRO-1 (torch)``: torch's ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (stage 1).
 
     Each contender first runs alone on fresh processes (``--steps`` steps): the bytes of parameters,
-    gradients and optimizer state each rank holds between steps, and the rank's peak resident memory
+    gradients and optimizer state each rank holds between steps (gradients: every distinct storage behind
+    ``.grad`` and autodist's gradient buckets, counting a rank's own slots of shared memory but not the
+    shared sum of ``shard=None`` and ``shard=optimizer`` on one machine, one bucket-set for all ranks;
+    DDP's own buckets are not counted), and the rank's peak resident memory
     (``ru_maxrss``). Then all three run in one set of processes, in interleaved blocks, for the step times
     (medians, and each one's ratio to ``dp``); the parameters are checked equal after.
 
@@ -37,9 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import autodist
+from autodist.dp.grad_sync import state_of
+from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.optimizer import sharding_of
+from autodist.sharded.scatter import ScatteredBucket
 
-CONTENDERS = ("dp", "shard=optimizer", "ZeRO-1 (torch)")
+CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "ZeRO-1 (torch)")
 
 
 def mlp(args: argparse.Namespace) -> nn.Module:
@@ -60,7 +67,7 @@ def contender(name: str, args: argparse.Namespace):
         model = DistributedDataParallel(mlp(args))
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
         return model, optimizer, lambda: _state_bytes(optimizer.optim.state)
-    model, _ = autodist.parallelize(mlp(args), shard="optimizer" if name == "shard=optimizer" else None)
+    model, _ = autodist.parallelize(mlp(args), shard=name.removeprefix("shard=") if name.startswith("shard") else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     sharding = sharding_of(model)
     return model, optimizer, (lambda: sharding.held_bytes()) if sharding else lambda: _state_bytes(optimizer.state)
@@ -68,6 +75,26 @@ def contender(name: str, args: argparse.Namespace):
 
 def _state_bytes(state) -> int:
     return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _gradient_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct storage holding gradients on this rank (see the module docstring)."""
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+
+    for p in model.parameters():
+        if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+            add(p.grad)
+    sync = state_of(model)
+    for bucket in sync.buckets if sync is not None else []:
+        add(bucket.flat)  # shard=gradients: its ring buffer
+        if isinstance(bucket, ScatteredBucket):
+            add(bucket.part)
+            add(bucket.meta)
+    return sum(storages.values())
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +118,7 @@ def alone(args: argparse.Namespace) -> None:
         _step(model, optimizer, x, y)
     params = [p for p in model.parameters()]
     held = {"parameters": sum(p.numel() * p.element_size() for p in params),
-            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "gradients": _gradient_bytes(model),
             "optimizer": state_bytes(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, held)

@@ -51,10 +51,12 @@ class Bucket:
     """One flat buffer: the gradients, then the sample count, a used-flag per parameter, then ``extra`` slots
     that other data of the same sync may ride in (the model's buffers, in the last bucket)."""
 
-    def __init__(self, params: list[nn.Parameter], extra: int = 0) -> None:
+    def __init__(self, params: list[nn.Parameter], extra: int = 0, pad: int = 0, device: torch.device | None = None
+                 ) -> None:
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel + 1 + len(params) + extra, dtype=params[0].dtype, device=params[0].device)
+        numel = sum(p.numel() for p in params) + pad  # ``pad`` numbers after the gradients, never read
+        self.flat = torch.zeros(numel + 1 + len(params) + extra, dtype=params[0].dtype,
+                                device=params[0].device if device is None else device)
         self.count_slot = numel
         self.views, self.extra = self._layout(self.flat)
         # A small model's gradients are copied back into autograd's tensors after every sync, as DDP does;
@@ -75,9 +77,20 @@ class Bucket:
         """Keep the bucket in ``home`` (as large, the same dtype) from now on: this rank's slot in shared memory,
         where the other ranks read it (see :mod:`autodist.dp.exchange`)."""
         if home is not self.flat:
-            home.copy_(self.flat)
+            if self.flat.device.type != "meta":
+                home.copy_(self.flat)
             self.flat = home
             self.views, self.extra = self._layout(home)
+
+    def summed_extra(self) -> torch.Tensor:
+        """The ``extra`` slots summed over the ranks, after the exchange."""
+        return self.extra
+
+    def carry(self, p: nn.Parameter) -> None:
+        """A backward is about to add to ``p.grad``: whole gradients need nothing done."""
+
+    def abandon(self) -> None:
+        """A backward failed midway: nothing of the bucket's is kept beyond the sync."""
 
     def pack(self, count: float, scale: float) -> None:
         """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.

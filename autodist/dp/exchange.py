@@ -70,6 +70,9 @@ class AllReduce:
         """Where bucket ``index`` lives: where it is, summed in place."""
         return flat
 
+    def claim(self, index: int) -> None:
+        """Bucket ``index`` is about to be packed: its buffer is its own, nothing to wait for."""
+
     def send(self, index: int, flat: torch.Tensor) -> None:
         self.works[index] = dist.all_reduce(flat, group=self.group, async_op=True)
 
@@ -103,6 +106,9 @@ class SharedSum:
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """Where bucket ``index`` lives: this rank's slot, which the other ranks can read."""
         return self.slots[index][self.rank]
+
+    def claim(self, index: int) -> None:
+        """Bucket ``index`` is about to be packed: its slot is its own, nothing to wait for."""
 
     def send(self, index: int, flat: torch.Tensor) -> None:
         """Nothing to do: the bucket was packed where the other ranks read it."""

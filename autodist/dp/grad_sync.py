@@ -29,7 +29,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ContextManager, Iterator, Literal
+from typing import Any, ContextManager, Iterator, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,13 +49,24 @@ from autodist.runtime.position import waiting
 from autodist.runtime.world import log
 
 
+class Scatter(Protocol):
+    """Buckets each rank keeps only its part of the sum of (``shard="gradients"``: :mod:`autodist.sharded.scatter`)."""
+
+    def caps(self, params: list[nn.Parameter], caps: tuple[int, int]) -> tuple[int, int]: ...
+
+    def bucket(self, params: list[nn.Parameter], extra: int) -> Bucket: ...
+
+    def choose(self, buckets: list[Bucket], group: dist.ProcessGroup | None) -> Any: ...
+
+
 class GradSync:
     """The gradient synchronisation state of one parallelized model."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
                  first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True,
-                 counter: SampleCounter | None = None) -> None:
+                 counter: SampleCounter | None = None, scatter: Scatter | None = None) -> None:
         self.group = group
+        self.scatter = scatter  # shard="gradients": buckets reduce-scattered, each rank keeps its part
         self.hooks = hooks
         self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
         self.named = list(model.named_parameters())
@@ -92,10 +103,12 @@ class GradSync:
         self.built_for = self._layout()
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]
-        groups = assign_buckets(self.params, *self.caps)
+        groups = assign_buckets(self.params, *(self.caps if self.scatter is None else self.scatter.caps(
+            self.params, self.caps)))
         last = self.params[groups[-1][0]] if groups else None
         extra = self.buffer_sync.carry(last.dtype, last.device) if last is not None else 0
-        self.buckets = [Bucket([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
+        make = Bucket if self.scatter is None else self.scatter.bucket
+        self.buckets = [make([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
                         for k, idx in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         # Chosen at the next sync (_ready_exchange): choosing is a collective, and a rebuild happens in a forward,
@@ -107,6 +120,8 @@ class GradSync:
         for handle in self.param_handles:
             handle.remove()
         self.param_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        if self.scatter is not None:  # a sharded gradient left from the last sync leaves .grad before autograd adds
+            self.param_handles += [p.register_hook(partial(_carry, self.bucket_of[p], p)) for p in self.params]
 
     # -- forward: count, and watch the outputs --------------------------------------------------
     def _on_forward(self, module: nn.Module, args: tuple) -> None:
@@ -131,7 +146,8 @@ class GradSync:
         every rank reaches that in the same order relative to its other collectives)."""
         if self.exchange is None:
             with waiting("exchange"):
-                self.exchange = choose_exchange([b.flat for b in self.buckets], self.group)
+                self.exchange = choose_exchange([b.flat for b in self.buckets], self.group) if self.scatter is None \
+                    else self.scatter.choose(self.buckets, self.group)
             for index, bucket in enumerate(self.buckets):
                 bucket.move_into(self.exchange.place(index, bucket.flat))
         return self.exchange
@@ -258,6 +274,7 @@ class GradSync:
                 self.window.add(combine(self.reached))
             self.packing = self.window.pack(self.previous_total)
         exchange = self._ready_exchange()
+        exchange.claim(index)
         if bucket is self.buckets[-1] and bucket.extra.numel():
             self.buffer_sync.pack(bucket.extra, self.packing.count)
         bucket.pack(self.packing.count, self.packing.scale)
@@ -294,7 +311,7 @@ class GradSync:
             bucket.unpack(correction, copy_back=self.window.backwards > 1)
         rode = self.buffer_sync.sent is not None
         if rode:
-            self.buffer_sync.unpack(self.buckets[-1].extra, total)
+            self.buffer_sync.unpack(self.buckets[-1].summed_extra(), total)
         self.buffer_sync.average_rest(packing.count if packing else 1.0, self.group, rode)
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
         self.window.reset()
@@ -312,6 +329,11 @@ class GradSync:
         for handle in [*self.handles, *self.param_handles]:
             handle.remove()
         self._remove_prescale()
+
+
+def _carry(bucket: Bucket, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    bucket.carry(p)
+    return grad
 
 
 def _prescale(factor: float, grad: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """sharded: sharded data parallelism (ZeRO) - each data-parallel rank keeps and updates only its slice of the
-optimizer state, the same training as one process. ``parallelize(model, data, shard="optimizer")`` sets it up.
+optimizer state (``shard="optimizer"``) and of the averaged gradients (``shard="gradients"``), the same training
+as one process. ``parallelize(model, data, shard=...)`` sets it up.
 May import: dp, mp, layers, faults, runtime. Entry points: :func:`autodist.sharded.optimizer.setup`,
-:class:`autodist.sharded.layout.Layout`.
+:class:`autodist.sharded.layout.Layout`, :class:`autodist.sharded.scatter.Scatter` (the buckets GradSync
+reduce-scatters), :class:`autodist.sharded.grads.ShardedGrad` (what ``.grad`` holds then).
 """

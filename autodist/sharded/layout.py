@@ -58,8 +58,21 @@ class Layout:
         by_kind: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
             by_kind.setdefault((p.dtype, p.device), []).append(i)
+        return Layout.of_groups(params, list(by_kind.values()), ranks)
+
+    @staticmethod
+    def of_groups(params: list[torch.Tensor], groups: list[list[int]], ranks: int) -> "Layout":
+        """Each group of parameter indices (one dtype and device, in the order given) a flat vector of its own,
+        cut as above: the buckets of ``shard="gradients"``, whose parts the ranks keep.
+
+        Example:
+            >>> layout = Layout.of_groups([torch.zeros(3), torch.zeros(4)], [[1], [0]], ranks=2)
+            >>> [(p.index, p.start, p.stop) for p in layout.mine(1)]
+            [(1, 2, 4), (0, 2, 3)]
+        """
         kinds = []
-        for (dtype, device), indices in by_kind.items():
+        for indices in groups:
+            dtype, device = params[indices[0]].dtype, params[indices[0]].device
             total = sum(params[i].numel() for i in indices)
             chunk = max(1, math.ceil(total / ranks))
             kind = Kind(dtype, device, indices, total, chunk, [[] for _ in range(ranks)])

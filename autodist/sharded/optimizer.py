@@ -13,7 +13,9 @@ Between steps the pieces' state lives here, not in ``optimizer.state``.
 This is the single-process update exactly, for optimizers that update each element on its own
 (:data:`ELEMENTWISE`: SGD, Adam, AdamW, ...); one that looks across elements (Adafactor's factored
 moments, LBFGS, Muon's orthogonalization) would compute something else on a slice, so it is refused.
-Gradients are whole on every rank, so ``torch.nn.utils.clip_grad_norm_`` gives the global norm.
+Gradients are whole on every rank, so ``torch.nn.utils.clip_grad_norm_`` gives the global norm. Under
+``shard="gradients"`` the pieces are the parts of the gradient buckets each rank keeps
+(:mod:`autodist.sharded.scatter`) and each piece's gradient is its ``.grad``'s local slice.
 
 ``optimizer.state_dict()`` gives the dense state, as one process would have it (a collective: call it on
 every rank, as ``autodist.save`` does), and ``optimizer.load_state_dict`` takes a dense state (from any
@@ -35,6 +37,7 @@ from torch import nn
 from autodist.dp import exchange, step_hooks
 from autodist.runtime import plain
 from autodist.runtime.position import waiting
+from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.layout import Kind, Layout, Piece
 
 ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -62,14 +65,17 @@ class OptimizerSharding:
     """The pieces of ``model``'s trainable parameters this rank owns, their optimizer state between steps,
     and the hooks around the steps of every optimizer that holds them."""
 
-    def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int) -> None:
+    def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:
             if not p.is_contiguous():
                 p.data = p.data.contiguous()  # the pieces are views of the flattened parameter
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.layout = Layout.of(self.params, ranks)
+        # shard="gradients": the pieces are the parts of the buckets each rank keeps of the gradients' sum
+        self.sync, self.buckets = sync, None if sync is None else sync.buckets
+        self.layout = Layout.of(self.params, ranks) if sync is None else \
+            Layout.of_groups(self.params, [[self.index[id(p)] for p in b.params] for b in sync.buckets], ranks)
         self.pieces: dict[int, list[Piece]] = {}
         for piece in self.layout.mine(rank):
             self.pieces.setdefault(piece.index, []).append(piece)
@@ -109,6 +115,11 @@ class OptimizerSharding:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
             return
+        if self.sync is not None and self.sync.buckets is not self.buckets:
+            raise RuntimeError(
+                "the model's trainable parameters changed after parallelize(..., shard='gradients') (requires_grad, "
+                "dtype or device), so its gradient buckets and the ranks' parts of them changed under the optimizer "
+                "state; make such changes before parallelize, or use shard='optimizer'")
         self._restore(optimizer)  # a step that raised never reached after_step
         self._cut(optimizer)
         for group in optimizer.param_groups:
@@ -120,14 +131,16 @@ class OptimizerSharding:
                     continue
                 if p.grad is None:
                     continue  # the optimizer would skip it: nothing of it changes on any rank
-                flat, grad = p.detach().view(-1), p.grad.detach().reshape(-1)
+                flat = p.detach().view(-1)
+                sharded = p.grad if isinstance(p.grad, ShardedGrad) else None  # then: one piece, its local values
+                grad = p.grad.detach().reshape(-1) if sharded is None else None
                 for piece in self.pieces.get(i, ()):
                     view = self.views.get(piece)
                     if view is None:
                         view = self.views[piece] = flat[piece.start:piece.stop]
                     else:
                         view.data = flat[piece.start:piece.stop]  # the parameter's storage may have been replaced
-                    view.grad = grad[piece.start:piece.stop]
+                    view.grad = grad[piece.start:piece.stop] if sharded is None else sharded.local
                     state = self.store.pop(piece, None)
                     if state is not None:
                         optimizer.state[view] = state
@@ -293,10 +306,11 @@ def _unplain(value: Any) -> Any:
     return value
 
 
-def setup(model: nn.Module, group: Any, rank: int, ranks: int) -> OptimizerSharding:
+def setup(model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None) -> OptimizerSharding:
     """Shard the optimizer state of ``model`` over the ``ranks`` data-parallel ranks of ``group`` (this one is
-    ``rank``); the model keeps the sharding alive."""
-    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks)
+    ``rank``); the model keeps the sharding alive. ``sync``: the gradient sync whose buckets' parts the ranks
+    keep (``shard="gradients"``), whose cut the optimizer's pieces then follow."""
+    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync)
     return sharding
 
 

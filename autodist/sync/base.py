@@ -24,6 +24,7 @@ class SyncContext:
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     sync_buffers: bool = True
+    scatter: Any = None  # shard="gradients": the buckets each rank keeps its part of (autodist.sharded.scatter)
 
 
 class Strategy:

@@ -54,12 +54,13 @@ def _data_parallel(opt_name: str = "adam", **options):
     return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu and state_on_gpu, world.backend, str(device)
 
 
-def _sharded():
-    return _data_parallel("adamw", shard="optimizer")
+def _sharded(shard: str):
+    return _data_parallel("adamw", shard=shard)
 
 
-def test_sharded_optimizer_state_on_one_shared_gpu_trains_as_one_process(ranks):
-    for ref, par, on_gpu, backend, _ in ranks(2, _sharded):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_state_on_one_shared_gpu_trains_as_one_process(ranks, shard):
+    for ref, par, on_gpu, backend, _ in ranks(2, _sharded, shard):
         assert on_gpu and backend == "gloo"
         assert_close(par, ref, rtol=1e-9, atol=1e-12)
 

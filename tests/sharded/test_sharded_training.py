@@ -1,5 +1,5 @@
-"""shard="optimizer": each data-parallel rank keeps 1/N of the optimizer state, and the training is still the
-single-process one (float64, several Adam / AdamW steps, param groups, a scheduler, 2 and 3 ranks, the
+"""shard="optimizer" / "gradients": each data-parallel rank keeps 1/N of the optimizer state (and of the
+averaged gradients), and the training is still the single-process one (float64, several Adam / AdamW steps, param groups, a scheduler, 2 and 3 ranks, the
 project's models and outside code); the state travels dense."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch.testing import assert_close
 import autodist
 import workloads as w
 from alike import assert_same_training
+from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.layout import Layout
 from autodist.sharded.optimizer import sharding_of
 from outside.nanogpt import GPT, GPTConfig
@@ -53,7 +54,7 @@ def _train(model, batches, optimizer: str, clip: bool = False):
     return opt
 
 
-def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1"):
+def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1", shard: str = "optimizer"):
     torch.set_default_dtype(torch.float64)
     os.environ["AUTODIST_SHARED_MEMORY"] = shared_memory  # "0": the chunks meet through gloo's all-gather
     try:
@@ -64,10 +65,15 @@ def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1"):
         ref = w.seeded(build, 0)
         ref_opt = _train(ref, w.loader(x, y, 12, shuffle=False), optimizer, clip)
         model, data = autodist.parallelize(w.seeded(build, 100 * w.rank()), w.loader(x, y, 12, shuffle=False),
-                                           shard="optimizer")
+                                           shard=shard)
         opt = _train(model, data, optimizer, clip)
         sharding = sharding_of(model)
         held = sharding.held_bytes()
+        if shard == "gradients":  # after the last step's backward: every .grad a slice, 1/N of them in all
+            grads = [p.grad for p in model.parameters()]
+            assert all(isinstance(g, ShardedGrad) for g in grads), [type(g) for g in grads]
+            total = sum(p.numel() for p in model.parameters())
+            assert sum(g.local.numel() for g in grads) <= total / torch.distributed.get_world_size() + 2  # a bucket
         full = sum(v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values()
                    if torch.is_tensor(v) and v.dim() > 0)
         dense, ref_dense = opt.state_dict(), ref_opt.state_dict()
@@ -77,11 +83,12 @@ def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1"):
         del os.environ["AUTODIST_SHARED_MEMORY"]
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("optimizer, clip, shared_memory", [("adam", False, "1"), ("adamw", True, "1"),
                                                              ("adamw", True, "0")])
-def test_sharded_optimizer_state_trains_as_one_process(ranks, size, optimizer, clip, shared_memory):
-    results = ranks(size, _mlp_run, optimizer, clip, shared_memory)
+def test_sharded_optimizer_state_trains_as_one_process(ranks, size, optimizer, clip, shared_memory, shard):
+    results = ranks(size, _mlp_run, optimizer, clip, shared_memory, shard)
     for ref, par, held, full, dense, ref_dense in results:
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
         assert held <= full / size * 1.01 + 64, (held, full)  # 1/N of the per-element state (+ an element)
@@ -91,16 +98,17 @@ def test_sharded_optimizer_state_trains_as_one_process(ranks, size, optimizer, c
         assert_close(par, results[0][1], rtol=0, atol=0)
 
 
-def _accumulate_sharded():
-    return _accumulate(2, 17, shard="optimizer")
+def _accumulate_sharded(shard: str):
+    return _accumulate(2, 17, shard=shard)
 
 
-def test_no_sync_accumulation_with_uneven_micro_batches(ranks):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_no_sync_accumulation_with_uneven_micro_batches(ranks, shard):
     # 17 samples in micro-batches of 5: the last step's ranks hold 1, 1 and 0 samples (tests/dp/test_sync_modes.py)
-    assert_same_training(ranks(3, _accumulate_sharded))
+    assert_same_training(ranks(3, _accumulate_sharded, shard))
 
 
-def _nanogpt_run():
+def _nanogpt_run(shard: str):
     torch.manual_seed(0)
     config = GPTConfig(block_size=8, vocab_size=19, n_layer=2, n_head=2, n_embd=8, dropout=0.0, bias=True)
     build = lambda: GPT(dataclasses.replace(config)).double()  # noqa: E731
@@ -108,7 +116,7 @@ def _nanogpt_run():
     tokens = torch.randint(0, 19, (12, 9), generator=g)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ref = w.seeded(build, 0)
-    model, (xs, ys) = autodist.parallelize(w.seeded(build, 100 * w.rank()), (x, y), shard="optimizer")
+    model, (xs, ys) = autodist.parallelize(w.seeded(build, 100 * w.rank()), (x, y), shard=shard)
     for m, (inputs, targets) in ((ref, (x, y)), (model, (xs, ys))):
         opt = m.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")
         for _ in range(3):
@@ -120,8 +128,9 @@ def _nanogpt_run():
     return w.state(ref), w.state(model)
 
 
-def test_nanogpt_with_its_own_optimizer_groups_trains_as_one_process(ranks):
-    for ref, par in ranks(3, _nanogpt_run):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_nanogpt_with_its_own_optimizer_groups_trains_as_one_process(ranks, shard):
+    for ref, par in ranks(3, _nanogpt_run, shard):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
@@ -205,23 +214,26 @@ def _assert_near(par: dict, ref: dict, tol: float) -> None:
         assert (par[name] - value).abs().max().item() <= tol * max(scale, 1e-30), name
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "encoder"])
-def test_outside_models_train_as_one_process(ranks, kind):
-    for ref, par in ranks(3, _outside_run, kind):
+def test_outside_models_train_as_one_process(ranks, kind, shard):
+    for ref, par in ranks(3, _outside_run, kind, 1, shard):
         _assert_near(par, ref, 1e-10)
 
 
-def _both(kind: str):
-    return _outside_run(kind, 1, None)[1], _outside_run(kind, 1, "optimizer")[1]
+def _both(kind: str, shard: str):
+    return _outside_run(kind, 1, None)[1], _outside_run(kind, 1, shard)[1]
 
 
-def test_sharded_is_bit_for_bit_the_unsharded_run(ranks):
-    for unsharded, sharded in ranks(3, _both, "gpt2"):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_is_bit_for_bit_the_unsharded_run(ranks, shard):
+    for unsharded, sharded in ranks(3, _both, "gpt2", shard):
         assert_close(sharded, unsharded, rtol=0, atol=0)
 
 
-def test_with_mp2_on_four_ranks_the_state_is_sharded_over_the_data_parallel_pairs(ranks):
-    for ref, par in ranks(4, _outside_run, "gpt2", 2):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_with_mp2_on_four_ranks_the_state_is_sharded_over_the_data_parallel_pairs(ranks, shard):
+    for ref, par in ranks(4, _outside_run, "gpt2", 2, shard):
         _assert_near(par, ref, 1e-10)
 
 
@@ -273,7 +285,8 @@ def _resume_run(path: str, load_shard: str | None):
 
 
 @pytest.mark.parametrize("save_shard, load_shard", [("optimizer", None), (None, "optimizer"),
-                                                    ("optimizer", "optimizer")])
+                                                    ("optimizer", "optimizer"), ("gradients", "optimizer"),
+                                                    (None, "gradients")])
 def test_a_checkpoint_resumes_at_another_level_and_world_size_exactly(ranks, tmp_path, save_shard, load_shard):
     path = str(tmp_path / "ckpt.pt")
     ref, ref_opt = ranks(2, _checkpoint_run, path, save_shard, load_shard)[0]
@@ -288,7 +301,7 @@ def test_a_checkpoint_resumes_at_another_level_and_world_size_exactly(ranks, tmp
         assert_close(opt_state["state"], ref_opt["state"], rtol=1e-12, atol=1e-14)
 
 
-def _round_trip_run():
+def _round_trip_run(shard: str):
     """Two steps, the optimizer's state through state_dict() and back into it, a third step."""
     torch.set_default_dtype(torch.float64)
     try:
@@ -296,7 +309,7 @@ def _round_trip_run():
         batches = [(x[i:i + 12], y[i:i + 12]) for i in range(0, 36, 12)]
         ref = w.seeded(w.mlp, 0)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        model, (xs, ys) = autodist.parallelize(w.seeded(w.mlp, 100 * w.rank()), (x, y), shard="optimizer")
+        model, (xs, ys) = autodist.parallelize(w.seeded(w.mlp, 100 * w.rank()), (x, y), shard=shard)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         mine = [(xs[i:i + 4], ys[i:i + 4]) for i in range(0, 12, 4)]  # this rank's rows of each global batch
         for step, ((xb, yb), (xr, yr)) in enumerate(zip(mine, batches)):
@@ -311,6 +324,7 @@ def _round_trip_run():
         torch.set_default_dtype(torch.float32)
 
 
-def test_the_state_goes_out_dense_and_back_in_between_steps(ranks):
-    for ref, par in ranks(3, _round_trip_run):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_the_state_goes_out_dense_and_back_in_between_steps(ranks, shard):
+    for ref, par in ranks(3, _round_trip_run, shard):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)

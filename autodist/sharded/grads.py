@@ -1,0 +1,204 @@
+"""What ``.grad`` holds under ``shard="gradients"``: the parameter's shape, this rank's slice of the values.
+
+After a sync each data-parallel rank keeps only its slice of the averaged gradient (a view of its part of
+the reduce-scattered bucket, :mod:`autodist.sharded.scatter`). ``p.grad`` is then a :class:`ShardedGrad`:
+a tensor with ``p``'s shape, dtype and device and no storage of its own, whose ``local`` is this rank's
+slice (empty where the rank owns none of ``p``). It does what a training loop does to gradients, as one
+process would:
+
+* ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``: each gradient's norm is a :class:`PartialNorm`
+  (this rank's part of it); stacking them and taking the norm of the stack all-reduces the parts once, so
+  every rank gets the global norm of the whole gradient, and the scaling applies to each slice;
+* ``clip_grad_value_``, ``zero_grad(set_to_none=False)``: elementwise, on the slice.
+
+Anything else (reading the values, ``p.grad.norm().item()``, arithmetic) would see 1/N of the gradient, so
+it raises, naming what to use instead: never a silent per-rank answer.
+
+Example:
+    >>> p.grad = ShardedGrad(p, local=part[lo:hi], group=group)
+    >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm, on every rank
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+_PASS = (torch.Tensor.requires_grad_, torch.Tensor.detach_)
+
+
+def _passes(func: Any) -> bool:
+    """Attribute reads (``.shape``, ``.grad_fn``) and flag changes: answered from the metadata."""
+    return getattr(func, "__name__", "") in ("__get__", "__set__") or func in _PASS
+
+
+def _plain(func: Callable, args: tuple, kwargs: dict) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class ShardedGrad(torch.Tensor):
+    """A whole gradient's metadata around this rank's slice ``local`` of it (see the module docstring)."""
+
+    local: torch.Tensor
+    group: Any
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, local: torch.Tensor, group: Any) -> "ShardedGrad":
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        t.local, t.group = local, group
+        return t
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (f"ShardedGrad(shape={tuple(self.shape)}, {self.local.numel()} of its elements on this rank; "
+                f"parallelize(..., shard='gradients'))")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _passes(func):
+            return _plain(func, args, kwargs)
+        if func in (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm):
+            return _norm(args[0], _ord(args, kwargs))
+        if func is torch._foreach_norm:
+            return [_norm(t, _ord(args, kwargs)) for t in args[0]]
+        elementwise = _ELEMENTWISE.get(func)
+        if elementwise is not None:
+            return elementwise(*args, **kwargs)
+        raise RuntimeError(_refusal(func))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(_refusal(func))
+
+
+def _refusal(func: Any) -> str:
+    name = getattr(func, "__name__", str(func))
+    return (f"{name} on a gradient of a model parallelized with shard='gradients': each rank holds only its slice "
+            f"of every synchronized gradient, so {name} would see 1/N of it. torch.nn.utils.clip_grad_norm_, "
+            f"get_total_norm, clip_grad_value_ and optimizer.zero_grad work on it as in one process; to read whole "
+            f"gradients, use shard='optimizer' (whole gradients, the optimizer state still split)")
+
+
+def _ord(args: tuple, kwargs: dict) -> float:
+    """The order of a norm over all of a gradient's elements; anything else (over some dims) is refused."""
+    value = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
+    if len(args) > 2 or kwargs.get("dim") is not None or kwargs.get("keepdim") or kwargs.get("dtype") is not None:
+        raise RuntimeError(f"the norm of a gradient sharded over the ranks (shard='gradients') is taken over all its "
+                           f"elements only (torch.linalg.vector_norm(g, ord)), got args {args[1:]} {kwargs}")
+    if value is None or value == "fro":
+        return 2.0
+    if not isinstance(value, (int, float)) or not (value > 0 or value == -math.inf):
+        raise RuntimeError(f"a norm of order {value} over gradients sharded across the ranks (shard='gradients') is "
+                           f"not their norm in one process; autodist gives norms of order > 0, inf and -inf")
+    return float(value)
+
+
+def _norm(g: Any, ord: float) -> Any:
+    if isinstance(g, ShardedGrad):
+        local = g.local
+        if local.numel() == 0 and math.isinf(ord):  # no identity in torch: a norm is >= 0, so 0 for max
+            value = torch.tensor(0.0 if ord > 0 else math.inf, dtype=local.dtype, device=local.device)
+        else:
+            value = torch.linalg.vector_norm(local, ord)
+        return PartialNorm(value, ord, g.group)
+    return torch.linalg.vector_norm(g, ord)
+
+
+def _local(t: Any) -> Any:
+    return t.local if isinstance(t, ShardedGrad) else t
+
+
+def _each(op: Callable[..., Any]) -> Callable[..., Any]:
+    """``op`` applied to the slice of a ShardedGrad (in place), to a plain tensor as it is."""
+    def apply(t: Any, *args: Any, **kwargs: Any) -> Any:
+        op(_local(t), *args, **kwargs)
+        return t
+    return apply
+
+
+def _foreach(op: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(tensors: list, *args: Any, **kwargs: Any) -> None:
+        op([_local(t) for t in tensors], *args, **kwargs)
+    return apply
+
+
+_ELEMENTWISE: dict[Any, Callable[..., Any]] = {
+    torch.Tensor.mul_: _each(torch.Tensor.mul_), torch.Tensor.div_: _each(torch.Tensor.div_),
+    torch.Tensor.zero_: _each(torch.Tensor.zero_), torch.Tensor.clamp_: _each(torch.Tensor.clamp_),
+    torch._foreach_mul_: _foreach(torch._foreach_mul_), torch._foreach_zero_: _foreach(torch._foreach_zero_),
+    torch._foreach_clamp_min_: _foreach(torch._foreach_clamp_min_),
+    torch._foreach_clamp_max_: _foreach(torch._foreach_clamp_max_),
+}
+
+
+class PartialNorm(torch.Tensor):
+    """One rank's part of a norm over gradients sharded across the data-parallel ranks: ``local`` holds the
+    norm of its slices. ``torch.linalg.vector_norm`` of a stack of them is the whole norm, the same on every
+    rank (one all-reduce: every rank must take it, as ``clip_grad_norm_`` does)."""
+
+    local: torch.Tensor
+    ord: float
+    group: Any
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, ord: float, group: Any) -> "PartialNorm":
+        t = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
+        t.local, t.ord, t.group = local, ord, group
+        return t
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return "PartialNorm(this rank's part of the norm of gradients sharded over the ranks)"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _passes(func):
+            return _plain(func, args, kwargs)
+        if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
+            return PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group)
+        if func is torch.stack and not kwargs.get("dim") and len(args) == 1:
+            return _stack(args[0])
+        if func is torch.linalg.vector_norm and isinstance(args[0], PartialNorm) and \
+                float(_ord(args, kwargs)) == args[0].ord and args[0].local.dim() == 1:
+            return _whole_norm(args[0])
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)} on the norm of a gradient sharded over the ranks "
+            f"(parallelize(..., shard='gradients')): each rank holds only its part of that norm. "
+            f"torch.nn.utils.clip_grad_norm_ / get_total_norm over the model's parameters give the global norm on "
+            f"every rank; use shard='optimizer' to keep whole gradients")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(f"{func} on this rank's part of a norm of sharded gradients: use "
+                           f"torch.nn.utils.clip_grad_norm_ or get_total_norm for the global norm")
+
+
+def _stack(norms: list[Any]) -> PartialNorm:
+    partial = [n for n in norms if isinstance(n, PartialNorm)]
+    first = partial[0]
+    if any(n.ord != first.ord or n.group is not first.group for n in partial):
+        raise RuntimeError("norms of sharded gradients of different orders or groups cannot be stacked")
+    # a whole norm (a gradient every rank holds) is counted on the group's first rank only, where a sum adds up
+    first_rank = dist.get_rank(first.group) == 0 if first.group is not None else dist.get_rank() == 0
+    parts = []
+    for n in norms:
+        local = n.local if isinstance(n, PartialNorm) else n.detach()
+        if not isinstance(n, PartialNorm) and not first_rank and not math.isinf(first.ord):
+            local = torch.zeros_like(local)
+        parts.append(local.to(first.local.device))
+    return PartialNorm(torch.stack(parts), first.ord, first.group)
+
+
+def _whole_norm(stacked: PartialNorm) -> torch.Tensor:
+    """The norm over every rank's parts: the sum of their p-th powers (max, min for +-inf), all-reduced."""
+    ord, local = stacked.ord, stacked.local
+    if math.isinf(ord):
+        value = local.max() if ord > 0 else local.min()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if ord > 0 else dist.ReduceOp.MIN, group=stacked.group)
+        return value
+    value = local.pow(ord).sum()
+    dist.all_reduce(value, group=stacked.group)
+    return value if ord == 1.0 else value.pow(1.0 / ord)

@@ -1,0 +1,238 @@
+"""``shard="gradients"`` (ZeRO stage 2): each bucket of gradients is reduce-scattered, not all-reduced, and each
+data-parallel rank keeps only its part of the sum.
+
+The gradient sync of :mod:`autodist.dp.grad_sync` runs as always (counts, weights, used-flags, buffers in
+the last bucket); what changes is the bucket and how it is summed:
+
+* a :class:`ScatteredBucket` holds its gradients padded to ``N x c`` numbers (``c = ceil(n / N)``), then the
+  count, flags and buffers. Rank r owns part ``[r*c, (r+1)*c)`` of the gradients: the cut of
+  :meth:`autodist.sharded.layout.Layout.of_groups`, with each bucket one group, so the optimizer's pieces
+  and the gradient's parts are the same elements. After the sync, rank r's part sits in ``bucket.part``
+  (``c`` numbers, kept between steps) and each parameter's ``.grad`` is a
+  :class:`~autodist.sharded.grads.ShardedGrad` around its slice of it;
+* buckets are packed into a *ring* of two buffers the size of the largest bucket (bucket k into buffer
+  k mod 2), not into buffers of their own, and autograd's full gradient of a parameter is dropped as soon
+  as it is packed, so between steps a rank holds ``1/N`` of the gradients plus the ring. Buckets are
+  capped at ``1/(8N)`` of the gradients (:meth:`Scatter.caps`), so the ring is at most ``1/(4N)``;
+* :class:`ScatterSum` (every rank on one machine, gloo, CPU): the ring lives in shared memory, one slot per
+  rank. When bucket k is packed, one all-reduce of a number says every rank has packed it; rank r adds up
+  part r of every rank's slot, in rank order, into its ``part`` (the same bits as the whole-gradient sum),
+  and the count and flags of every slot into the bucket's ``meta``. That all-reduce also says every rank
+  has finished reading bucket k-1's buffer... and so bucket k-2's, whose buffer k reuses; one more at
+  the end of the sync frees the ring for the next;
+* :class:`ReduceScatter` otherwise: the backend's asynchronous ``reduce_scatter`` of the gradients into
+  ``part`` and ``all_reduce`` of the meta, started as each bucket fills; packing bucket k first waits
+  for bucket k-2's, which read the same buffer.
+
+A gradient still in ``.grad`` from the last sync when a backward adds to it (no ``zero_grad`` in between,
+or ``zero_grad(set_to_none=False)``) is carried: it leaves ``.grad`` before autograd accumulates and its
+slice is added to the new sum, as one process would have added the two gradients.
+
+Example:
+    >>> model, loader = autodist.parallelize(model, loader, shard="gradients")
+    >>> loss_fn(model(x), y).backward()   # each rank now holds 1/N of the averaged gradients
+    >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autodist.dp import exchange
+from autodist.dp.buckets import Bucket
+from autodist.runtime.position import waiting
+from autodist.sharded.grads import ShardedGrad
+
+RING = 2  # buffers the buckets are packed into in turn
+SMALLEST = 256 << 10  # bytes: the smallest bucket cap (each bucket costs a collective)
+
+
+class ScatteredBucket(Bucket):
+    """A bucket whose sum each rank keeps only its part of (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], extra: int, rank: int, ranks: int, group: Any) -> None:
+        self.rank, self.ranks, self.group = rank, ranks, group
+        n = sum(p.numel() for p in params)
+        self.chunk = max(1, math.ceil(n / ranks))
+        # packed into a ring buffer of the exchange's (move_into): nothing of its own but the part and the meta
+        super().__init__(params, extra, pad=self.chunk * ranks - n, device=torch.device("meta"))
+        like = params[0]
+        self.part = torch.zeros(self.chunk, dtype=like.dtype, device=like.device)
+        self.meta = torch.zeros(self.flat.numel() - self.count_slot, dtype=like.dtype, device=like.device)
+        self.locals: list[torch.Tensor] = []  # each parameter's slice of ``part`` (empty where this rank owns none)
+        mine, offset = (rank * self.chunk, (rank + 1) * self.chunk), 0
+        for p in params:
+            lo, hi = max(offset, mine[0]), min(offset + p.numel(), mine[1])
+            self.locals.append(self.part[lo - mine[0]:hi - mine[0]] if lo < hi else self.part[:0])
+            offset += p.numel()
+        self.carried: dict[nn.Parameter, torch.Tensor] = {}
+
+    def gradients(self) -> torch.Tensor:
+        """The region reduce-scattered: the gradients and their padding (``ranks x chunk`` numbers)."""
+        return self.flat[:self.count_slot]
+
+    def pack(self, count: float, scale: float) -> None:
+        super().pack(count, scale)
+        for p in self.params:
+            p.grad = None  # autograd's whole gradient: packed, so freed now
+
+    def total(self) -> float:
+        return float(self.meta[0])
+
+    def summed_extra(self) -> torch.Tensor:
+        return self.meta[1 + len(self.params):]
+
+    def carry(self, p: nn.Parameter) -> None:
+        """A backward is about to add to ``p``'s sharded gradient: keep its slice, to add to the new sum."""
+        grad = p.grad
+        if isinstance(grad, ShardedGrad):
+            self.carried[p] = grad.local.clone()
+            p.grad = None
+
+    def unpack(self, correction: float, copy_back: bool) -> None:
+        self.sent = False
+        self.ready.clear()
+        used = self.meta[1:1 + len(self.params)].tolist()
+        if correction != 1.0:
+            self.part.mul_(correction)
+        for p, local, flag in zip(self.params, self.locals, used):
+            carried = self.carried.pop(p, None)
+            if flag <= 0.0 and carried is None:
+                p.grad = None
+                continue
+            if carried is not None:
+                local.copy_(carried) if flag <= 0.0 else local.add_(carried)
+            p.grad = ShardedGrad(p, local, self.group)
+
+    def abandon(self) -> None:
+        self.carried.clear()
+
+
+class ScatterSum:
+    """The ring in shared memory: each rank sums its part of every rank's slot (see the module docstring)."""
+
+    name = "shared memory"
+
+    def __init__(self, buckets: list[ScatteredBucket], ring: list[list[torch.Tensor]], rank: int, group: Any,
+                 mapping: Any) -> None:
+        self.buckets, self.rank, self.group, self.mapping = buckets, rank, group, mapping
+        # bucket k's slot of every rank: the first numbers of ring buffer k mod RING
+        self.slots = [[slot[:b.flat.numel()] for slot in ring[k % len(ring)]] for k, b in enumerate(buckets)]
+        self.flag = torch.zeros(1)
+
+    def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        return self.slots[index][self.rank]
+
+    def claim(self, index: int) -> None:
+        """Nothing to wait for: the all-reduce of bucket k-1 said every rank had read bucket k-2's buffer."""
+
+    def send(self, index: int, flat: torch.Tensor) -> None:
+        with waiting("exchange"):  # a rank that never packs it is named as in any gradient sync
+            dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank has packed bucket ``index``
+        bucket, slots = self.buckets[index], self.slots[index]
+        lo, hi, meta = self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk, bucket.count_slot
+        _sum_into(bucket.part, [s[lo:hi] for s in slots])
+        _sum_into(bucket.meta, [s[meta:] for s in slots])
+
+    def finish(self) -> None:
+        dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank has read the ring: it may be packed again
+
+    def abandon(self) -> None:
+        for bucket in self.buckets:
+            bucket.abandon()
+
+
+class ReduceScatter:
+    """The backend's reduce-scatter of each bucket's gradients, all-reduce of its meta, overlapping backward."""
+
+    name = "reduce-scatter"
+
+    def __init__(self, buckets: list[ScatteredBucket], ring: list[torch.Tensor], group: Any) -> None:
+        self.buckets, self.group = buckets, group
+        self.homes = [ring[k % len(ring)][:b.flat.numel()] for k, b in enumerate(buckets)]
+        self.works: list[list[Any]] = [[] for _ in buckets]
+
+    def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        return self.homes[index]
+
+    def claim(self, index: int) -> None:
+        """Bucket ``index`` is packed into the buffer bucket ``index - RING`` was sent from: wait for that."""
+        if index >= RING:
+            self._wait(index - RING)
+
+    def send(self, index: int, flat: torch.Tensor) -> None:
+        bucket = self.buckets[index]
+        bucket.meta.copy_(flat[bucket.count_slot:])
+        self.works[index] = [dist.reduce_scatter_single(bucket.part, bucket.gradients(), group=self.group,
+                                                        async_op=True),
+                             dist.all_reduce(bucket.meta, group=self.group, async_op=True)]
+
+    def _wait(self, index: int) -> None:
+        for work in self.works[index]:
+            work.wait()
+        self.works[index] = []
+
+    def finish(self) -> None:
+        for index in range(len(self.buckets)):
+            self._wait(index)
+
+    def abandon(self) -> None:
+        self.finish()
+        for bucket in self.buckets:
+            bucket.abandon()
+
+
+def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``out`` = the sum of ``parts``, added in rank order (every rank adds the same numbers the same way)."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+
+
+class Scatter:
+    """What :class:`~autodist.dp.grad_sync.GradSync` uses under ``shard="gradients"``: its buckets and how they
+    are summed. ``rank`` of ``ranks``: this rank's place in the data-parallel ``group``."""
+
+    def __init__(self, group: Any, rank: int, ranks: int) -> None:
+        self.group, self.rank, self.ranks = group, rank, ranks
+
+    def caps(self, params: list[nn.Parameter], caps: tuple[int, int]) -> tuple[int, int]:
+        """Bucket sizes (bytes) no larger than 1/(8N) of the gradients (nor than 256 KiB less): the ring of
+        two then holds at most 1/(4N) of them, beside the 1/N a rank keeps (``bucket_mb`` is for the
+        whole-gradient sync, where a bucket's memory is its gradients' own)."""
+        limit = max(SMALLEST, sum(p.numel() * p.element_size() for p in params) // (8 * self.ranks))
+        return min(caps[0], limit), min(caps[1], limit)
+
+    def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
+        return ScatteredBucket(params, extra, self.rank, self.ranks, self.group)
+
+    def choose(self, buckets: list[Bucket], group: Any) -> ScatterSum | ReduceScatter:
+        """The shared-memory ring where the group is on one machine, the backend's reduce-scatter otherwise.
+        A collective over ``group``."""
+        scattered = [b for b in buckets if isinstance(b, ScatteredBucket)]
+        assert len(scattered) == len(buckets), "shard='gradients' builds its own buckets"
+        ring = _ring(scattered)
+        shared = exchange.shared_slots(ring, group, "the sharded gradient buckets")
+        if shared is not None:
+            slots, mapping = shared
+            return ScatterSum(scattered, slots, self.rank, group, mapping)
+        return ReduceScatter(scattered, ring, group)
+
+
+def _ring(buckets: list[ScatteredBucket]) -> list[torch.Tensor]:
+    """RING buffers (fewer if there are fewer buckets) as large as the largest bucket packed into each."""
+    sizes = [0] * min(RING, len(buckets))
+    for k, b in enumerate(buckets):
+        sizes[k % RING] = max(sizes[k % RING], b.flat.numel())
+    first = buckets[0].part if buckets else torch.zeros(0)
+    if any(b.part.dtype != first.dtype or b.part.device != first.device for b in buckets):
+        raise NotImplementedError("shard='gradients' needs every trainable parameter of one dtype and device: "
+                                  "convert the model with model.to(dtype) first, or use shard='optimizer'")
+    return [torch.zeros(n, dtype=first.dtype, device=first.device) for n in sizes]
