@@ -17,9 +17,9 @@ the last bucket); what changes is the bucket and how it is summed:
 * :class:`ScatterSum` (every rank on one machine, gloo, CPU): the ring lives in shared memory, one slot per
   rank. When bucket k is packed, one all-reduce of a number says every rank has packed it; rank r adds up
   part r of every rank's slot, in rank order, into its ``part`` (the same bits as the whole-gradient sum),
-  and the count and flags of every slot into the bucket's ``meta``. That all-reduce also says every rank
-  has finished reading bucket k-1's buffer... and so bucket k-2's, whose buffer k reuses; one more at
-  the end of the sync frees the ring for the next;
+  and the count and flags of every slot into the bucket's ``meta``. Packing bucket k where bucket k-2 was
+  is safe: every rank entered bucket k-1's all-reduce after summing bucket k-2. One more all-reduce at the
+  end of the sync frees the ring for the next;
 * :class:`ReduceScatter` otherwise: the backend's asynchronous ``reduce_scatter`` of the gradients into
   ``part`` and ``all_reduce`` of the meta, started as each bucket fills; packing bucket k first waits
   for bucket k-2's, which read the same buffer.
