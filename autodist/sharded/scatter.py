@@ -35,7 +35,6 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from autodist.dp import exchange
 from autodist.dp.buckets import Bucket
 from autodist.runtime.position import waiting
 from autodist.sharded.grads import ShardedGrad
+from autodist.sharded.layout import Layout
 
 RING = 2  # buffers the buckets are packed into in turn
 SMALLEST = 256 << 10  # bytes: the smallest bucket cap (each bucket costs a collective)
@@ -56,19 +56,17 @@ class ScatteredBucket(Bucket):
 
     def __init__(self, params: list[nn.Parameter], extra: int, rank: int, ranks: int, group: Any) -> None:
         self.rank, self.ranks, self.group = rank, ranks, group
-        n = sum(p.numel() for p in params)
-        self.chunk = max(1, math.ceil(n / ranks))
+        cut = Layout.of_groups(params, [list(range(len(params)))], ranks).kinds[0]  # the optimizer's cut, too
+        self.chunk = cut.chunk
         # packed into a ring buffer of the exchange's (move_into): nothing of its own but the part and the meta
-        super().__init__(params, extra, pad=self.chunk * ranks - n, device=torch.device("meta"))
+        super().__init__(params, extra, pad=self.chunk * ranks - cut.total, device=torch.device("meta"))
         like = params[0]
         self.part = torch.zeros(self.chunk, dtype=like.dtype, device=like.device)
         self.meta = torch.zeros(self.flat.numel() - self.count_slot, dtype=like.dtype, device=like.device)
-        self.locals: list[torch.Tensor] = []  # each parameter's slice of ``part`` (empty where this rank owns none)
-        mine, offset = (rank * self.chunk, (rank + 1) * self.chunk), 0
-        for p in params:
-            lo, hi = max(offset, mine[0]), min(offset + p.numel(), mine[1])
-            self.locals.append(self.part[lo - mine[0]:hi - mine[0]] if lo < hi else self.part[:0])
-            offset += p.numel()
+        # each parameter's slice of ``part`` (empty where this rank owns none): at most one piece per parameter
+        self.locals = [self.part[:0]] * len(params)
+        for piece in cut.pieces[rank]:
+            self.locals[piece.index] = piece.in_chunk(self.part)
         self.carried: dict[nn.Parameter, torch.Tensor] = {}
 
     def gradients(self) -> torch.Tensor:
