@@ -33,8 +33,8 @@ def _cnn_data(n: int = 20):
     return w.loader(x, y, batch=10, shuffle=False)
 
 
-def _cnn_one_step():
-    return w.reference_and_parallel(w.TinyCNN, lambda: _cnn_data(10), "sgd", epochs=1)
+def _cnn_one_step(shard: str | None = None):
+    return w.reference_and_parallel(w.TinyCNN, lambda: _cnn_data(10), "sgd", epochs=1, shard=shard)
 
 
 def _cnn_train_and_eval(frozen_bn: bool):
@@ -49,10 +49,12 @@ def _cnn_train_and_eval(frozen_bn: bool):
     return w.reference_and_parallel(build, _cnn_data, "sgd", epochs=3)
 
 
-def test_batchnorm_running_mean_is_global_and_ranks_agree(ranks):
+@pytest.mark.parametrize("shard", [None, "gradients"])
+def test_batchnorm_running_mean_is_global_and_ranks_agree(ranks, shard):
     # One step of 10 samples, 5 per rank: the running mean is a linear update, so averaging
     # the ranks' updates weighted by samples gives exactly the single-process running mean.
-    results = ranks(2, _cnn_one_step)
+    # shard="gradients": the statistics ride in the reduce-scattered buckets' summed extra slots.
+    results = ranks(2, _cnn_one_step, shard)
     for ref, par in results:
         assert_close(par["bn.running_mean"], ref["bn.running_mean"], rtol=1e-5, atol=1e-7)
         assert par["bn.num_batches_tracked"] == ref["bn.num_batches_tracked"]

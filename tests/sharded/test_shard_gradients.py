@@ -15,9 +15,7 @@ from torch.testing import assert_close
 import autodist
 import workloads as w
 from autodist.dp.grad_sync import state_of
-from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.scatter import RING, ScatteredBucket
-from test_equivalence import _cnn_data
 
 
 def _float64(fn):
@@ -180,17 +178,3 @@ def test_a_rank_holds_one_nth_of_the_gradients_after_backward(ranks):
         assert parts <= whole / 2 + 4 * buckets, (parts, whole)
         assert slices * 4 <= parts
 
-
-def _batchnorm():
-    return w.reference_and_parallel(w.TinyCNN, lambda: _cnn_data(10), "sgd", 1, shard="gradients")
-
-
-def test_batchnorm_statistics_ride_in_the_scattered_buckets(ranks):
-    # one step of 10 samples, 5 per rank (each rank normalises with its own batch statistics, as in DDP, so
-    # only the first step is the single-process one): the running mean travels in the last bucket's extra
-    # slots, summed whole on every rank, and is the single-process one
-    results = ranks(2, _batchnorm)
-    for ref, par in results:
-        assert_close(par["bn.running_mean"], ref["bn.running_mean"], rtol=1e-5, atol=1e-7)
-        assert par["bn.num_batches_tracked"] == ref["bn.num_batches_tracked"]
-    assert_close(results[1][1], results[0][1], rtol=0, atol=0)
