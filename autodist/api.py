@@ -18,10 +18,13 @@ from autodist.faults import watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
 from autodist.runtime.environment import hang_timeout
-from autodist.runtime.mesh import Groups, ParallelDims, build_groups
+from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
+from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import optimizer as sharded_optimizer
+from autodist.sharded import parameters as sharded_parameters
+from autodist.sharded.parameters import BlockScatter, ParameterSharding
 from autodist.sharded.scatter import Scatter
 
 
@@ -79,22 +82,28 @@ def _check_shard(shard: str | None, strategy: sync_mod.Strategy) -> None:
     if shard not in SHARD_LEVELS:
         raise ValueError(f"shard must be None (every rank holds everything), 'optimizer' (each data-parallel rank "
                          f"keeps 1/N of the optimizer state), 'gradients' or 'parameters'; got {shard!r}")
-    if shard == "parameters":
-        raise NotImplementedError("shard='parameters' is not in this version of autodist yet: shard='gradients' "
-                                  "splits the optimizer state and the gradients (for Adam, 16 of the 20 bytes per "
-                                  "parameter a rank holds)")
     if not isinstance(strategy, sync_mod.Exact):
         raise ValueError(f"shard={shard!r} keeps the exact training of sync='backward' or 'manual' and splits its "
                          f"optimizer state; {strategy!r} keeps replicas apart, each with its own state. Use one or "
                          f"the other")
 
 
-def _sharded(shard: str | None, dp: int) -> str:
+def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None) -> None:
+    if blocks is not None and shard != "parameters":
+        raise ValueError(f"blocks= names the modules shard='parameters' gathers one at a time; with shard={shard!r} "
+                         f"nothing is gathered: drop blocks=, or pass shard='parameters'")
+
+
+def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None) -> str:
     """What the summary line says of ``shard``."""
     if shard is None or dp == 1:
         return ""
-    what = "optimizer state" if shard == "optimizer" else "optimizer state and gradients"
-    return f", {what} sharded over the {dp} data-parallel ranks"
+    what = {"optimizer": "optimizer state", "gradients": "optimizer state and gradients",
+            "parameters": "optimizer state, gradients and parameters"}[shard]
+    blocks = "" if at_rest is None else \
+        f" (gathered in {len(at_rest.blocks)} blocks: {', '.join(b.name for b in at_rest.blocks[:3])}" \
+        f"{', ...' if len(at_rest.blocks) > 3 else ''})"
+    return f", {what} sharded over the {dp} data-parallel ranks{blocks}"
 
 
 def _through(sync_state: object | None) -> str:
@@ -200,6 +209,7 @@ def parallelize(
     example: observe.Example | None = None,
     backend: str | None = None,
     shard: Literal["optimizer", "gradients", "parameters"] | None = None,
+    blocks: sharded_blocks.Choice = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -244,7 +254,14 @@ def parallelize(
             holds everything. "gradients": also keeps only its 1/N of the
             averaged gradients (each bucket reduce-scattered; ZeRO stage 2;
             ``.grad`` holds this rank's slice, and ``clip_grad_norm_`` still
-            gives the global norm). See docs/sharded.md.
+            gives the global norm). "parameters": also keeps only its 1/N
+            of the parameters between uses, gathering each block for its
+            forward and again for its backward (fully sharded; ZeRO stage 3).
+            See docs/sharded.md.
+        blocks: with ``shard="parameters"``, the modules gathered one at a
+            time: a list of module names or a callable ``(name, module) ->
+            bool``; default: the members of the model's ModuleLists and
+            Sequentials of one type (its transformer or ResNet blocks).
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -280,6 +297,7 @@ def parallelize(
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
+    _check_blocks(blocks, shard)
     _check_counting(batch_dim, samples)
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
@@ -302,21 +320,27 @@ def parallelize(
                       observe.example_of(data) if example is None else example)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
         share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
-    sync_state = None
+    sync_state = at_rest = None
     if dims.dp > 1:
+        dp_rank = dims.dp_rank(world.rank)
+        scatter = None
+        if shard == "parameters":
+            at_rest = sharded_parameters.setup(model, blocks, second_dp_group(dims, world.rank), dp_rank, dims.dp)
+            scatter = BlockScatter(at_rest, groups.dp, dp_rank, dims.dp)
+        elif shard == "gradients":
+            scatter = Scatter(groups.dp, dp_rank, dims.dp)
         dp_ranks = tuple(d * dims.mp + dims.mp_rank(world.rank) for d in range(dims.dp))
         sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
-            groups.dp, dp_ranks, dims.dp_rank(world.rank), SampleCounter(batch_dim, samples), bucket_mb,
-            first_bucket_mb, sync_buffers, scatter=Scatter(groups.dp, dims.dp_rank(world.rank), dims.dp)
-            if shard == "gradients" else None))
-    if shard is not None and dims.dp > 1:
-        sharded_optimizer.setup(model, groups.dp, dims.dp_rank(world.rank), dims.dp,
-                                sync_state if shard == "gradients" else None)
+            groups.dp, dp_ranks, dp_rank, SampleCounter(batch_dim, samples), bucket_mb, first_bucket_mb,
+            sync_buffers, scatter=scatter))
+        if shard is not None:
+            sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
+                                    at_rest)
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),
-                 _sharded(shard, dims.dp),
+                 _sharded(shard, dims.dp, at_rest),
                  _device_of(model, world))
     return model, data_shard

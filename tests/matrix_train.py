@@ -1,7 +1,8 @@
 """One cell of the fault matrix (tests/faults/test_fault_matrix.py): a sync mode, a fault, a checkpoint.
 
 Usage: python matrix_train.py MODE FAULT CHECKPOINT, under a launcher on 2 ranks. MODE: backward, manual,
-localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, shard-optimizer, shard-gradients (and comm: no parallelize).
+localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, shard-optimizer, shard-gradients, shard-parameters
+(and comm: no parallelize).
 FAULT, on rank 1 at step 4: none (the script ends without any flush or close call), raise, kill (SIGKILL),
 stall (sleeps). A checkpoint is written with autodist.save after step 2 (none at the end: saving would
 settle what the end must settle by itself).
@@ -29,7 +30,7 @@ def strategy(mode: str) -> dict:
         "hierarchical": lambda: {"sync": autodist.Hierarchical(ranks_per_host=1, across=autodist.LocalSGD(every=2))},
         "downpour": lambda: {"sync": autodist.Downpour()}, "easgd": lambda: {"sync": autodist.EASGD(every=2)},
         "shard-optimizer": lambda: {"shard": "optimizer"},
-        "shard-gradients": lambda: {"shard": "gradients"},
+        "shard-gradients": lambda: {"shard": "gradients"}, "shard-parameters": lambda: {"shard": "parameters"},
     }[mode]()
 
 

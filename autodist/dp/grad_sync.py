@@ -52,11 +52,13 @@ from autodist.runtime.world import log
 class Scatter(Protocol):
     """Buckets each rank keeps only its part of the sum of (``shard="gradients"``: :mod:`autodist.sharded.scatter`)."""
 
-    def caps(self, params: list[nn.Parameter], caps: tuple[int, int]) -> tuple[int, int]: ...
+    def assign(self, params: list[nn.Parameter], caps: tuple[int, int]) -> list[list[int]]: ...
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> Bucket: ...
 
     def choose(self, buckets: list[Bucket], group: dist.ProcessGroup | None) -> Any: ...
+
+    def backward_ended(self) -> None: ...
 
 
 class GradSync:
@@ -103,8 +105,8 @@ class GradSync:
         self.built_for = self._layout()
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]
-        groups = assign_buckets(self.params, *(self.caps if self.scatter is None else self.scatter.caps(
-            self.params, self.caps)))
+        groups = assign_buckets(self.params, *self.caps) if self.scatter is None else \
+            self.scatter.assign(self.params, self.caps)
         last = self.params[groups[-1][0]] if groups else None
         extra = self.buffer_sync.carry(last.dtype, last.device) if last is not None else 0
         make = Bucket if self.scatter is None else self.scatter.bucket
@@ -240,6 +242,8 @@ class GradSync:
             if self.enabled and self.hooks:
                 self.flush()
         self.reached = []
+        if self.scatter is not None:
+            self.scatter.backward_ended()
 
     def _remove_prescale(self) -> None:
         for handle in self.prescale_handles:

@@ -103,10 +103,11 @@ class MPMultiheadAttention(nn.Module):
     def group(self) -> Any:
         return self._group.group
 
-    def dense_state(self) -> dict[str, torch.Tensor]:
-        """The dense ``in_proj_weight`` and ``in_proj_bias``, gathered (``out_proj`` gathers its own).
-        Communicates: every rank of the group must call it."""
-        return {key: self.shards[key].gather(value) for key, value in
+    def dense_state(self, local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The dense ``in_proj_weight`` and ``in_proj_bias``, gathered (``out_proj`` gathers its own); ``local``
+        as for :meth:`MPLinear.dense_state`. Communicates: every rank of the group must call it."""
+        local = local or {}
+        return {key: self.shards[key].gather(local.get(key, value)) for key, value in
                 (("in_proj_weight", self.in_proj_weight), ("in_proj_bias", self.in_proj_bias)) if value is not None}
 
     def _project(self, query: torch.Tensor, key: torch.Tensor,

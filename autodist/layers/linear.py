@@ -156,8 +156,10 @@ class _SplitLinear(nn.Module):
         """The local weight as F.linear takes it, (out, in)."""
         return self.weight.t() if self.transposed else self.weight
 
-    def dense_state(self) -> dict[str, torch.Tensor]:
-        """The dense ``weight`` and ``bias`` (if any), gathered from every rank of the group.
+    def dense_state(self, local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The dense ``weight`` and ``bias`` (if any), gathered from every rank of the group; ``local``: this
+        rank's values to gather in place of the parameters' (from ``state_dict()``, where the parameters are
+        sharded at rest, ``shard="parameters"``).
 
         Returns:
             ``{"weight": (out_features, in_features), "bias": (out_features,)}``,
@@ -169,8 +171,9 @@ class _SplitLinear(nn.Module):
         Note:
             Communicates: every rank of the group must call it.
         """
-        return {key: self.shards[key].gather(value) for key, value in (("weight", self.weight), ("bias", self.bias))
-                if value is not None}
+        local = local or {}
+        return {key: self.shards[key].gather(local.get(key, value))
+                for key, value in (("weight", self.weight), ("bias", self.bias)) if value is not None}
 
     def _check_group(self) -> None:
         now = group_rank_size(self.group)

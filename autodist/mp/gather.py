@@ -33,12 +33,14 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str,
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
     world = init()
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    live = model.state_dict()  # the values on their device (dense per rank even where sharded at rest)
+    state = {k: v.detach().cpu().clone() for k, v in live.items()}
     for name, layer in mp_modules(model):
         prefix = f"{name}." if name else ""
         # a layer that replaced an F.linear call knows the names its weights had in the original model
         original = getattr(layer, "dense_names", {})
-        for key, value in layer.dense_state().items():
+        own = {k[len(prefix):]: v for k, v in live.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        for key, value in layer.dense_state(own).items():
             state.pop(prefix + key, None)
             state[original.get(key, prefix + key)] = value.detach().cpu().clone()
     return state if all_ranks or world.rank == 0 else None

@@ -84,3 +84,23 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
         groups = Groups(dp=dp_group, mp=mp_group)
     _groups_cache[dims] = groups
     return groups
+
+
+def second_dp_group(dims: ParallelDims, rank: int) -> object:
+    """A process group of its own over ``rank``'s data-parallel ranks, for collectives that must never be
+    ordered against the ones on the data-parallel group (``shard="parameters"`` gathers its blocks on it
+    while the gradient sync reduce-scatters on the other). Collective over the world; made once per layout."""
+    import torch.distributed as dist
+
+    key = ("second dp", dims)
+    if key not in _second_cache:
+        mine = None
+        for m in range(dims.mp):
+            g = dist.new_group([d * dims.mp + m for d in range(dims.dp)])
+            if dims.mp_rank(rank) == m:
+                mine = g
+        _second_cache[key] = mine
+    return _second_cache[key]
+
+
+_second_cache: dict[tuple, object] = {}

@@ -65,10 +65,13 @@ class OptimizerSharding:
     """The pieces of ``model``'s trainable parameters this rank owns, their optimizer state between steps,
     and the hooks around the steps of every optimizer that holds them."""
 
-    def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None) -> None:
+    def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None,
+                 at_rest: Any = None) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:
+        # shard="parameters": the pieces are views of the blocks' shards, which nothing gathers after a step
+        self.at_rest = at_rest
+        for p in self.params if at_rest is None else ():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()  # the pieces are views of the flattened parameter
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -84,8 +87,9 @@ class OptimizerSharding:
         self.holds: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.swapped: dict[int, list[torch.Tensor]] = {}  # id(param group) -> its own params, during a step
         # On one machine the updated chunks meet in shared memory: each rank writes its own, reads the others'.
-        self.slots = exchange.shared_slots([torch.empty(k.chunk, dtype=k.dtype, device=k.device)
-                                            for k in self.layout.kinds], group, "the sharded parameters")
+        self.slots = None if at_rest is not None else exchange.shared_slots(
+            [torch.empty(k.chunk, dtype=k.dtype, device=k.device) for k in self.layout.kinds], group,
+            "the sharded parameters")
         self.flag = torch.zeros(1)
         step_hooks.listen(self)
 
@@ -131,15 +135,14 @@ class OptimizerSharding:
                     continue
                 if p.grad is None:
                     continue  # the optimizer would skip it: nothing of it changes on any rank
-                flat = p.detach().view(-1)
                 sharded = p.grad if isinstance(p.grad, ShardedGrad) else None  # then: one piece, its local values
                 grad = p.grad.detach().reshape(-1) if sharded is None else None
                 for piece in self.pieces.get(i, ()):
                     view = self.views.get(piece)
                     if view is None:
-                        view = self.views[piece] = flat[piece.start:piece.stop]
+                        view = self.views[piece] = self._param_slice(piece)
                     else:
-                        view.data = flat[piece.start:piece.stop]  # the parameter's storage may have been replaced
+                        view.data = self._param_slice(piece)  # the parameter's storage may have been replaced
                     view.grad = grad[piece.start:piece.stop] if sharded is None else sharded.local
                     state = self.store.pop(piece, None)
                     if state is not None:
@@ -152,6 +155,9 @@ class OptimizerSharding:
         if not self._holds(optimizer) or not self.swapped:
             return
         self._restore(optimizer)
+        if self.at_rest is not None:
+            self.at_rest.stepped()
+            return
         with torch.no_grad(), waiting("the all-gather of the sharded parameters after optimizer.step()"):
             self._gather_parameters()
 
@@ -172,6 +178,9 @@ class OptimizerSharding:
             group["params"] = own
 
     def _param_slice(self, piece: Piece) -> torch.Tensor:
+        """The elements of ``piece``: in the parameter, or (``shard="parameters"``) in its block's shard."""
+        if self.at_rest is not None:
+            return piece.in_chunk(self.at_rest.block_of[id(self.params[piece.index])].shard)
         return self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
 
     def _gather_parameters(self) -> None:
@@ -306,11 +315,14 @@ def _unplain(value: Any) -> Any:
     return value
 
 
-def setup(model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None) -> OptimizerSharding:
+def setup(model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None,
+          at_rest: Any = None) -> OptimizerSharding:
     """Shard the optimizer state of ``model`` over the ``ranks`` data-parallel ranks of ``group`` (this one is
     ``rank``); the model keeps the sharding alive. ``sync``: the gradient sync whose buckets' parts the ranks
-    keep (``shard="gradients"``), whose cut the optimizer's pieces then follow."""
-    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync)
+    keep (``shard="gradients"``), whose cut the optimizer's pieces then follow; ``at_rest``: the
+    :class:`~autodist.sharded.parameters.ParameterSharding` whose shards the pieces are
+    (``shard="parameters"``)."""
+    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync, at_rest)
     return sharding
 
 

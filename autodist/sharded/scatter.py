@@ -35,14 +35,14 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autodist.dp import exchange
-from autodist.dp.buckets import Bucket
+from autodist.dp.buckets import Bucket, assign_buckets
 from autodist.runtime.position import waiting
 from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.layout import Layout
@@ -68,6 +68,7 @@ class ScatteredBucket(Bucket):
         for piece in cut.pieces[rank]:
             self.locals[piece.index] = piece.in_chunk(self.part)
         self.carried: dict[nn.Parameter, torch.Tensor] = {}
+        self.after_pack: Callable[[], None] | None = None  # shard="parameters": the block's parameters freed
 
     def gradients(self) -> torch.Tensor:
         """The region reduce-scattered: the gradients and their padding (``ranks x chunk`` numbers)."""
@@ -77,6 +78,8 @@ class ScatteredBucket(Bucket):
         super().pack(count, scale)
         for p in self.params:
             p.grad = None  # autograd's whole gradient: packed, so freed now
+        if self.after_pack is not None:
+            self.after_pack()
 
     def total(self) -> float:
         return float(self.meta[0])
@@ -201,12 +204,13 @@ class Scatter:
     def __init__(self, group: Any, rank: int, ranks: int) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
 
-    def caps(self, params: list[nn.Parameter], caps: tuple[int, int]) -> tuple[int, int]:
-        """Bucket sizes (bytes) no larger than 1/(8N) of the gradients (nor than 256 KiB less): the ring of
-        two then holds at most 1/(4N) of them, beside the 1/N a rank keeps (``bucket_mb`` is for the
-        whole-gradient sync, where a bucket's memory is its gradients' own)."""
+    def assign(self, params: list[nn.Parameter], caps: tuple[int, int]) -> list[list[int]]:
+        """The buckets (indices into ``params``, in the order they are sent): as for the whole-gradient sync,
+        but no larger than 1/(8N) of the gradients (nor than 256 KiB less), so that the ring of two holds
+        at most 1/(4N) of them beside the 1/N a rank keeps (``bucket_mb`` is for the whole-gradient sync,
+        where a bucket's memory is its gradients' own)."""
         limit = max(SMALLEST, sum(p.numel() * p.element_size() for p in params) // (8 * self.ranks))
-        return min(caps[0], limit), min(caps[1], limit)
+        return assign_buckets(params, min(caps[0], limit), min(caps[1], limit))
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
         return ScatteredBucket(params, extra, self.rank, self.ranks, self.group)
@@ -222,6 +226,9 @@ class Scatter:
             slots, mapping = shared
             return ScatterSum(scattered, slots, self.rank, group, mapping)
         return ReduceScatter(scattered, ring, group)
+
+    def backward_ended(self) -> None:
+        """Nothing to do at the end of a backward (``shard="parameters"`` frees its blocks there)."""
 
 
 def _ring(buckets: list[ScatteredBucket]) -> list[torch.Tensor]:

@@ -58,7 +58,7 @@ def _sharded(shard: str):
     return _data_parallel("adamw", shard=shard)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_sharded_state_on_one_shared_gpu_trains_as_one_process(ranks, shard):
     for ref, par, on_gpu, backend, _ in ranks(2, _sharded, shard):
         assert on_gpu and backend == "gloo"

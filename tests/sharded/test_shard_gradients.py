@@ -1,4 +1,4 @@
-"""shard="gradients": each rank keeps 1/N of the averaged gradients, and everything a loop does with them is
+"""shard="gradients" (and "parameters", which shards the gradients the same way): each rank keeps 1/N of the averaged gradients, and everything a loop does with them is
 what one process would do - clipping by the global norm, clipping by value, zero_grad(set_to_none=False), a
 second backward adding to the gradients - or a clear error; never a silent per-rank answer."""
 from __future__ import annotations
@@ -67,8 +67,8 @@ def test_many_buckets_through_the_ring_train_as_one_process(ranks, shared_memory
 
 
 @_float64
-def _clipping():
-    ref, model, batches, mine = _pair(shard="gradients", bucket_mb=0.002, first_bucket_mb=0.001)
+def _clipping(shard: str):
+    ref, model, batches, mine = _pair(shard=shard, bucket_mb=0.002, first_bucket_mb=0.001)
     norms = {}
     for m, data in ((ref, batches), (model, mine)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -85,17 +85,18 @@ def _clipping():
     return w.state(ref), w.state(model), norms[id(ref)], norms[id(model)]
 
 
-def test_clip_grad_norm_sees_the_global_norm_of_every_order_and_clip_grad_value_the_global_gradient(ranks):
-    for ref, par, ref_norms, norms in ranks(3, _clipping):
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_clip_grad_norm_sees_the_global_norm_of_every_order_and_clip_grad_value_the_global_gradient(ranks, shard):
+    for ref, par, ref_norms, norms in ranks(3, _clipping, shard):
         assert_close(torch.stack(norms), torch.stack(ref_norms), rtol=1e-12, atol=0)
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
 @_float64
-def _adding(set_to_none: bool):
+def _adding(set_to_none: bool, shard: str):
     """Two backwards per step, each synced (no no_sync), with zero_grad(set_to_none) between steps: the second
     adds to the first's sharded gradient, as autograd adds in one process."""
-    ref, model, batches, mine = _pair(shard="gradients")
+    ref, model, batches, mine = _pair(shard=shard)
     for m, data in ((ref, batches), (model, mine)):
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         for xb, yb in data:
@@ -107,15 +108,16 @@ def _adding(set_to_none: bool):
     return w.state(ref), w.state(model)
 
 
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_a_second_backward_adds_to_the_sharded_gradient(ranks, set_to_none):
-    for ref, par in ranks(2, _adding, set_to_none):
+def test_a_second_backward_adds_to_the_sharded_gradient(ranks, set_to_none, shard):
+    for ref, par in ranks(2, _adding, set_to_none, shard):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
 @_float64
-def _manual():
-    ref, model, batches, mine = _pair(shard="gradients", sync="manual")
+def _manual(shard: str):
+    ref, model, batches, mine = _pair(shard=shard, sync="manual")
     for m, data in ((ref, batches), (model, mine)):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         for xb, yb in data:
@@ -127,8 +129,9 @@ def _manual():
     return w.state(ref), w.state(model)
 
 
-def test_sync_manual_with_synchronize_model(ranks):
-    for ref, par in ranks(2, _manual):
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_sync_manual_with_synchronize_model(ranks, shard):
+    for ref, par in ranks(2, _manual, shard):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 

@@ -69,7 +69,7 @@ def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1", shard: str = 
         opt = _train(model, data, optimizer, clip)
         sharding = sharding_of(model)
         held = sharding.held_bytes()
-        if shard == "gradients":  # after the last step's backward: every .grad a slice, 1/N of them in all
+        if shard != "optimizer":  # after the last step's backward: every .grad a slice, 1/N of them in all
             grads = [p.grad for p in model.parameters()]
             assert all(isinstance(g, ShardedGrad) for g in grads), [type(g) for g in grads]
             total = sum(p.numel() for p in model.parameters())
@@ -83,7 +83,7 @@ def _mlp_run(optimizer: str, clip: bool, shared_memory: str = "1", shard: str = 
         del os.environ["AUTODIST_SHARED_MEMORY"]
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("optimizer, clip, shared_memory", [("adam", False, "1"), ("adamw", True, "1"),
                                                              ("adamw", True, "0")])
@@ -102,7 +102,7 @@ def _accumulate_sharded(shard: str):
     return _accumulate(2, 17, shard=shard)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_no_sync_accumulation_with_uneven_micro_batches(ranks, shard):
     # 17 samples in micro-batches of 5: the last step's ranks hold 1, 1 and 0 samples (tests/dp/test_sync_modes.py)
     assert_same_training(ranks(3, _accumulate_sharded, shard))
@@ -128,7 +128,7 @@ def _nanogpt_run(shard: str):
     return w.state(ref), w.state(model)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_nanogpt_with_its_own_optimizer_groups_trains_as_one_process(ranks, shard):
     for ref, par in ranks(3, _nanogpt_run, shard):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
@@ -214,7 +214,7 @@ def _assert_near(par: dict, ref: dict, tol: float) -> None:
         assert (par[name] - value).abs().max().item() <= tol * max(scale, 1e-30), name
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "encoder"])
 def test_outside_models_train_as_one_process(ranks, kind, shard):
     for ref, par in ranks(3, _outside_run, kind, 1, shard):
@@ -225,13 +225,13 @@ def _both(kind: str, shard: str):
     return _outside_run(kind, 1, None)[1], _outside_run(kind, 1, shard)[1]
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_sharded_is_bit_for_bit_the_unsharded_run(ranks, shard):
     for unsharded, sharded in ranks(3, _both, "gpt2", shard):
         assert_close(sharded, unsharded, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_with_mp2_on_four_ranks_the_state_is_sharded_over_the_data_parallel_pairs(ranks, shard):
     for ref, par in ranks(4, _outside_run, "gpt2", 2, shard):
         _assert_near(par, ref, 1e-10)
@@ -324,7 +324,7 @@ def _round_trip_run(shard: str):
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_the_state_goes_out_dense_and_back_in_between_steps(ranks, shard):
     for ref, par in ranks(3, _round_trip_run, shard):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)

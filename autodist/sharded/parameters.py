@@ -1,0 +1,357 @@
+"""``shard="parameters"`` (fully sharded, ZeRO stage 3): parameters sharded at rest, gathered block by block.
+
+The trainable parameters of each block (:mod:`autodist.sharded.blocks`; the rest form the *root*) are one
+flat vector cut in N even parts (:class:`~autodist.sharded.layout.Layout`, the cut the gradient buckets and
+the optimizer's pieces use): rank r keeps part r, its ``shard``. A parameter at rest holds a placeholder
+of its shape (NaN, one number of memory), so ``model.parameters()``, shapes and the optimizer's param
+groups are as always. Then:
+
+* forward: before a block runs, its parts are all-gathered into a buffer of the whole block and its
+  parameters become views of it; after it runs they are placeholders again. The block after it (in the
+  last forward's order) is gathered meanwhile (asynchronously, on a process group of its own). The root is
+  gathered when the model (or a module holding root parameters) is called, and kept until the end of
+  backward;
+* backward: while a block runs forward, autograd's saved tensors that are its parameters (or views of
+  them) are saved as *where they were* in the block (saved-tensor hooks), not as tensors; when backward
+  first needs one, the block is gathered again (and the block before it meanwhile), and it is freed as
+  soon as its gradients are packed (each block is one bucket of the reduce-scatter:
+  :mod:`autodist.sharded.scatter`);
+* step: the optimizer steps each rank's part (:mod:`autodist.sharded.optimizer`): the shard itself, in
+  place. Nothing is all-gathered after the step; the next forward gathers what it needs.
+
+Every rank must gather the same blocks in the same order (the same forward): at the end of each backward,
+and after each forward without gradients, one all-reduce checks it, and a difference (layer drop, early
+exit, a branch on the data) raises before anything is stepped.
+
+``model.state_dict()`` gathers the blocks one at a time into dense tensors (a collective: call it on every
+rank); ``model.load_state_dict`` takes a dense one and keeps this rank's part.
+
+Example:
+    >>> model, loader = autodist.parallelize(model, loader, shard="parameters")
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # each rank holds 1/N of everything
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autodist.runtime.position import waiting
+from autodist.runtime.world import log
+from autodist.sharded import blocks as blocks_mod
+from autodist.sharded.layout import Layout
+from autodist.sharded.scatter import Scatter, ScatteredBucket
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Where a tensor autograd saved sat in its block's gathered buffer."""
+
+    block: "Block"
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # not a plain tensor: never a view of a block
+        return None
+
+
+class Block:
+    """One block's trainable parameters: this rank's part of them, and the whole block while in use."""
+
+    def __init__(self, number: int, name: str, params: list[nn.Parameter], rank: int, ranks: int) -> None:
+        self.number, self.name, self.params, self.ranks = number, name, params, ranks
+        kind = Layout.of_groups(params, [list(range(len(params)))], ranks).kinds[0]
+        self.chunk, like = kind.chunk, params[0]
+        self.spans, offset = [], 0
+        flat = torch.zeros(self.chunk * ranks, dtype=like.dtype, device=like.device)
+        for p in params:
+            self.spans.append((offset, p.numel()))
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            offset += p.numel()
+        self.shard = flat[rank * self.chunk:(rank + 1) * self.chunk].clone()
+        nan = torch.full((1,), float("nan"), dtype=like.dtype, device=like.device)
+        self.placeholders = [nan.expand(p.shape) for p in params]
+        self.full: torch.Tensor | None = None  # the whole block, while gathered
+        self.work: Any = None  # its all-gather, while in flight
+        self.live = False  # the parameters are views of ``full``
+        self.release()
+
+    def start(self, group: Any) -> bool:
+        """Begin gathering the block (nothing if it is gathered or on its way); True if a gather began."""
+        if self.full is not None:
+            return False
+        self.full = torch.empty(self.chunk * self.ranks, dtype=self.shard.dtype, device=self.shard.device)
+        self.work = dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
+        return True
+
+    def ready(self) -> None:
+        """Wait for the gather; the parameters become views of the whole block."""
+        if self.work is not None:
+            with waiting(f"the all-gather of block {self.name!r}'s parameters (shard='parameters')"):
+                self.work.wait()
+            self.work = None
+        if not self.live:
+            assert self.full is not None
+            for p, (offset, n) in zip(self.params, self.spans):
+                p.data = self.full[offset:offset + n].view(p.shape)
+            self.live = True
+
+    def release(self) -> None:
+        """The parameters back to placeholders; the whole block is dropped (autograd keeps none of it)."""
+        if self.work is not None:
+            self.work.wait()  # a collective in flight completes on every rank
+            self.work = None
+        for p, placeholder in zip(self.params, self.placeholders):
+            p.data = placeholder
+        self.full, self.live = None, False
+
+    def keep(self, rank: int) -> None:
+        """The whole block (gathered, then changed by ``load_state_dict``): this rank's part into the shard."""
+        assert self.full is not None
+        self.shard.copy_(self.full[rank * self.chunk:(rank + 1) * self.chunk])
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, {sum(n for _, n in self.spans)} parameters)"
+
+
+class ParameterSharding:
+    """The blocks of one model, the hooks that gather and free them, and its dense state dict."""
+
+    def __init__(self, model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int) -> None:
+        self.group, self.rank, self.ranks = group, rank, ranks
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            if p.dtype != trainable[0].dtype or p.device != trainable[0].device:
+                raise NotImplementedError("shard='parameters' needs every trainable parameter of one dtype and "
+                                          "device: convert the model with model.to(dtype) first, or use "
+                                          "shard='optimizer'")
+        found = blocks_mod.find(model, chosen)
+        owners: dict[int, list[int]] = {}
+        for b, (_, module) in enumerate(found):
+            for p in module.parameters():
+                owners.setdefault(id(p), []).append(b)
+        members: list[list[nn.Parameter]] = [[] for _ in found]
+        root: list[nn.Parameter] = []
+        for p in trainable:  # a parameter two blocks share (tied) belongs to the root
+            held = owners.get(id(p), [])
+            (members[held[0]] if len(held) == 1 else root).append(p)
+        named = [(name, ps) for (name, _), ps in zip(found, members) if ps]
+        if root:
+            named.append(("(root)", root))
+        if not found and rank == 0:
+            log.warning("shard='parameters' found no repeated layers in %s (a ModuleList or Sequential of modules "
+                        "of one type), so the whole model is gathered for every forward and backward and held "
+                        "sharded only between steps; name its blocks with parallelize(..., blocks=[...])",
+                        type(model).__name__)
+        self.blocks = [Block(i, name, ps, rank, ranks) for i, (name, ps) in enumerate(named)]
+        self.root = self.blocks[-1] if root else None
+        self.block_of = {id(p): blk for blk in self.blocks for p in blk.params}
+        self.by_module = {id(m): blk for (_, m), blk in zip(found, self.blocks)}
+        # the last forward's order of blocks, for gathering the next one while this one runs
+        self.order: list[Block] = []
+        self.seen: list[Block] = []
+        self.next_of: dict[Block, Block] = {}
+        self.before: dict[Block, Block] = {}
+        self.trace = 0  # which blocks were gathered, in which order, since the last check
+        self.hooking: list[tuple[Any, Block]] = []  # the blocks running now, with their saved-tensor hooks
+        self.handles = self._hook(model, found)
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _hook(self, model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[Any]:
+        handles = [model.register_forward_pre_hook(self._model_begins),
+                   model.register_forward_hook(self._model_ends, always_call=True)]
+        for _, module in found:
+            if id(module) in self.by_module:
+                handles += [module.register_forward_pre_hook(self._block_begins),
+                            module.register_forward_hook(self._block_ends, always_call=True)]
+        if self.root is not None:
+            root = {id(p) for p in self.root.params}
+            for module in model.modules():
+                if module is not model and any(id(p) in root for p in module._parameters.values()):
+                    handles.append(module.register_forward_pre_hook(self._root_needed))
+        handles += [model.register_state_dict_post_hook(partial(self._dense_state)),  # torch marks the hook
+                    model.register_load_state_dict_pre_hook(self._before_load),
+                    model.register_load_state_dict_post_hook(self._after_load)]
+        return handles
+
+    def _gather(self, block: Block, wait: bool = True) -> None:
+        if block.start(self.group):
+            self.trace = (self.trace * 1_000_003 + block.number + 1) % (1 << 50)
+        if wait:
+            block.ready()
+
+    def _root_needed(self, *_: Any) -> None:
+        if self.root is not None:
+            self._gather(self.root)
+
+    def _model_begins(self, module: nn.Module, args: Any) -> None:
+        self.seen = []
+        self._root_needed()
+
+    def _model_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.seen:
+            self.order, self.seen = self.seen, []
+            self.next_of = dict(zip(self.order, self.order[1:]))
+            self.before = dict(zip(self.order[1:], self.order))
+        if not torch.is_grad_enabled():  # no backward follows: free the root, and check the gathers
+            if self.root is not None:
+                self.root.release()
+            self.check()
+
+    def _block_begins(self, module: nn.Module, args: Any) -> None:
+        block = self.by_module[id(module)]
+        if block not in self.seen:
+            self.seen.append(block)
+        self._gather(block)
+        following = self.next_of.get(block)
+        if following is not None:
+            self._gather(following, wait=False)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if torch.is_grad_enabled() \
+            else None
+        if hooks is not None:
+            hooks.__enter__()
+        self.hooking.append((hooks, block))
+
+    def _block_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        hooks = self.hooking.pop()[0] if self.hooking else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        self.by_module[id(module)].release()
+
+    # -- backward ----------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        """A tensor autograd saves while a block runs: one of a block's parameters (or a view of one) is kept
+        as where it sits in the block, so the block can be freed until backward needs it."""
+        block = self.hooking[-1][1] if self.hooking else None
+        if block is None or block.full is None or _storage(t) != block.full.untyped_storage().data_ptr():
+            return t
+        return Saved(block, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, Saved):
+            return saved
+        block = saved.block
+        if block.full is None or block.work is not None or not block.live:
+            self._gather(block)
+            earlier = self.before.get(block)
+            if earlier is not None:
+                self._gather(earlier, wait=False)
+        assert block.full is not None
+        return block.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def backward_ended(self) -> None:
+        """Every block back to its shard (autograd's gradients are summed), then the gathers checked."""
+        for block in self.blocks:
+            block.release()
+        self.check()
+
+    def packed(self, block: Block) -> None:
+        """``block``'s gradients are packed: nothing of this backward needs its parameters any more."""
+        block.release()
+
+    def check(self) -> None:
+        """One all-reduce: every rank gathered the same blocks in the same order since the last check."""
+        mine = torch.tensor([self.trace, -self.trace], dtype=torch.float64)
+        with waiting("the check that every rank gathered the same blocks (shard='parameters')"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)
+        if mine.tolist() != [self.trace, -self.trace]:
+            raise RuntimeError(
+                "the data-parallel ranks gathered different blocks of the model (or in another order) in this "
+                "forward and backward: shard='parameters' needs every rank to run the same layers (layer drop, "
+                "early exit or a branch on the data differ between ranks). Use shard='gradients', which gathers "
+                "nothing during forward")
+        self.trace = 0
+
+    # -- around the optimizer's step ---------------------------------------------------------------
+    def stepped(self) -> None:
+        """The shards changed: what is still gathered (a forward with gradients and no backward) is stale."""
+        for block in self.blocks:
+            block.release()
+
+    # -- state -------------------------------------------------------------------------------------
+    def _dense_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """Each block gathered in turn and its parameters' entries made dense copies (a collective)."""
+        names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(prefix + name)
+        with waiting("model.state_dict() of a model with shard='parameters' (a collective: call it on every rank)"):
+            for block in self.blocks:
+                keys = [[k for k in names.get(id(p), ()) if k in state_dict] for p in block.params]
+                was = block.full is not None
+                self._gather(block)
+                for p, ks in zip(block.params, keys):
+                    for k in ks:
+                        state_dict[k] = p.detach().clone() if not isinstance(state_dict[k], nn.Parameter) else \
+                            nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                if not was:
+                    block.release()
+        self.trace = 0  # every rank gathers every block here: nothing to compare
+
+    def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+        """Every block whole, so that loading writes into real parameters."""
+        with waiting("model.load_state_dict() of a model with shard='parameters' (a collective)"):
+            for block in self.blocks:
+                self._gather(block)
+        self.trace = 0
+
+    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
+        for block in self.blocks:
+            block.keep(self.rank)
+            block.release()
+
+    def held_bytes(self) -> int:
+        """Bytes of parameters this rank holds now (its shards and what is gathered)."""
+        return sum(b.shard.numel() * b.shard.element_size() +
+                   (0 if b.full is None else b.full.numel() * b.full.element_size()) for b in self.blocks)
+
+
+class BlockScatter(Scatter):
+    """The gradient buckets of ``shard="parameters"``: one per block, sent last block first (the root last),
+    each freeing its block's parameters once packed."""
+
+    def __init__(self, sharding: ParameterSharding, group: Any, rank: int, ranks: int) -> None:
+        super().__init__(group, rank, ranks)
+        self.sharding = sharding
+
+    def assign(self, params: list[nn.Parameter], caps: tuple[int, int]) -> list[list[int]]:
+        index = {id(p): i for i, p in enumerate(params)}
+        if set(index) != set(self.sharding.block_of):
+            raise RuntimeError("the model's trainable parameters changed after parallelize(..., shard='parameters') "
+                               "(requires_grad, dtype or device); make such changes before parallelize")
+        blocks = self.sharding.blocks
+        order = [b for b in reversed(blocks) if b is not self.sharding.root] + blocks[-1:] * (
+            self.sharding.root is not None)
+        return [[index[id(p)] for p in block.params] for block in order]
+
+    def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
+        bucket = super().bucket(params, extra)
+        bucket.after_pack = partial(self.sharding.packed, self.sharding.block_of[id(params[0])])
+        return bucket
+
+    def backward_ended(self) -> None:
+        self.sharding.backward_ended()
+
+
+_by_model: "weakref.WeakKeyDictionary[nn.Module, ParameterSharding]" = weakref.WeakKeyDictionary()
+
+
+def setup(model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int) -> ParameterSharding:
+    """Shard ``model``'s trainable parameters over the ``ranks`` ranks of ``group`` (its own process group for
+    the gathers, so that they never interleave with the gradient sync's collectives), block by block."""
+    sharding = _by_model[model] = ParameterSharding(model, chosen, group, rank, ranks)
+    return sharding
+
+
+def sharding_of(model: nn.Module) -> ParameterSharding | None:
+    """The parameter sharding ``parallelize(..., shard="parameters")`` set up for ``model``, if any."""
+    return _by_model.get(model)

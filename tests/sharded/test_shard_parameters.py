@@ -1,0 +1,211 @@
+"""shard="parameters": parameters sharded at rest, each block gathered for its forward and its backward and
+freed after, the next block gathered meanwhile; blocks found in outside models or named by hand; forwards
+without backward (evaluation, validation without no_grad) between steps; ranks that run different layers
+refused before anything is stepped. The exactness tests of every level are in test_sharded_training.py."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+from autodist.sharded import blocks
+from autodist.sharded.parameters import sharding_of
+from outside.nanogpt import GPT, GPTConfig
+from outside.word_language_model import RNNModel
+from test_sharded_training import _outside
+
+
+def _float64(fn):
+    @functools.wraps(fn)  # the ranks find it by its name
+    def run(*args):
+        torch.set_default_dtype(torch.float64)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return run
+
+
+def test_the_blocks_of_outside_models_are_their_repeated_layers():
+    nanogpt = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=3, n_head=2, n_embd=8, dropout=0.0))
+    found = {kind: [name for name, _ in blocks.find(_outside(kind))] for kind in ("gpt2", "llama", "encoder")}
+    assert [name for name, _ in blocks.find(nanogpt)] == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert found == {"gpt2": ["transformer.h.0", "transformer.h.1"], "llama": ["model.layers.0", "model.layers.1"],
+                     "encoder": ["1.layers.0", "1.layers.1"]}
+    assert [name for name, _ in blocks.find(w.mlp())] == ["0", "2", "4"]  # an MLP's Linear layers
+    rnn = RNNModel("LSTM", 20, 8, 8, 2)
+    assert blocks.find(rnn) == []  # nothing repeated: everything is the root (parallelize warns)
+    assert [n for n, _ in blocks.find(rnn, ["rnn", "decoder"])] == ["rnn", "decoder"]
+    assert [n for n, _ in blocks.find(nanogpt, lambda name, m: type(m).__name__ == "Block")] == \
+        ["transformer.h.0", "transformer.h.1", "transformer.h.2"]  # a callable sees every module
+
+
+def test_blocks_that_nest_or_do_not_exist_are_clear_errors():
+    nanogpt = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=8, dropout=0.0))
+    with pytest.raises(ValueError, match="'transformer.h.0' and 'transformer.h.0.attn': one holds the other"):
+        blocks.find(nanogpt, ["transformer.h.0", "transformer.h.0.attn"])
+    with pytest.raises(ValueError, match="'transformer.h.9', which is not a submodule of GPT"):
+        blocks.find(nanogpt, ["transformer.h.9"])
+    with pytest.raises(TypeError, match="list of module names or a callable"):
+        blocks.find(nanogpt, "transformer.h")
+    with pytest.raises(ValueError, match="blocks= names the modules shard='parameters' gathers"):
+        autodist.parallelize(nanogpt, blocks=["transformer.h.0"], shard="gradients")
+
+
+class Stack(nn.Module):
+    """Four equal blocks between an input and an output layer (the root); ``order`` permutes the blocks."""
+
+    def __init__(self, order: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 32), nn.Linear(32, 3)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i in self.order:
+            h = self.layers[i](h)
+        return self.out(h)
+
+
+def _in_use():
+    """How many blocks are gathered while each block runs forward and while each gradient lands, what a rank
+    holds between steps, and whether the next block was on its way while the current one ran."""
+    torch.manual_seed(0)
+    model, _ = autodist.parallelize(Stack(), shard="parameters")
+    at_rest = sharding_of(model)
+    forward, backward, prefetched = [], [], []
+
+    def gathered() -> int:
+        return sum(b.full is not None for b in at_rest.blocks if b is not at_rest.root)
+
+    def running(module, args):
+        block = at_rest.by_module[id(module)]
+        forward.append(gathered())
+        following = at_rest.next_of.get(block)
+        if following is not None:
+            prefetched.append(following.full is not None)
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(running)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: backward.append(gathered()))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    kept = []  # what autograd saved of a running block's parameters: a tensor would keep the block alive
+    pack = at_rest._pack
+
+    def saving(t):
+        block = at_rest.hooking[-1][1]
+        aliases = t.untyped_storage().data_ptr() == block.full.untyped_storage().data_ptr()
+        saved = pack(t)
+        if aliases:
+            kept.append(torch.is_tensor(saved))
+        return saved
+
+    at_rest._pack = saving
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(4, 6)), torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    storage = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    placeholders = 4 * len(list(model.parameters()))  # one float32 each
+    return forward, backward, prefetched, kept, at_rest.held_bytes(), whole, storage <= placeholders, \
+        len(at_rest.blocks)
+
+
+def test_a_rank_holds_its_shard_and_the_blocks_in_use_and_the_next_block_is_gathered_meanwhile(ranks):
+    for forward, backward, prefetched, kept, held, whole, placeholders, count in ranks(2, _in_use):
+        assert count == 5  # the four layers and the root
+        assert max(forward) <= 2 and max(backward) <= 3, (forward, backward)  # never the whole model
+        assert prefetched and all(prefetched), prefetched  # from the second forward on
+        assert len(kept) >= 4 * 3 and not any(kept), kept  # autograd keeps where a weight was, not the weight
+        assert held <= whole / 2 + 4 * count  # between steps: 1/N (each block padded to N parts)
+        assert placeholders  # parameters hold one-number placeholders at rest
+
+
+@_float64
+def _evaluating():
+    """Training steps with an evaluation under no_grad and a validation forward with gradients enabled (and no
+    backward) between them: the same parameters and the same evaluations as one process."""
+    x, y = w.digits_like(48, features=6, classes=3)
+    ref = w.seeded(Stack, 0)
+    model, (xs, ys) = autodist.parallelize(w.seeded(Stack, 100 * w.rank()), (x, y), shard="parameters")
+    n = torch.distributed.get_world_size()
+    evaluations = {}
+    for m, (xd, yd) in ((ref, (x, y)), (model, (xs, ys))):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        seen = evaluations.setdefault(id(m), [])
+        size = 12 if m is ref else 12 // n
+        for i in range(0, len(xd), size):
+            opt.zero_grad()
+            F.cross_entropy(m(xd[i:i + size]), yd[i:i + size]).backward()
+            opt.step()
+            with torch.no_grad():
+                seen.append(m(x[:5]))
+            seen.append(m(x[5:9]).detach())  # validation without no_grad: no backward follows
+    return w.state(ref), w.state(model), evaluations[id(ref)], evaluations[id(model)]
+
+
+def test_evaluation_and_validation_without_no_grad_between_steps(ranks):
+    for ref, par, ref_evals, evals in ranks(2, _evaluating):
+        assert_close(par, ref, rtol=1e-12, atol=1e-14)
+        assert_close(evals, ref_evals, rtol=1e-12, atol=1e-14)
+
+
+@_float64
+def _rnn():
+    """The word_language_model LSTM ((seq, batch) inputs), its blocks named by hand."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (8, 7))
+
+    def build():
+        return RNNModel("LSTM", 20, 8, 8, 2, dropout=0.0)
+
+    def loss_of(m, batch):
+        out, _ = m(batch.t(), m.init_hidden(batch.shape[0]))
+        return F.nll_loss(out, batch.t().roll(-1, 0).reshape(-1))
+
+    ref = w.seeded(build, 0)
+    model, (mine,) = autodist.parallelize(w.seeded(build, 100 * w.rank()), (ids,), shard="parameters",
+                                          blocks=["rnn", "decoder"])
+    for m, batch in ((ref, ids), (model, mine)):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            loss_of(m, batch).backward()
+            opt.step()
+    return w.state(ref), w.state(model), [b.name for b in sharding_of(model).blocks]
+
+
+def test_an_lstm_with_blocks_named_by_hand_trains_as_one_process(ranks):
+    for ref, par, names in ranks(2, _rnn):
+        assert names == ["rnn", "decoder", "(root)"]
+        assert_close(par, ref, rtol=1e-12, atol=1e-14)
+
+
+def _different_layers():
+    torch.manual_seed(0)
+    order = (0, 1, 2, 3) if w.rank() == 0 else (1, 0, 2, 3)  # rank 1 runs its first two blocks swapped
+    model, _ = autodist.parallelize(Stack(order), shard="parameters")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = w.state(model)
+    try:
+        F.cross_entropy(model(torch.randn(4, 6)), torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+        return "no error", False
+    except RuntimeError as e:
+        return str(e), w.state(model).keys() == before.keys() and \
+            all(torch.equal(a, b) for a, b in zip(w.state(model).values(), before.values()))
+
+
+def test_ranks_that_run_different_layers_are_refused_before_the_step(ranks):
+    for message, unchanged in ranks(2, _different_layers):
+        assert "gathered different blocks" in message and "shard='gradients'" in message, message
+        assert unchanged
