@@ -7,15 +7,20 @@ What it measures
     * ``dp``: autodist's data parallelism, every rank holding everything (``shard=None``);
     * ``shard=optimizer``: autodist with each rank keeping 1/N of the optimizer state (ZeRO stage 1);
     * ``shard=gradients``: also 1/N of the averaged gradients, each bucket reduce-scattered (ZeRO stage 2);
-    * ``ZeRO-1 (torch)``: torch's ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (stage 1).
+    * ``shard=parameters``: also 1/N of the parameters between uses, each Linear layer a block gathered for
+      its forward and its backward (fully sharded, ZeRO stage 3);
+    * ``ZeRO-1 (torch)``: torch's ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (stage 1);
+    * ``FSDP2 (torch)``: torch's ``fully_shard`` applied to each Linear layer, then to the model (full).
 
     Each contender first runs alone on fresh processes (``--steps`` steps): the bytes of parameters,
-    gradients and optimizer state each rank holds between steps (gradients: every distinct storage behind
+    gradients and optimizer state each rank holds between steps (parameters: this rank's shards where they
+    are sharded at rest, the local shards of FSDP2's DTensors; gradients: every distinct storage behind
     ``.grad`` and autodist's gradient buckets, counting a rank's own slots of shared memory but not the
     shared sum of ``shard=None`` and ``shard=optimizer`` on one machine, one bucket-set for all ranks;
-    DDP's own buckets are not counted), and the rank's peak resident memory
+    DDP's own buckets are not counted; FSDP2's: its local shards), and the rank's peak resident memory
     (``ru_maxrss``). Then all three run in one set of processes, in interleaved blocks, for the step times
-    (medians, and each one's ratio to ``dp``); the parameters are checked equal after.
+    (medians, and each one's ratio to ``dp``, and ``shard=parameters``'s to FSDP2's); the parameters are
+    checked equal after.
 
 How to run
     python benchmarks/bench_sharded.py                  # 2 ranks, about a minute on 2 cores
@@ -44,9 +49,10 @@ import autodist
 from autodist.dp.grad_sync import state_of
 from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.optimizer import sharding_of
+from autodist.sharded.parameters import sharding_of as at_rest_of
 from autodist.sharded.scatter import ScatteredBucket
 
-CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "ZeRO-1 (torch)")
+CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "shard=parameters", "ZeRO-1 (torch)", "FSDP2 (torch)")
 
 
 def mlp(args: argparse.Namespace) -> nn.Module:
@@ -67,14 +73,50 @@ def contender(name: str, args: argparse.Namespace):
         model = DistributedDataParallel(mlp(args))
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
         return model, optimizer, lambda: _state_bytes(optimizer.optim.state)
+    if name == "FSDP2 (torch)":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = autodist.init()
+        mesh = init_device_mesh("cpu", (world.size,))
+        model = mlp(args)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        return model, optimizer, lambda: _state_bytes(optimizer.state)
     model, _ = autodist.parallelize(mlp(args), shard=name.removeprefix("shard=") if name.startswith("shard") else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     sharding = sharding_of(model)
     return model, optimizer, (lambda: sharding.held_bytes()) if sharding else lambda: _state_bytes(optimizer.state)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients and state); any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _state_bytes(state) -> int:
-    return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
+    return sum(_local(v).numel() * v.element_size() for s in state.values() for v in s.values()
+               if torch.is_tensor(v))
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds between steps."""
+    at_rest = at_rest_of(model)
+    if at_rest is not None:
+        return at_rest.held_bytes()
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def _dense(model: nn.Module) -> torch.Tensor:
+    """Every parameter, whole, flat (a collective for the sharded ones)."""
+    if at_rest_of(model) is not None:
+        state = model.state_dict()
+        return torch.cat([state[n].reshape(-1) for n, _ in model.named_parameters()])
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
 
 
 def _gradient_bytes(model: nn.Module) -> int:
@@ -87,7 +129,7 @@ def _gradient_bytes(model: nn.Module) -> int:
 
     for p in model.parameters():
         if p.grad is not None and not isinstance(p.grad, ShardedGrad):
-            add(p.grad)
+            add(_local(p.grad))
     sync = state_of(model)
     for bucket in sync.buckets if sync is not None else []:
         add(bucket.flat)  # shard=gradients: its ring buffer
@@ -116,8 +158,7 @@ def alone(args: argparse.Namespace) -> None:
     x, y = _batch(args)
     for _ in range(args.steps):
         _step(model, optimizer, x, y)
-    params = [p for p in model.parameters()]
-    held = {"parameters": sum(p.numel() * p.element_size() for p in params),
+    held = {"parameters": _parameter_bytes(model),
             "gradients": _gradient_bytes(model),
             "optimizer": state_bytes(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     everyone = [None] * dist.get_world_size()
@@ -135,7 +176,7 @@ def together(args: argparse.Namespace) -> None:
     times, _ = timing.interleave(steps, args.steps, args.rounds, args.warmup)
     names = list(CONTENDERS)
     # the same steps on the same data from the same weights: the same parameters
-    params = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for name, (m, _, _) in built.items()}
+    params = {name: _dense(m) for name, (m, _, _) in built.items()}
     gap = {n: (params[n] - params["dp"]).abs().max().item() for n in names[1:]}
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
@@ -179,6 +220,9 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
               f"{worst['optimizer'] / 1e6:.1f} | {worst['optimizer'] / full:.3f} (1/N = {1 / ranks:.3f}) | "
               f"{held[name][0]['peak_rss'] / 1e6:.0f} | {1e3 * median:.1f} | "
               f"{median / timed['medians']['dp']:.3f} |")
+    fsdp = timed["medians"]["FSDP2 (torch)"]
+    print(f"\nshard=parameters vs FSDP2 (torch): {timed['medians']['shard=parameters'] / fsdp:.3f} x its step; "
+          f"largest block (one Linear layer) {args.width * (args.width + 1) * 4 / 1e6:.1f} MB of parameters")
     print("\nstep times:\n" + "\n".join(timed["lines"]))
     print("largest parameter difference from dp after the same steps: " +
           ", ".join(f"{name} {gap:.1e}" for name, gap in timed["gap"].items()) +

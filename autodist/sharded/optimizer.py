@@ -15,7 +15,9 @@ This is the single-process update exactly, for optimizers that update each eleme
 moments, LBFGS, Muon's orthogonalization) would compute something else on a slice, so it is refused.
 Gradients are whole on every rank, so ``torch.nn.utils.clip_grad_norm_`` gives the global norm. Under
 ``shard="gradients"`` the pieces are the parts of the gradient buckets each rank keeps
-(:mod:`autodist.sharded.scatter`) and each piece's gradient is its ``.grad``'s local slice.
+(:mod:`autodist.sharded.scatter`) and each piece's gradient is its ``.grad``'s local slice. Under
+``shard="parameters"`` the pieces are views of the blocks' shards themselves
+(:mod:`autodist.sharded.parameters`), and nothing is all-gathered after the step.
 
 ``optimizer.state_dict()`` gives the dense state, as one process would have it (a collective: call it on
 every rank, as ``autodist.save`` does), and ``optimizer.load_state_dict`` takes a dense state (from any

@@ -97,7 +97,7 @@ class Block:
     def ready(self) -> None:
         """Wait for the gather; the parameters become views of the whole block."""
         if self.work is not None:
-            with waiting(f"the all-gather of block {self.name!r}'s parameters (shard='parameters')"):
+            with waiting(f"the all-gather of the parameters of block {self.name!r} (shard='parameters')"):
                 self.work.wait()
             self.work = None
         if not self.live:
@@ -145,18 +145,18 @@ class ParameterSharding:
         for p in trainable:  # a parameter two blocks share (tied) belongs to the root
             held = owners.get(id(p), [])
             (members[held[0]] if len(held) == 1 else root).append(p)
-        named = [(name, ps) for (name, _), ps in zip(found, members) if ps]
+        named = [(name, module, ps) for (name, module), ps in zip(found, members) if ps]
         if root:
-            named.append(("(root)", root))
+            named.append(("(root)", model, root))
         if not found and rank == 0:
             log.warning("shard='parameters' found no repeated layers in %s (a ModuleList or Sequential of modules "
                         "of one type), so the whole model is gathered for every forward and backward and held "
                         "sharded only between steps; name its blocks with parallelize(..., blocks=[...])",
                         type(model).__name__)
-        self.blocks = [Block(i, name, ps, rank, ranks) for i, (name, ps) in enumerate(named)]
+        self.blocks = [Block(i, name, ps, rank, ranks) for i, (name, _, ps) in enumerate(named)]
         self.root = self.blocks[-1] if root else None
         self.block_of = {id(p): blk for blk in self.blocks for p in blk.params}
-        self.by_module = {id(m): blk for (_, m), blk in zip(found, self.blocks)}
+        self.by_module = {id(m): blk for (_, m, _), blk in zip(named, self.blocks) if blk is not self.root}
         # the last forward's order of blocks, for gathering the next one while this one runs
         self.order: list[Block] = []
         self.seen: list[Block] = []
@@ -261,7 +261,7 @@ class ParameterSharding:
 
     def check(self) -> None:
         """One all-reduce: every rank gathered the same blocks in the same order since the last check."""
-        mine = torch.tensor([self.trace, -self.trace], dtype=torch.float64)
+        mine = torch.tensor([self.trace, -self.trace], dtype=torch.float64, device=self.blocks[0].shard.device)
         with waiting("the check that every rank gathered the same blocks (shard='parameters')"):
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)
         if mine.tolist() != [self.trace, -self.trace]:
@@ -325,7 +325,9 @@ class BlockScatter(Scatter):
 
     def assign(self, params: list[nn.Parameter], caps: tuple[int, int]) -> list[list[int]]:
         index = {id(p): i for i, p in enumerate(params)}
-        if set(index) != set(self.sharding.block_of):
+        blocks = self.sharding.block_of
+        if set(index) != set(blocks) or any((p.dtype, p.device) != (blocks[id(p)].shard.dtype,
+                                                                    blocks[id(p)].shard.device) for p in params):
             raise RuntimeError("the model's trainable parameters changed after parallelize(..., shard='parameters') "
                                "(requires_grad, dtype or device); make such changes before parallelize")
         blocks = self.sharding.blocks

@@ -49,7 +49,7 @@ def _cnn_train_and_eval(frozen_bn: bool):
     return w.reference_and_parallel(build, _cnn_data, "sgd", epochs=3)
 
 
-@pytest.mark.parametrize("shard", [None, "gradients"])
+@pytest.mark.parametrize("shard", [None, "gradients", "parameters"])
 def test_batchnorm_running_mean_is_global_and_ranks_agree(ranks, shard):
     # One step of 10 samples, 5 per rank: the running mean is a linear update, so averaging
     # the ranks' updates weighted by samples gives exactly the single-process running mean.

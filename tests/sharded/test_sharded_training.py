@@ -1,6 +1,7 @@
-"""shard="optimizer" / "gradients": each data-parallel rank keeps 1/N of the optimizer state (and of the
-averaged gradients), and the training is still the single-process one (float64, several Adam / AdamW steps, param groups, a scheduler, 2 and 3 ranks, the
-project's models and outside code); the state travels dense."""
+"""shard="optimizer" / "gradients" / "parameters": each data-parallel rank keeps 1/N of the optimizer state (and
+of the averaged gradients, and of the parameters between uses), and the training is still the single-process
+one (float64, several Adam / AdamW steps, param groups, a scheduler, 2 and 3 ranks, the project's models and
+outside code); the state travels dense."""
 from __future__ import annotations
 
 import dataclasses
@@ -286,7 +287,8 @@ def _resume_run(path: str, load_shard: str | None):
 
 @pytest.mark.parametrize("save_shard, load_shard", [("optimizer", None), (None, "optimizer"),
                                                     ("optimizer", "optimizer"), ("gradients", "optimizer"),
-                                                    (None, "gradients")])
+                                                    (None, "gradients"), ("parameters", "gradients"),
+                                                    ("optimizer", "parameters")])
 def test_a_checkpoint_resumes_at_another_level_and_world_size_exactly(ranks, tmp_path, save_shard, load_shard):
     path = str(tmp_path / "ckpt.pt")
     ref, ref_opt = ranks(2, _checkpoint_run, path, save_shard, load_shard)[0]
