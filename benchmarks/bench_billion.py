@@ -22,11 +22,13 @@ How to run
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
 
 import harness  # benchmarks/harness.py, next to this file
+from bench_sharded import mlp  # benchmarks/bench_sharded.py: its MLP, wider here
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,14 +40,6 @@ from autodist.sharded.optimizer import sharding_of
 from autodist.sharded.parameters import sharding_of as at_rest_of
 
 GB = 1e9
-
-
-def mlp(args: argparse.Namespace) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(args.layers):
-        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(args.width, 10))
 
 
 def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -65,7 +59,7 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float
 def worker(args: argparse.Namespace) -> None:
     limit = int(args.machine_gib * 2**30 / 2)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # this rank's half of the machine, at most
-    rank = int(__import__("os").environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     shard = None if args.shard == "none" else args.shard
     try:
         start = time.perf_counter()

@@ -4,8 +4,6 @@ without backward (evaluation, validation without no_grad) between steps; ranks t
 refused before anything is stepped. The exactness tests of every level are in test_sharded_training.py."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,18 +16,8 @@ from autodist.sharded import blocks
 from autodist.sharded.parameters import sharding_of
 from outside.nanogpt import GPT, GPTConfig
 from outside.word_language_model import RNNModel
+from test_shard_gradients import _float64
 from test_sharded_training import _outside
-
-
-def _float64(fn):
-    @functools.wraps(fn)  # the ranks find it by its name
-    def run(*args):
-        torch.set_default_dtype(torch.float64)
-        try:
-            return fn(*args)
-        finally:
-            torch.set_default_dtype(torch.float32)
-    return run
 
 
 def test_the_blocks_of_outside_models_are_their_repeated_layers():
