@@ -12,10 +12,12 @@ groups are as always. Then:
   gathered when the model (or a module holding root parameters) is called, and kept until the end of
   backward;
 * backward: while a block runs forward, autograd's saved tensors that are its parameters (or views of
-  them) are saved as *where they were* in the block (saved-tensor hooks), not as tensors; when backward
-  first needs one, the block is gathered again (and the block before it meanwhile), and it is freed as
-  soon as its gradients are packed (each block is one bucket of the reduce-scatter:
-  :mod:`autodist.sharded.scatter`);
+  them) are saved as *where they were* in the block (saved-tensor hooks), not as tensors. When the
+  gradient of one of its outputs arrives (or backward first needs one of those tensors), the block is
+  gathered again (and the block before it meanwhile), and it is freed as soon as its gradients are packed
+  (each block is one bucket of the reduce-scatter: :mod:`autodist.sharded.scatter`). Activation
+  checkpointing works either way: inside the block's hooks (Hugging Face's), its recomputation finds the
+  block gathered; around them (``checkpoint(block, x)``), the recomputation gathers it;
 * step: the optimizer steps each rank's part (:mod:`autodist.sharded.optimizer`): the shard itself, in
   place. Nothing is all-gathered after the step; the next forward gathers what it needs.
 
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from autodist.runtime.position import waiting
@@ -216,8 +219,11 @@ class ParameterSharding:
         following = self.next_of.get(block)
         if following is not None:
             self._gather(following, wait=False)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if torch.is_grad_enabled() \
-            else None
+        # Under saved-tensor hooks of the user's (activation checkpointing, offloading) what autograd saves is
+        # theirs to keep: a checkpointed block runs its forward again in backward, which gathers it again.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) \
+            if torch.is_grad_enabled() and not outer else None
         if hooks is not None:
             hooks.__enter__()
         self.hooking.append((hooks, block))
@@ -226,7 +232,12 @@ class ParameterSharding:
         hooks = self.hooking.pop()[0] if self.hooking else None
         if hooks is not None:
             hooks.__exit__(None, None, None)
-        self.by_module[id(module)].release()
+        block = self.by_module[id(module)]
+        if torch.is_grad_enabled():  # backward reaches the block's outputs first: gather it then
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._backward_begins, block))
+        block.release()
 
     # -- backward ----------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -240,14 +251,21 @@ class ParameterSharding:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, Saved):
             return saved
-        block = saved.block
+        self._for_backward(saved.block)
+        assert saved.block.full is not None
+        return saved.block.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _backward_begins(self, block: Block, grad: torch.Tensor) -> None:
+        """The gradient of one of ``block``'s outputs: its backward (or its recomputation, where its forward is
+        checkpointed, as Hugging Face's gradient checkpointing does inside the module's hooks) comes next."""
+        self._for_backward(block)
+
+    def _for_backward(self, block: Block) -> None:
         if block.full is None or block.work is not None or not block.live:
             self._gather(block)
             earlier = self.before.get(block)
             if earlier is not None:
                 self._gather(earlier, wait=False)
-        assert block.full is not None
-        return block.full.as_strided(saved.size, saved.stride, saved.offset)
 
     def backward_ended(self) -> None:
         """Every block back to its shard (autograd's gradients are summed), then the gathers checked."""

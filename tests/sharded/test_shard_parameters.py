@@ -178,6 +178,52 @@ def test_an_lstm_with_blocks_named_by_hand_trains_as_one_process(ranks):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
+class Checkpointed(Stack):
+    """Stack with each block under torch.utils.checkpoint (non-reentrant) around its call, hooks included."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i in self.order:
+            h = torch.utils.checkpoint.checkpoint(self.layers[i], h, use_reentrant=False)
+        return self.out(h)
+
+
+@_float64
+def _checkpointing(kind: str):
+    """Activation checkpointing: Hugging Face's (inside each block's hooks: the recomputation in backward must
+    find the block gathered) and torch's around each block's call (the recomputation gathers it again)."""
+    if kind == "hugging face":
+        def build():
+            m = _outside("gpt2")
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return m
+        data = torch.randint(0, 50, (6, 9), generator=torch.Generator().manual_seed(4))
+
+        def loss_of(m, ids):
+            logits = m(input_ids=ids).logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    else:
+        build, data = Checkpointed, w.digits_like(12, features=6, classes=3)
+
+        def loss_of(m, batch):
+            return F.cross_entropy(m(batch[0]), batch[1])
+    ref = w.seeded(build, 0)
+    model, mine = autodist.parallelize(w.seeded(build, 100 * w.rank()), data, shard="parameters")
+    for m, batch in ((ref, data), (model, mine)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            loss_of(m, batch).backward()
+            opt.step()
+    return w.state(ref), w.state(model)
+
+
+@pytest.mark.parametrize("kind", ["hugging face", "torch around the block"])
+def test_activation_checkpointing_trains_as_one_process(ranks, kind):
+    for ref, par in ranks(2, _checkpointing, kind):
+        assert_close(par, ref, rtol=1e-10, atol=1e-12)
+
+
 def _different_layers():
     torch.manual_seed(0)
     order = (0, 1, 2, 3) if w.rank() == 0 else (1, 0, 2, 3)  # rank 1 runs its first two blocks swapped
