@@ -184,6 +184,61 @@ def call(model: nn.Module, example: Example) -> Any:
     return model(example)
 
 
+def model_example(model: nn.Module) -> Example | None:
+    """The sample inputs a model carries itself, as keyword arguments: a Hugging Face model's
+    ``dummy_inputs`` for its ``main_input_name`` (token ids), or, for one that takes images
+    (``pixel_values``), random images of its config's size; None for any other model.
+
+    Example:
+        >>> model_example(transformers.BertModel(config))
+        {'input_ids': tensor([[7, 6, 0, 0, 1], ...])}
+    """
+    name = getattr(model, "main_input_name", None)
+    config = getattr(model, "config", None)
+    if not isinstance(name, str) or config is None:
+        return None
+    if name == "pixel_values":
+        size = getattr(config, "image_size", None)
+        channels = getattr(config, "num_channels", 3)
+        if not isinstance(size, int):
+            return None
+        generator = torch.Generator().manual_seed(0)
+        return {name: torch.randn(2, channels, size, size, generator=generator, device=_device(model))}
+    try:
+        dummy = model.dummy_inputs
+    except Exception:  # noqa: BLE001 - a model whose dummy inputs cannot be built has none
+        return None
+    if not isinstance(dummy, collections.abc.Mapping) or name not in dummy:
+        return None
+    return complete(model, {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in dummy.items()})
+
+
+def complete(model: nn.Module, example: Example | None) -> Example | None:
+    """An example for an encoder-decoder (a Hugging Face T5, BART) that lacks decoder inputs gets them: the
+    decoder's start token for every row, as generation begins. Any other example is returned as it is."""
+    config = getattr(model, "config", None)
+    if example is None or not getattr(config, "is_encoder_decoder", False):
+        return example
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "pad_token_id", None) or 0
+    if isinstance(example, torch.Tensor):
+        example = (example,)
+    if isinstance(example, tuple) and len(example) == 1 and isinstance(example[0], torch.Tensor):
+        example = {getattr(model, "main_input_name", "input_ids"): example[0]}
+    if isinstance(example, collections.abc.Mapping) and not any(k.startswith("decoder_") or k == "labels"
+                                                                for k in example):
+        first = next((v for v in example.values() if isinstance(v, torch.Tensor)), None)
+        if first is not None:
+            example = {**example, "decoder_input_ids": torch.full((first.shape[0], 1), int(start),
+                                                                  dtype=torch.long, device=first.device)}
+    return example
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def example_of(data: Any, rows: int = 2) -> Example | None:
     """A small batch from the data given to ``parallelize``, as the forward is usually called with it:
     a dict batch as keyword arguments, the first element of a tuple batch ``(x, y)``, a tensor as is."""

@@ -51,6 +51,8 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
     check_selection(model, mp_layers)
     selected = _selector(mp_layers)
     explicit = isinstance(mp_layers, (list, tuple, set))
+    # no example given or taken from the data: the model's own sample inputs, if it carries any (Hugging Face)
+    example = observe.model_example(model) if example is None else observe.complete(model, example)
     try:
         graph = fx.Tracer().trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure means: fall back or explain
@@ -66,8 +68,15 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
     traced = Rewrite(Plan(mp, plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
                      graph, planner.nodes, planner.swaps)
     attention = bool(torch_layers.attention_modules(model))
-    if example is not None and ("full" in planner.role.values() or attention) and not planner.swaps \
+    if ("full" in planner.role.values() or attention) and not planner.swaps \
             and not any(n.op == "call_function" for n in planner.nodes.values()):
+        if example is None:  # a sample could change the plan: never print or apply one it would not be
+            raise ValueError(
+                f"the model-parallel plan of {type(model).__name__} depends on one forward on a sample batch "
+                f"(the trace sees {'attention layers' if attention else 'Linear layers'} as a whole; following a "
+                f"forward can split {'them by heads' if attention else 'them in pairs'}): pass "
+                f"example=(args...) or example={{kwargs}} with the arguments your training loop gives the model "
+                f"(to explain as to parallelize), or give parallelize its data")
         # The graph pairs only Linears joined by elementwise ops, and sees torch's own layers as leaves;
         # following the split through a forward also pairs attention (heads) and splits nn.MultiheadAttention
         # - take that plan when it splits more layers in pairs.

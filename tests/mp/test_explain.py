@@ -43,7 +43,9 @@ def test_deep_stack_pairs_then_a_lone_layer():
 
 
 def test_reshape_on_the_sharded_dimension_keeps_the_tensor_whole():
-    rows = _rows(autodist.explain(ReshapeInside(), mp=2))
+    with pytest.raises(ValueError, match="depends on one forward on a sample batch"):  # it has a "full" layer
+        autodist.explain(ReshapeInside(), mp=2)
+    rows = _rows(autodist.explain(ReshapeInside(), mp=2, example=torch.randn(2, 8, 8)))
     assert rows["a"].split == "full" and "view" in rows["a"].note
     assert (rows["b"].split, rows["c"].split) == ("column", "row")
 

@@ -403,7 +403,7 @@ def _input_gradient(build, shape):
     """A saliency-style gradient with respect to the input, parallelized and alone."""
     x, y = _data(shape)
     ref = w.seeded(build, 0)
-    model, _ = autodist.parallelize(w.seeded(build, 0), mp=2)
+    model, _ = autodist.parallelize(w.seeded(build, 0), (x, y), mp=2)  # the data: a sample for the plan
     grads = []
     for m in (model, ref):
         inp = x.clone().requires_grad_()
