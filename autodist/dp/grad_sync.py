@@ -80,6 +80,7 @@ class GradSync:
         self.previous_total = 1.0  # G: last sync's global count, the same on every rank
         self.last_counted: Counted | None = None  # the last sync's count, for a backward that reached no output
         self.warned_uncounted = False
+        self.compiled = False  # a forward of the model was traced by torch.compile
         self.next_bucket = 0
         self.packing: Pack | None = None  # this backward's packing, fixed when its first bucket starts
         self.in_backward = False  # a backward through the model began and has not reached its end
@@ -159,8 +160,16 @@ class GradSync:
         return tuple((p.requires_grad, p.dtype, p.device) for _, p in self.named)
 
     def _count_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Count this forward's samples; a backward that reaches its output takes that count."""
+        """Count this forward's samples; a backward that reaches its output takes that count.
+
+        In a forward torch.compile traces, nothing: the count reads Python state dynamo cannot trace (where the
+        input tensors came from), and the hook would break the graph at every step. The backward then takes
+        the count of the sharded DataLoader's current batch (:meth:`_fallback_count`), as for a backward that
+        reached no output of the model."""
         if not torch.is_grad_enabled():
+            return
+        if torch.compiler.is_compiling():
+            self.compiled = True
             return
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
 
@@ -204,9 +213,12 @@ class GradSync:
             return self.last_counted
         if not self.warned_uncounted:
             self.warned_uncounted = True
+            why = "its forward runs compiled (torch.compile), where autodist does not count samples" \
+                if self.compiled else "a submodule called directly?"
             log.warning("a backward reached the model's parameters without passing through an output of its "
-                        "forward (a submodule called directly?) and no sharded DataLoader batch is current: the "
-                        "ranks are weighted equally, which is exact only if they hold equal numbers of samples")
+                        "forward (%s) and no sharded DataLoader batch is current: the ranks are weighted equally, "
+                        "which is exact only if they hold equal numbers of samples; train from the DataLoader "
+                        "parallelize returns, whose batches carry their share", why)
         return Counted(1.0)
 
     # -- backward: prescale, buckets, end --------------------------------------------------------

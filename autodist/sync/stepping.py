@@ -24,6 +24,7 @@ from torch import nn
 from autodist.dp import step_hooks
 from autodist.dp.shares import Counted, SampleCounter, watch_outputs
 from autodist.dp.structure import Watch
+from autodist.runtime import provenance
 
 class StepWatch:
     """Calls ``on_step()`` after every step of an optimizer holding any of ``model``'s parameters (and
@@ -70,8 +71,11 @@ class SampleTally:
 
     def __init__(self, model: nn.Module, counter: SampleCounter) -> None:
         self.counter = counter
+        self.compiled = False  # a forward of the model was traced by torch.compile: count in backward instead
         self.reset()
         self.handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        self.grad_handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                             for p in model.parameters() if p.requires_grad]
 
     def reset(self) -> None:
         self.count = 0.0
@@ -82,7 +86,23 @@ class SampleTally:
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
+        if torch.compiler.is_compiling():  # the count reads Python state dynamo cannot trace: see _on_grad
+            self.compiled = True
+            return
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A compiled forward counted nothing: a gradient's arrival counts the sharded DataLoader's current
+        batch (once per batch), or says why it cannot."""
+        if not self.compiled:
+            return
+        share = provenance.current()
+        if share is None:
+            self._reached(Counted(math.nan, error="the model's forward runs compiled (torch.compile), where "
+                                  "autodist cannot count its samples, and no batch of the DataLoader parallelize "
+                                  "returned is current: train from that DataLoader"), p)
+        else:
+            self._reached(Counted(share.count, share.total, share.batch), p)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
         key = counted.batch if counted.batch is not None else ("forward", id(counted))
@@ -96,3 +116,5 @@ class SampleTally:
 
     def remove(self) -> None:
         self.handle.remove()
+        for handle in self.grad_handles:
+            handle.remove()
