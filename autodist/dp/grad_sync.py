@@ -221,11 +221,24 @@ class GradSync:
                         "parallelize returns, whose batches carry their share", why)
         return Counted(1.0)
 
+    def _unweighted(self, counted: Counted) -> Counted:
+        """``counted``, or a count that fails the sync, naming why, where the backward needed a weight of its own
+        before autograd added its gradients: it reached no output of the model, so nothing scaled them."""
+        accumulating = not self.enabled or self.window.backwards
+        if not accumulating or math.isnan(counted.count) or self.window.factor(counted) == 1.0:
+            return counted
+        how = "its forward ran compiled (torch.compile)" if self.compiled else "it reached no output of the model"
+        return Counted(math.nan, error=(
+            f"a backward of this accumulation window holds a different share of its global batch than the first "
+            f"(an uneven last batch?), and {how}, so autodist could not weight its gradients before autograd added "
+            f"them: use drop_last=True, or compile the model's layers (model.layers[i] = torch.compile(...)) "
+            f"rather than the whole model, whose forward autodist then counts"))
+
     # -- backward: prescale, buckets, end --------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.in_backward:  # a backward that did not pass through the model's output (a submodule's)
             self.in_backward = True
-            self.reached = [self._fallback_count()]
+            self.reached = [self._unweighted(self._fallback_count())]
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.grads_arrived = True
         if not (self.enabled and self.hooks):
@@ -378,16 +391,19 @@ def attach(model: nn.Module, registration: Registration) -> None:
 
 
 def is_parallelized(model: nn.Module) -> bool:
-    return model in _registry
+    return registration_of(model) is not None
 
 
 def registration_of(model: nn.Module) -> Registration | None:
-    """The data-parallel layout parallelize gave ``model``; None if it was not parallelized."""
-    return _registry.get(model)
+    """The data-parallel layout parallelize gave ``model`` (or the model ``torch.compile`` wrapped in it);
+    None if it was not parallelized."""
+    found = _registry.get(model)
+    inner = getattr(model, "_orig_mod", None)  # torch.compile(model) after parallelize
+    return found if found is not None or not isinstance(inner, nn.Module) else _registry.get(inner)
 
 
 def state_of(model: nn.Module) -> GradSync | None:
-    registration = _registry.get(model)
+    registration = registration_of(model)
     return registration.sync if registration is not None else None
 
 

@@ -3,6 +3,8 @@ after or before parallelize, mp=2, hybrid, sharded, the low-communication modes)
 uncompiled one: the single-process run for the exact modes, autodist's own uncompiled run for the others."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,3 +71,37 @@ def test_compiled_training_has_no_graph_break_and_trains_as_uncompiled(ranks, mo
         assert breaks == {}, list(breaks)[:1]
         assert graphs >= 1, graphs  # it did compile
         assert_close(par, ref, rtol=1e-5, atol=1e-6)
+
+
+def _accumulating(rows: int):
+    """Two micro-batches per step under no_sync, the model compiled after parallelize: exact where every
+    micro-batch holds the same share; a clear error on every rank where they differ (27 rows: 8, 8 | 8, 3)."""
+    x, y = w.digits_like(rows, features=6, classes=3)
+    ref = w.seeded(_build, 0)
+    model, loader = autodist.parallelize(w.seeded(_build, 0), w.loader(x, y, 8, shuffle=False))
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        for m, data in ((ref, w.loader(x, y, 8, shuffle=False)), (compiled, loader)):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            batches = list(iter(data)) if m is ref else data
+            pending = []
+            for xb, yb in batches:
+                pending.append((xb, yb))
+                if len(pending) < 2:
+                    with autodist.no_sync(m) if m is compiled else contextlib.nullcontext():
+                        F.cross_entropy(m(xb), yb).backward()
+                    continue
+                F.cross_entropy(m(xb), yb).backward()
+                opt.step()
+                opt.zero_grad()
+                pending = []
+    except ValueError as e:
+        return str(e)
+    return w.state(ref), {k.removeprefix("_orig_mod."): v for k, v in w.state(compiled).items()}
+
+
+def test_accumulation_under_compile_is_exact_or_refused_on_every_rank(ranks):
+    for ref, par in ranks(2, _accumulating, 32):
+        assert_close(par, ref, rtol=1e-5, atol=1e-6)
+    for message in ranks(2, _accumulating, 27):
+        assert isinstance(message, str) and "different share" in message and "drop_last=True" in message, message
