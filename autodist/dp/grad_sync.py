@@ -208,7 +208,7 @@ class GradSync:
         """The count of a backward that reached no output of the model (it called a submodule, say)."""
         share = provenance.current()
         if share is not None:
-            return Counted(share.count, share.total, share.batch)
+            return self.counter.of_share(share)
         if self.last_counted is not None:
             return self.last_counted
         if not self.warned_uncounted:

@@ -102,6 +102,11 @@ class SampleCounter:
             return Counted(share.count, share.total, share.batch)
         return self._infer(args, kwargs)
 
+    def of_share(self, share: provenance.BatchShare) -> Counted:
+        """The count of a backward weighted by the batch the sharded DataLoader handed out last (one that
+        reached no counted output: a submodule called directly, a compiled forward)."""
+        return Counted(share.count, share.total, share.batch)
+
     def _explicit(self, args: tuple, kwargs: dict) -> Counted:
         try:
             count = self.samples(*args, **kwargs)  # type: ignore[misc]

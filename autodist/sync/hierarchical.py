@@ -8,7 +8,7 @@ from torch import nn
 
 from autodist.dp.grad_sync import GradSync
 from autodist.dp.shares import Counted, SampleCounter
-from autodist.runtime import comm
+from autodist.runtime import comm, provenance
 from autodist.sync.base import Strategy, SyncContext
 from autodist.sync.local_sgd import LocalSGD
 from autodist.sync.periodic import Periodic
@@ -26,6 +26,9 @@ class _HostCounter(SampleCounter):
     def __call__(self, args: tuple, kwargs: dict) -> Counted:
         counted = self.inner(args, kwargs)
         return Counted(counted.count, None, counted.batch, counted.error)
+
+    def of_share(self, share: provenance.BatchShare) -> Counted:
+        return Counted(share.count, None, share.batch)
 
 
 class Hierarchical(Strategy):

@@ -22,7 +22,9 @@ def _build() -> torch.nn.Module:
 def _options(mode: str) -> dict:
     return {"backward": {}, "mp2": {"mp": 2}, "shard-gradients": {"shard": "gradients"},
             "localsgd": {"sync": autodist.LocalSGD(every=2)}, "diloco": {"sync": autodist.DiLoCo(every=2)},
-            "gossip": {"sync": autodist.Gossip()}}[mode]
+            "gossip": {"sync": autodist.Gossip()},
+            "hierarchical": {"sync": autodist.Hierarchical(ranks_per_host=1, across=autodist.LocalSGD(every=2))}
+            }[mode]
 
 
 def _train(model, loader, parallel: bool = True) -> dict:
@@ -65,7 +67,8 @@ def _compiled(mode: str, order: str):
 @pytest.mark.parametrize("mode, order, size", [("backward", "after", 2), ("backward", "before", 2),
                                                ("mp2", "after", 2), ("mp2", "after", 4),
                                                ("shard-gradients", "after", 2), ("localsgd", "after", 2),
-                                               ("diloco", "after", 2), ("gossip", "after", 2)])
+                                               ("diloco", "after", 2), ("gossip", "after", 2),
+                                               ("hierarchical", "after", 2), ("localsgd", "before", 2)])
 def test_compiled_training_has_no_graph_break_and_trains_as_uncompiled(ranks, mode, order, size):
     for breaks, par, ref, graphs in ranks(size, _compiled, mode, order):
         assert breaks == {}, list(breaks)[:1]
