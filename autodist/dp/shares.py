@@ -99,7 +99,7 @@ class SampleCounter:
         share = provenance.current()
         if share is not None:
             self._check_plausible(share, args, kwargs)
-            return Counted(share.count, share.total, share.batch)
+            return self.of_share(share)
         return self._infer(args, kwargs)
 
     def of_share(self, share: provenance.BatchShare) -> Counted:

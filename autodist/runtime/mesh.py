@@ -72,11 +72,7 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
     if dims.mp == 1 or dims.dp == 1:  # one of the two is the whole world
         groups = Groups(dp=None, mp=None)
     else:
-        dp_group = mp_group = None
-        for m in range(dims.mp):  # data-parallel groups: ranks with the same position in their MP group
-            g = dist.new_group([d * dims.mp + m for d in range(dims.dp)])
-            if dims.mp_rank(rank) == m:
-                dp_group = g
+        dp_group, mp_group = _new_dp_group(dims, rank), None
         for d in range(dims.dp):  # model-parallel groups: consecutive ranks
             g = dist.new_group([d * dims.mp + m for m in range(dims.mp)])
             if dims.dp_rank(rank) == d:
@@ -86,21 +82,26 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
     return groups
 
 
+def _new_dp_group(dims: ParallelDims, rank: int) -> object:
+    """Every data-parallel group (ranks with the same position in their MP group), made in the same order on
+    every rank as new_group requires; ``rank``'s."""
+    import torch.distributed as dist
+
+    mine = None
+    for m in range(dims.mp):
+        g = dist.new_group([d * dims.mp + m for d in range(dims.dp)])
+        if dims.mp_rank(rank) == m:
+            mine = g
+    return mine
+
+
 def second_dp_group(dims: ParallelDims, rank: int) -> object:
     """A process group of its own over ``rank``'s data-parallel ranks, for collectives that must never be
     ordered against the ones on the data-parallel group (``shard="parameters"`` gathers its blocks on it
     while the gradient sync reduce-scatters on the other). Collective over the world; made once per layout."""
-    import torch.distributed as dist
-
-    key = ("second dp", dims)
-    if key not in _second_cache:
-        mine = None
-        for m in range(dims.mp):
-            g = dist.new_group([d * dims.mp + m for d in range(dims.dp)])
-            if dims.mp_rank(rank) == m:
-                mine = g
-        _second_cache[key] = mine
-    return _second_cache[key]
+    if dims not in _second_cache:
+        _second_cache[dims] = _new_dp_group(dims, rank)
+    return _second_cache[dims]
 
 
-_second_cache: dict[tuple, object] = {}
+_second_cache: dict[ParallelDims, object] = {}

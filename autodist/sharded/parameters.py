@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 from autodist.runtime.position import waiting
+from autodist.runtime.tree import tensor_leaves
 from autodist.runtime.world import log
 from autodist.sharded import blocks as blocks_mod
 from autodist.sharded.layout import Layout
@@ -160,23 +160,22 @@ class ParameterSharding:
         self.root = self.blocks[-1] if root else None
         self.block_of = {id(p): blk for blk in self.blocks for p in blk.params}
         self.by_module = {id(m): blk for (_, m, _), blk in zip(named, self.blocks) if blk is not self.root}
-        # the last forward's order of blocks, for gathering the next one while this one runs
-        self.order: list[Block] = []
+        # the blocks of the forward running now, in order; the last forward's order, for gathering ahead
         self.seen: list[Block] = []
         self.next_of: dict[Block, Block] = {}
         self.before: dict[Block, Block] = {}
         self.trace = 0  # which blocks were gathered, in which order, since the last check
         self.hooking: list[tuple[Any, Block]] = []  # the blocks running now, with their saved-tensor hooks
-        self.handles = self._hook(model, found)
+        self.handles = self._hook(model, [module for _, module, ps in named if ps is not root])
 
     # -- forward -----------------------------------------------------------------------------------
-    def _hook(self, model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[Any]:
+    def _hook(self, model: nn.Module, modules: list[nn.Module]) -> list[Any]:
+        """Hooks on ``model`` and on each block's module (``modules``)."""
         handles = [model.register_forward_pre_hook(self._model_begins),
                    model.register_forward_hook(self._model_ends, always_call=True)]
-        for _, module in found:
-            if id(module) in self.by_module:
-                handles += [module.register_forward_pre_hook(self._block_begins),
-                            module.register_forward_hook(self._block_ends, always_call=True)]
+        for module in modules:
+            handles += [module.register_forward_pre_hook(self._block_begins),
+                        module.register_forward_hook(self._block_ends, always_call=True)]
         if self.root is not None:
             root = {id(p) for p in self.root.params}
             for module in model.modules():
@@ -203,9 +202,9 @@ class ParameterSharding:
 
     def _model_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.seen:
-            self.order, self.seen = self.seen, []
-            self.next_of = dict(zip(self.order, self.order[1:]))
-            self.before = dict(zip(self.order[1:], self.order))
+            order, self.seen = self.seen, []
+            self.next_of = dict(zip(order, order[1:]))
+            self.before = dict(zip(order[1:], order))
         if not torch.is_grad_enabled():  # no backward follows: free the root, and check the gathers
             if self.root is not None:
                 self.root.release()
@@ -234,8 +233,8 @@ class ParameterSharding:
             hooks.__exit__(None, None, None)
         block = self.by_module[id(module)]
         if torch.is_grad_enabled():  # backward reaches the block's outputs first: gather it then
-            for t in pytree.tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for _, t in tensor_leaves(output):
+                if t.requires_grad:
                     t.register_hook(partial(self._backward_begins, block))
         block.release()
 
@@ -269,13 +268,8 @@ class ParameterSharding:
 
     def backward_ended(self) -> None:
         """Every block back to its shard (autograd's gradients are summed), then the gathers checked."""
-        for block in self.blocks:
-            block.release()
+        self.stepped()
         self.check()
-
-    def packed(self, block: Block) -> None:
-        """``block``'s gradients are packed: nothing of this backward needs its parameters any more."""
-        block.release()
 
     def check(self) -> None:
         """One all-reduce: every rank gathered the same blocks in the same order since the last check."""
@@ -292,7 +286,8 @@ class ParameterSharding:
 
     # -- around the optimizer's step ---------------------------------------------------------------
     def stepped(self) -> None:
-        """The shards changed: what is still gathered (a forward with gradients and no backward) is stale."""
+        """Every block back to its shard: after a step the shards changed, and what is still gathered (a forward
+        with gradients and no backward) is stale."""
         for block in self.blocks:
             block.release()
 
@@ -355,7 +350,8 @@ class BlockScatter(Scatter):
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
         bucket = super().bucket(params, extra)
-        bucket.after_pack = partial(self.sharding.packed, self.sharding.block_of[id(params[0])])
+        # its gradients packed, nothing of this backward needs the block's parameters any more
+        bucket.after_pack = self.sharding.block_of[id(params[0])].release
         return bucket
 
     def backward_ended(self) -> None:

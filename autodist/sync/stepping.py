@@ -102,7 +102,7 @@ class SampleTally:
                                   "autodist cannot count its samples, and no batch of the DataLoader parallelize "
                                   "returned is current: train from that DataLoader"), p)
         else:
-            self._reached(Counted(share.count, share.total, share.batch), p)
+            self._reached(self.counter.of_share(share), p)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
         key = counted.batch if counted.batch is not None else ("forward", id(counted))
