@@ -8,28 +8,27 @@
   loopback, every byte copied into the kernel and out again on both sides at
   every step of its ring. Here the buckets themselves live in one file of
   shared memory that every rank maps (:mod:`autodist.dp.shared_memory`): rank r's
-  bucket is its slot r there, so packing writes straight into it, and the file
-  holds one more bucket's room for the sum. At the end of backward one
-  all-reduce of a single number says that every slot is packed; rank r adds up
-  part r of every slot, in rank order, into part r of the shared sum (a
-  reduce-scatter); a second says the sum is complete, and every rank copies it
-  into its own bucket (an all-gather). Each part is added up once, by one rank,
-  so every rank holds the same bits, as after gloo's all-reduce, and every
-  rank reads about twice the bucket however many ranks there are. Nobody reads
-  a slot once the sum is complete, so what a rank does to its gradients after
-  backward (clipping them in place, say) stays its own; and the next sync
-  writes the sum only after its first all-reduce, which every rank enters
-  after copying this one's out. Packing happens during backward, as buckets
-  fill; the sum after it, so none of the sum overlaps backward (where every
-  core computes, as on the benchmark machine, gloo's thread would compete for
-  them anyway). The machine holds one bucket's worth more than with gloo. On
-  2 ranks of a 2-core machine a bucket is summed in 0.3-0.4x of gloo's time
-  from 2.8 MB up, 0.7x at 1 MB (``benchmarks/bench_exchange.py``).
+  bucket is its slot r there, so packing writes straight into it. At the end of
+  backward one all-reduce of a single number says that every slot is packed;
+  rank r adds up part r of every slot, in rank order, and writes the sum into
+  part r of every slot (a reduce-scatter and an all-gather in one pass), piece
+  by piece so that the writes find the sum in cache; a second all-reduce says
+  every slot holds the whole sum. Each part is added up once, by one rank, so
+  every rank holds the same bits, as after gloo's all-reduce. After the second
+  all-reduce nobody writes into another rank's slot until every rank has
+  entered the next sync, so what a rank does to its gradients after backward
+  (clipping them in place, say) stays its own. Per rank and bucket of B bytes
+  on N ranks, the sum reads B and writes B, whatever N; packing writes B more.
+  Packing happens during backward, as buckets fill; the sum after it, so none
+  of the sum overlaps backward (where every core computes, as on the benchmark
+  machine, another thread would compete for them anyway). On 2 ranks of a
+  2-core machine a bucket is summed in 0.3-0.4x of gloo's time from 2.8 MB up,
+  0.7x at 1 MB (``benchmarks/bench_exchange.py``).
 
 :func:`choose` takes shared memory when every rank of the group is on this
 machine as the launcher placed it (:func:`autodist.runtime.environment.machine`), every rank
 could map the file the group's first rank made (the final word on "one
-machine"), the buckets (ranks + 1 x bucket bytes) fit in half of ``/dev/shm``'s free
+machine"), the buckets (ranks x bucket bytes) fit in half of ``/dev/shm``'s free
 space and of the memory still available, and ``AUTODIST_SHARED_MEMORY`` is not
 0; the backend's all-reduce otherwise. ``parallelize``'s summary line says
 "through shared memory" where it is used; where it would have been but the file
@@ -90,17 +89,19 @@ class AllReduce:
 
 
 class SharedSum:
-    """Buckets living in a file of shared memory mapped by every rank of the group, summed part by part."""
+    """Buckets living in a file of shared memory mapped by every rank of the group, summed part by part into
+    every rank's bucket."""
 
     name = "shared memory"
 
-    def __init__(self, slots: list[list[torch.Tensor]], sums: list[torch.Tensor], rank: int,
-                 group: dist.ProcessGroup | None, mapping: mmap.mmap) -> None:
-        self.slots, self.sums, self.rank, self.group = slots, sums, rank, group
-        self.mapping = mapping  # the slots and sums are views of it
+    def __init__(self, slots: list[list[torch.Tensor]], rank: int, group: dist.ProcessGroup | None,
+                 mapping: mmap.mmap) -> None:
+        self.slots, self.rank, self.group = slots, rank, group
+        self.mapping = mapping  # the slots are views of it
         size = len(slots[0]) if slots else 1
-        # part r of a bucket of n numbers: [n*r//size, n*(r+1)//size)
-        self.parts = [[(n * r // size, n * (r + 1) // size) for r in range(size)] for n in (t.numel() for t in sums)]
+        # part r of a bucket of n numbers: [n*r//size, n*(r+1)//size), cut into pieces that stay in cache
+        self.pieces = [_pieces(s[0].numel() * rank // size, s[0].numel() * (rank + 1) // size, s[0].element_size())
+                       for s in slots]
         self.packed, self.summed = torch.zeros(1), torch.zeros(1)
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
@@ -114,29 +115,38 @@ class SharedSum:
         """Nothing to do: the bucket was packed where the other ranks read it."""
 
     def finish(self) -> None:
-        # The next sync writes the shared sums only after its own first all-reduce here, which every rank
-        # enters after copying this sync's sums out: no third all-reduce is needed.
-        dist.all_reduce(self.packed.zero_(), group=self.group)  # every rank has packed every bucket
+        # Between the two all-reduces each rank writes its part of the sum into every rank's slot; after the
+        # second, nobody writes into another rank's slot until every rank has entered the next sync's first.
+        self._barrier(self.packed)  # every rank has packed every bucket
         self._sum_my_parts()
-        dist.all_reduce(self.summed.zero_(), group=self.group)  # every part of every sum is complete
-        self._copy_sums()
+        self._barrier(self.summed)  # every part of every sum is in every slot
 
-    def _copy_sums(self) -> None:
-        for slots, total in zip(self.slots, self.sums):
-            slots[self.rank].copy_(total)
+    def _barrier(self, flag: torch.Tensor) -> None:
+        dist.all_reduce(flag.zero_(), group=self.group)
 
     def _sum_my_parts(self) -> None:
-        """Part r of the shared sum = part r of every rank's bucket, added in rank order."""
-        me = self.rank
-        for slots, total, parts in zip(self.slots, self.sums, self.parts):
-            lo, hi = parts[me]
-            out = total[lo:hi]
-            torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
-            for slot in slots[2:]:
-                out.add_(slot[lo:hi])
+        """Part r of every slot = part r of every rank's slot, added in rank order; piece by piece, so that the
+        sum is written back into the other slots from cache."""
+        for slots, pieces in zip(self.slots, self.pieces):
+            first, rest = slots[0], slots[1:]
+            for lo, hi in pieces:
+                out = first[lo:hi]
+                for slot in rest:
+                    out.add_(slot[lo:hi])
+                for slot in rest:
+                    slot[lo:hi].copy_(out)
 
     def abandon(self) -> None:
         """A backward failed midway: what it packed is packed again by the next sync."""
+
+
+PIECE_BYTES = 256 << 10  # a piece of each of two slots fits a core's L2 cache with room to spare
+
+
+def _pieces(lo: int, hi: int, element_size: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into pieces of at most PIECE_BYTES."""
+    step = max(1, PIECE_BYTES // element_size)
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
 Exchange = Union[AllReduce, SharedSum]
@@ -145,13 +155,11 @@ Exchange = Union[AllReduce, SharedSum]
 def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchange:
     """Shared memory where the group is on one machine and can map one file, the backend's all-reduce
     otherwise. A collective over ``group``: every rank calls it with buckets of the same sizes."""
-    size = dist.get_world_size(group)
-    # every rank's bucket, and the sum
-    shared = _open(flats, group, size + 1, "gradient buckets") if _one_machine(flats, group) else None
+    shared = shared_slots(flats, group, "gradient buckets")
     if shared is None:
         return AllReduce(flats, group)
-    views, mapping = shared
-    return SharedSum([v[:size] for v in views], [v[size] for v in views], dist.get_rank(group), group, mapping)
+    slots, mapping = shared
+    return SharedSum(slots, dist.get_rank(group), group, mapping)
 
 
 def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str
