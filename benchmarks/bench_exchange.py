@@ -8,7 +8,7 @@ What it measures
     gradient (a separate tensor) to the sum in the bucket:
       shared memory  copy the gradient into the bucket (this rank's slot), then
                      ``finish`` (a one-number all-reduce, this rank's part of the
-                     sum, another, copy the sum into the bucket);
+                     sum written into every rank's slot, another);
       gloo           copy the gradient into the bucket, then ``all_reduce`` it.
     Every result is checked against the sum of the ranks' gradients.
 

@@ -29,9 +29,24 @@ What it measures
 
     Then a breakdown: ``--breakdown`` more steps of each contender, with the
     forward, the backward and the optimizer step timed apart, and inside
-    autodist's backward what its gradient sync spends: packing the buckets,
-    waiting for the other rank, summing, copying the sum back, unpacking.
+    autodist's backward what its gradient sync spends: packing the buckets
+    (into the shared slot), waiting for the other rank (the all-reduces of one
+    number before and after the sum, or gloo's all-reduce of the buckets),
+    summing its part, unpacking (gradients as views of the bucket, or copied
+    back into autograd's tensors).
     The breakdown's clocks cost a little; its steps are not in the headline.
+
+    Last, the floor of the exchange on this machine, where the ranks share its
+    cores and memory: autodist's exchange passes over the gradients' G bytes
+    twice (packing into the shared slot; the sum, which reads and writes each
+    byte once), three times where it copies the sum back into autograd's
+    tensors (after accumulation, or for a model of under 4 MB of gradients);
+    the floor is that many copies of G bytes timed with every rank copying at
+    once, and "alone + floor" the step no exchange of these bytes can beat here.
+    And the floor of any synchronous step: "alone in lockstep" takes, for each
+    step, the slower rank's time of the ranks training alone (their jitter),
+    over rank 0's median: a step that waits for every rank pays that much with
+    no communication at all.
 
 How to run
     python benchmarks/bench_floor.py                   # every shape, about 8 minutes on 2 idle cores
@@ -160,8 +175,7 @@ def instrument(model: nn.Module, phases: Phases) -> None:
         phases.wrap(bucket, "pack", "pack")
         phases.wrap(bucket, "unpack", "unpack")
     exchange = sync._ready_exchange()
-    for method, name in (("_barrier", "wait"), ("_sum_my_parts", "sum"), ("_copy_sums", "copy"),
-                         ("_sum_ready", "sum"), ("_copy_back", "copy")):
+    for method, name in (("_barrier", "wait"), ("_sum_my_parts", "sum")):
         if hasattr(exchange, method):
             phases.wrap(exchange, method, name)
     if type(exchange).__name__ == "AllReduce":
@@ -219,6 +233,42 @@ def check_agree(shape: str, models: dict[str, nn.Module]) -> None:
                                    msg=lambda m, n=name: f"autodist and DDP disagree on {n} after the run: {m}")
 
 
+def copy_seconds(nbytes: int, repeats: int = 10) -> float:
+    """Median seconds for this rank to copy ``nbytes`` into a buffer of its own, every rank copying at once: one
+    pass over the gradients at the memory bandwidth a rank gets while the others use theirs."""
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)  # its pages are in
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def exchange_floor(model: nn.Module, micro_batches: int) -> tuple[int, int, float] | None:
+    """What autodist's exchange must move on this machine, where the ranks share its cores and memory: the
+    gradients' bytes G, the passes over them (packing into the shared slot, the sum, which reads and writes
+    each byte once, and the copy back into autograd's tensors after accumulation or for a small model), and the
+    milliseconds of that many copies of G. None where the model has no gradient sync (mp2)."""
+    sync = state_of(model)
+    if sync is None:
+        return None
+    nbytes = sum(p.numel() * p.element_size() for p in sync.params)
+    passes = 2 + (micro_batches > 1 or any(b.copies_back for b in sync.buckets))
+    return nbytes, passes, passes * copy_seconds(nbytes)
+
+
+def lockstep_ratio(alone: list[float]) -> float:
+    """The ranks training alone, as if each step waited for the slower rank: the median over steps of the
+    slowest rank's time of that step, over rank 0's median. Any synchronous step pays this much for the ranks'
+    jitter (a collective over all ranks). A collective over the default group: every rank calls it."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, alone)
+    return statistics.median(map(max, zip(*every))) / statistics.median(alone)
+
+
 def block_medians(times: list[float], block: int) -> list[float]:
     return [statistics.median(times[i:i + block]) for i in range(0, len(times), block)]
 
@@ -237,6 +287,8 @@ def run_shape(shape: str, args: argparse.Namespace, rank: int) -> dict[str, Any]
         for _ in range(args.breakdown):
             step()
         phases[name].on = False
+    floor = exchange_floor(models["autodist"], work.micro_batches if work is not None else 1)
+    lockstep = lockstep_ratio(times["alone"])
     if rank != 0:
         return None
     peer = "torch-tp" if shape == "mp2" else "ddp"
@@ -253,21 +305,32 @@ def run_shape(shape: str, args: argparse.Namespace, rank: int) -> dict[str, Any]
         label = peer if name == "ddp" else name
         goal = f"  (goal <= {GOAL:.2f}: {'met' if ratios[name][0] <= GOAL else 'NOT met'})" if name == "autodist" else ""
         print(f"  {label} / alone: {ratios[name][0]:.3f}  paired {paired:.3f}{goal}")
-    print(f"  {'losses' if shape == 'mp2' else 'parameters'} of {peer} and autodist agree after the run\n", flush=True)
+    print(f"  {'losses' if shape == 'mp2' else 'parameters'} of {peer} and autodist agree after the run", flush=True)
+    print(f"  alone in lockstep (each step the slower rank's): {lockstep:.3f} of alone", flush=True)
+    if floor is not None:
+        nbytes, passes, seconds = floor
+        print(f"  exchange floor: {passes} passes over {nbytes / 2**20:.1f} MiB of gradients = {1e3 * seconds:.1f} ms "
+              f"(both ranks copying at once); alone + floor = {1 + seconds / medians['alone']:.3f} of alone",
+              flush=True)
+    print(flush=True)
     return {"medians": medians, "ratios": ratios, "phases": {n: p.medians() for n, p in phases.items()},
-            "peer": peer}
+            "peer": peer, "floor": floor, "lockstep": lockstep}
 
 
-PHASE_ORDER = ("forward", "backward", "pack", "wait", "sum", "copy", "unpack", "step")
+PHASE_ORDER = ("forward", "backward", "pack", "wait", "sum", "unpack", "step")
 
 
 def tables(results: dict[str, dict[str, Any]]) -> str:
-    rows = ["| shape | alone ms | autodist ms | peer ms | autodist / alone (paired) | peer / alone (paired) |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| shape | alone ms | autodist ms | peer ms | autodist / alone (paired) | peer / alone (paired) "
+            "| alone in lockstep / alone | exchange floor ms | (alone + floor) / alone |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for shape, r in results.items():
         m, (ours, ours_p), (theirs, theirs_p) = r["medians"], r["ratios"]["autodist"], r["ratios"]["ddp"]
+        floor = "| - | -" if r["floor"] is None else \
+            f"| {1e3 * r['floor'][2]:.1f} ({r['floor'][1]} x {r['floor'][0] / 2**20:.1f} MiB) " \
+            f"| {1 + r['floor'][2] / m['alone']:.3f}"
         rows.append(f"| {shape} | {1e3 * m['alone']:.1f} | {1e3 * m['autodist']:.1f} | {1e3 * m['ddp']:.1f} "
-                    f"({r['peer']}) | **{ours:.3f}** ({ours_p:.3f}) | {theirs:.3f} ({theirs_p:.3f}) |")
+                    f"({r['peer']}) | **{ours:.3f}** ({ours_p:.3f}) | {theirs:.3f} ({theirs_p:.3f}) | {r['lockstep']:.3f} {floor} |")
     rows += ["", "Breakdown, median ms per step (pack ... unpack are inside autodist's backward):", "",
              "| shape | contender | " + " | ".join(PHASE_ORDER) + " |", "|---|---|" + "---|" * len(PHASE_ORDER)]
     for shape, r in results.items():
