@@ -7,7 +7,7 @@
   gloo. Gloo moves a tensor between two processes of one machine through TCP on
   loopback, every byte copied into the kernel and out again on both sides at
   every step of its ring. Here the buckets themselves live in one file of
-  shared memory that every rank maps (:mod:`autodist.dp.shared_memory`): rank r's
+  shared memory that every rank maps (:mod:`autodist.runtime.shared_slots`): rank r's
   bucket is its slot r there, so packing writes straight into it. At the end of
   backward one all-reduce of a single number says that every slot is packed;
   rank r adds up part r of every slot, in rank order, and writes the sum into
@@ -50,10 +50,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from autodist.dp import shared_memory
-from autodist.runtime import plain
-from autodist.runtime.environment import machine, shared_memory_allowed
-from autodist.runtime.world import log
+from autodist.runtime.shared_slots import part_pieces, shared_slots, sum_into_every_slot
 
 
 class AllReduce:
@@ -99,9 +96,7 @@ class SharedSum:
         self.slots, self.rank, self.group = slots, rank, group
         self.mapping = mapping  # the slots are views of it
         size = len(slots[0]) if slots else 1
-        # part r of a bucket of n numbers: [n*r//size, n*(r+1)//size), cut into pieces that stay in cache
-        self.pieces = [_pieces(s[0].numel() * rank // size, s[0].numel() * (rank + 1) // size, s[0].element_size())
-                       for s in slots]
+        self.pieces = [part_pieces(s[0].numel(), rank, size, s[0].element_size()) for s in slots]
         self.packed, self.summed = torch.zeros(1), torch.zeros(1)
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
@@ -125,28 +120,12 @@ class SharedSum:
         dist.all_reduce(flag.zero_(), group=self.group)
 
     def _sum_my_parts(self) -> None:
-        """Part r of every slot = part r of every rank's slot, added in rank order; piece by piece, so that the
-        sum is written back into the other slots from cache."""
+        """Part r of every slot = part r of every rank's slot, added in rank order."""
         for slots, pieces in zip(self.slots, self.pieces):
-            first, rest = slots[0], slots[1:]
-            for lo, hi in pieces:
-                out = first[lo:hi]
-                for slot in rest:
-                    out.add_(slot[lo:hi])
-                for slot in rest:
-                    slot[lo:hi].copy_(out)
+            sum_into_every_slot(slots, pieces)
 
     def abandon(self) -> None:
         """A backward failed midway: what it packed is packed again by the next sync."""
-
-
-PIECE_BYTES = 256 << 10  # a piece of each of two slots fits a core's L2 cache with room to spare
-
-
-def _pieces(lo: int, hi: int, element_size: int) -> list[tuple[int, int]]:
-    """[lo, hi) cut into pieces of at most PIECE_BYTES."""
-    step = max(1, PIECE_BYTES // element_size)
-    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
 Exchange = Union[AllReduce, SharedSum]
@@ -160,59 +139,3 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
         return AllReduce(flats, group)
     slots, mapping = shared
     return SharedSum(slots, dist.get_rank(group), group, mapping)
-
-
-def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str
-                 ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
-    """One slot per rank of ``group`` for each of ``flats`` (each rank's, the same sizes), in a file of shared
-    memory every rank maps: ``slots[i][r]``, and the mapping that keeps them alive; None where the ranks are
-    not on one machine or cannot share a file (then use the backend; ``what`` goes through it, in words, for
-    the log line saying why). A collective over ``group``."""
-    return _open(flats, group, dist.get_world_size(group), what) if _one_machine(flats, group) else None
-
-
-def _one_machine(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
-    if dist.get_world_size(group) < 2 or not flats or dist.get_backend(group) != "gloo":
-        return False
-    wish = (machine(), shared_memory_allowed() and shared_memory.available(),
-            all(f.device.type == "cpu" for f in flats))
-    wishes = plain.all_gather(wish, group)
-    return len({w[0] for w in wishes}) == 1 and all(w[1] and w[2] for w in wishes)
-
-
-def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: int, what: str
-          ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
-    """Group rank 0 makes the file of ``regions`` views of each flat, every rank maps it, and shared memory is
-    used only if all could."""
-    me = dist.get_rank(group)
-    strides = [shared_memory.aligned(f.numel() * f.element_size()) for f in flats]
-    nbytes = regions * sum(strides)
-    made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
-    path, why = made
-    try:
-        path, why = plain.broadcast(made, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-        mapping = None
-        if path is not None:
-            try:
-                mapping = shared_memory.map_file(path, nbytes)
-            except OSError as e:  # another machine's file system (rank 0 speaks for the others below)
-                why = f"this rank cannot map the file it made ({e})" if me == 0 else why
-        mapped = torch.tensor([0.0 if mapping is None else 1.0])
-        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)
-    finally:  # removed as soon as every rank has it mapped, or on any error: nothing is left in /dev/shm
-        if me == 0 and path is not None:
-            shared_memory.remove(path)
-    if mapped.item() < 1.0:
-        if me == 0:
-            log.info("%s go through gloo, not shared memory: %s", what,
-                     why or "another rank could not open the file this rank made in shared memory")
-        return None
-    assert mapping is not None
-    views, offset = [], 0
-    for flat, stride in zip(flats, strides):
-        views.append([torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
-                      for r in range(regions)])
-        offset += regions * stride
-    if me == 0:
-        log.debug("the ranks on this machine share %.1f MiB in %s", nbytes / 2**20, shared_memory.DIRECTORY)
-    return views, mapping

@@ -17,7 +17,9 @@ Every function is a no-op in a group of one rank (or with no process group at
 all), works on any leading (batch) shape, and is exact: shards may be uneven
 (``shard_sizes``) and are concatenated in rank order, never summed. The
 collectives are looked up on ``torch.distributed`` at call time, so a test can
-count them.
+count them; between the ranks of one machine an all-reduce goes through
+shared memory (:mod:`autodist.layers.shared_reduce`: two one-number all-reduces
+around a sum in place).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from autodist.layers import shared_reduce
 
 
 def shard_sizes(n: int, parts: int) -> list[int]:
@@ -143,7 +147,7 @@ class _CopyToGroup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # autograd may hand the same gradient tensor to other consumers: reduce a copy
         total = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=ctx.group)
+        shared_reduce.all_reduce(total, ctx.group)
         return total, None
 
 
@@ -161,7 +165,7 @@ class _ReduceFromGroup(torch.autograd.Function):
             total = x
         else:
             total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=group)
+        shared_reduce.all_reduce(total, group)
         return total
 
     @staticmethod

@@ -166,8 +166,8 @@ def machine(env: Mapping[str, str] = os.environ) -> str:
 
 
 def shared_memory_allowed(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether ranks on one machine may sum gradients through shared memory: ``AUTODIST_SHARED_MEMORY``,
-    1 (the default) or 0 (always gloo's all-reduce).
+    """Whether ranks on one machine may sum gradients, and the MP layers' activations and input gradients,
+    through shared memory: ``AUTODIST_SHARED_MEMORY``, 1 (the default) or 0 (always gloo's all-reduce).
 
     Example:
         >>> shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "0"})
@@ -175,8 +175,9 @@ def shared_memory_allowed(env: Mapping[str, str] = os.environ) -> bool:
     """
     text = env.get("AUTODIST_SHARED_MEMORY", "1")
     if text not in ("0", "1"):
-        raise ValueError(f"AUTODIST_SHARED_MEMORY={text!r}: give 1 (sum gradients of ranks on one machine "
-                         f"through shared memory, the default) or 0 (always through the backend's all-reduce)")
+        raise ValueError(f"AUTODIST_SHARED_MEMORY={text!r}: give 1 (ranks on one machine sum gradients and "
+                         f"model-parallel all-reduces through shared memory, the default) or 0 (always through "
+                         f"the backend's all-reduce)")
     return text == "1"
 
 

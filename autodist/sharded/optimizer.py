@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.dp import exchange, step_hooks
+from autodist.dp import step_hooks
+from autodist.runtime.shared_slots import shared_slots
 from autodist.runtime import plain
 from autodist.runtime.position import waiting
 from autodist.sharded.grads import ShardedGrad
@@ -89,7 +90,7 @@ class OptimizerSharding:
         self.holds: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.swapped: dict[int, list[torch.Tensor]] = {}  # id(param group) -> its own params, during a step
         # On one machine the updated chunks meet in shared memory: each rank writes its own, reads the others'.
-        self.slots = None if at_rest is not None else exchange.shared_slots(
+        self.slots = None if at_rest is not None else shared_slots(
             [torch.empty(k.chunk, dtype=k.dtype, device=k.device) for k in self.layout.kinds], group,
             "the sharded parameters")
         self.flag = torch.zeros(1)

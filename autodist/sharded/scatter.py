@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.dp import exchange
+from autodist.runtime.shared_slots import shared_slots
 from autodist.dp.buckets import Bucket, assign_buckets
 from autodist.runtime.position import waiting
 from autodist.sharded.grads import ShardedGrad
@@ -221,7 +221,7 @@ class Scatter:
         scattered = [b for b in buckets if isinstance(b, ScatteredBucket)]
         assert len(scattered) == len(buckets), "shard='gradients' builds its own buckets"
         ring = _ring(scattered)
-        shared = exchange.shared_slots(ring, group, "the sharded gradient buckets")
+        shared = shared_slots(ring, group, "the sharded gradient buckets")
         if shared is not None:
             slots, mapping = shared
             return ScatterSum(scattered, slots, self.rank, group, mapping)

@@ -13,7 +13,7 @@ import autodist
 import workloads as w
 from autodist.dp import exchange
 from autodist.runtime import environment
-from autodist.dp import shared_memory
+from autodist.runtime import shared_memory
 from autodist.dp.grad_sync import state_of
 
 

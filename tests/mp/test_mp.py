@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 import autodist
 import workloads as w
+from collectives import counted
 from autodist.layers.comm import all_gather_cat, shard_sizes
 from autodist.mp.rewrite import mp_modules
 
@@ -364,24 +365,11 @@ def _count_collectives(model_name: str):
     x, y = _data(shape)
     model, _ = autodist.parallelize(w.seeded(build, 0), mp=size, example=x[:2])
     plan = autodist.explain(w.seeded(build, 0), mp=size, example=x[:2])
-    counts = {"n": 0}
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor")}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            counts["n"] += 1
-            return fn(*args, **kwargs)
-        return wrapper
     x, y = _data(shape)
-    try:
-        for name, fn in originals.items():
-            setattr(dist, name, counting(fn))
-        F.cross_entropy(model(x), y).backward()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    sent = [c for c in counted(lambda: F.cross_entropy(model(x), y).backward())
+            if c in ("all_reduce", "all_gather", "all_gather_into_tensor")]
     dense = w.seeded(build, 0)
-    return {"sent": counts["n"], "planned": plan.collectives_per_step,
+    return {"sent": len(sent), "planned": plan.collectives_per_step,
             "splits": {r.name: r.split for r in plan.layers if r.op in ("Linear", "F.linear")},
             "params": sum(p.numel() for p in model.parameters()),
             "expected params": _params_on_rank(dense, splits, rank, size),

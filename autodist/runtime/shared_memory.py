@@ -6,7 +6,7 @@ started with the default 64 MB, say) is then an error here, which the caller
 turns into "use the backend's all-reduce", rather than a SIGBUS at the first
 write into a page that cannot be had. The maker removes the file as soon as
 every rank has mapped it, so nothing is left in ``/dev/shm`` when a rank dies
-later: the memory goes away with the last mapping. Used by :mod:`autodist.dp.exchange`.
+later: the memory goes away with the last mapping. Used by :mod:`autodist.runtime.shared_slots`.
 
 Example:
     >>> path, why = make(1 << 20)             # one rank; the others learn the path

@@ -1,0 +1,117 @@
+"""Slots of shared memory for the ranks of one machine, and summing them in place: one file every rank maps.
+
+:func:`shared_slots` gives every rank of a group one slot per buffer in one
+file of shared memory (:mod:`autodist.runtime.shared_memory`) that all of them
+map, where the group is gloo on CPU and every rank is on this machine as the
+launcher placed it (:func:`autodist.runtime.environment.machine`), could map the
+file the group's first rank made (the final word on "one machine"), and
+``AUTODIST_SHARED_MEMORY`` is not 0; None otherwise, with group rank 0 logging
+why where the file could not be made or mapped. :func:`sum_into_every_slot`
+is the sum that the gradient buckets (:mod:`autodist.dp.exchange`) and the
+model-parallel layers' all-reduce (:mod:`autodist.layers.shared_reduce`) share:
+rank r adds up part r of every rank's slot, in rank order, and writes it into
+part r of every slot, piece by piece so that the writes find the sum in cache.
+
+Example:
+    >>> slots, mapping = shared_slots([bucket], group, "gradient buckets")   # a collective; or None
+    >>> slots[0][rank].copy_(mine)                                           # every rank its own slot
+    >>> dist.all_reduce(flag, group=group)                                   # every slot is written
+    >>> sum_into_every_slot(slots[0], part_pieces(bucket.numel(), rank, size, 4))
+    >>> dist.all_reduce(flag, group=group)                                   # every slot holds the sum
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autodist.runtime import plain, shared_memory
+from autodist.runtime.environment import machine, shared_memory_allowed
+from autodist.runtime.world import log
+
+PIECE_BYTES = 256 << 10  # a piece of each of two slots fits a core's L2 cache with room to spare
+
+
+def part_pieces(n: int, rank: int, size: int, element_size: int) -> list[tuple[int, int]]:
+    """Part ``rank`` of ``n`` numbers over ``size`` ranks, [n*rank//size, n*(rank+1)//size), in pieces of at most
+    PIECE_BYTES.
+
+    Example:
+        >>> part_pieces(10, 1, 2, 4)
+        [(5, 10)]
+    """
+    lo, hi = n * rank // size, n * (rank + 1) // size
+    step = max(1, PIECE_BYTES // element_size)
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
+
+
+def sum_into_every_slot(slots: list[torch.Tensor], pieces: list[tuple[int, int]]) -> None:
+    """Each piece of every slot = that piece of every rank's slot, added in rank order (the same bits on every
+    rank); in place, so every slot holds the sum of the pieces."""
+    first, rest = slots[0], slots[1:]
+    for lo, hi in pieces:
+        out = first[lo:hi]
+        for slot in rest:
+            out.add_(slot[lo:hi])
+        for slot in rest:
+            slot[lo:hi].copy_(out)
+
+
+def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str
+                 ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
+    """One slot per rank of ``group`` for each of ``flats`` (each rank's, the same sizes), in a file of shared
+    memory every rank maps: ``slots[i][r]``, and the mapping that keeps them alive; None where the ranks are
+    not on one machine or cannot share a file (then use the backend; ``what`` goes through it, in words, for
+    the log line saying why). A collective over ``group``."""
+    return _open(flats, group, dist.get_world_size(group), what) if one_machine(flats, group) else None
+
+
+def one_machine(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of ``group`` is on this machine, gloo, with CPU ``flats``, and may share memory. A
+    collective over ``group``."""
+    if dist.get_world_size(group) < 2 or not flats or dist.get_backend(group) != "gloo":
+        return False
+    wish = (machine(), shared_memory_allowed() and shared_memory.available(),
+            all(f.device.type == "cpu" for f in flats))
+    wishes = plain.all_gather(wish, group)
+    return len({w[0] for w in wishes}) == 1 and all(w[1] and w[2] for w in wishes)
+
+
+def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: int, what: str
+          ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
+    """Group rank 0 makes the file of ``regions`` views of each flat, every rank maps it, and shared memory is
+    used only if all could."""
+    me = dist.get_rank(group)
+    strides = [shared_memory.aligned(f.numel() * f.element_size()) for f in flats]
+    nbytes = regions * sum(strides)
+    made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
+    path, why = made
+    try:
+        path, why = plain.broadcast(made, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        mapping = None
+        if path is not None:
+            try:
+                mapping = shared_memory.map_file(path, nbytes)
+            except OSError as e:  # another machine's file system (rank 0 speaks for the others below)
+                why = f"this rank cannot map the file it made ({e})" if me == 0 else why
+        mapped = torch.tensor([0.0 if mapping is None else 1.0])
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)
+    finally:  # removed as soon as every rank has it mapped, or on any error: nothing is left in /dev/shm
+        if me == 0 and path is not None:
+            shared_memory.remove(path)
+    if mapped.item() < 1.0:
+        if me == 0:
+            log.info("%s go through gloo, not shared memory: %s", what,
+                     why or "another rank could not open the file this rank made in shared memory")
+        return None
+    assert mapping is not None
+    views, offset = [], 0
+    for flat, stride in zip(flats, strides):
+        views.append([torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
+                      for r in range(regions)])
+        offset += regions * stride
+    if me == 0:
+        log.debug("the ranks on this machine share %.1f MiB in %s", nbytes / 2**20, shared_memory.DIRECTORY)
+    return views, mapping
