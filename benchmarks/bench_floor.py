@@ -357,16 +357,9 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def shape_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(n not in SHAPES for n in names):
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(SHAPES)}; got {text!r}")
-    return names
-
-
 def main() -> int:
     parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True)
-    parser.add_argument("--only", type=shape_names, default=SHAPES,
+    parser.add_argument("--only", type=harness.some_of(SHAPES), default=SHAPES,
                         help=f"comma-separated shapes, of {','.join(SHAPES)} (default: all)")
     parser.blocks(steps=0, rounds=20, warmup=3, min_steps=0,
                   steps_help="steps per block for every shape (default 0: per shape, as bench_shapes.py, mlp and "

@@ -191,17 +191,9 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def workload_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(WORKLOADS)}; got {text!r}")
-    return names
-
-
 def main() -> int:
     parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True)
-    parser.add_argument("--only", type=workload_names, default=list(WORKLOADS),
+    parser.add_argument("--only", type=harness.some_of(list(WORKLOADS)), default=list(WORKLOADS),
                         help=f"comma-separated workloads, of {','.join(WORKLOADS)} (default: all)")
     parser.blocks(steps=0, rounds=30, warmup=3, min_steps=0,
                   steps_help="steps per block for every workload (default 0: per workload, "

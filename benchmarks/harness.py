@@ -108,6 +108,17 @@ class Parser(argparse.ArgumentParser):
         return getattr(args, "ranks", self.ranks)
 
 
+def some_of(choices: list[str]) -> Callable[[str], list[str]]:
+    """An option's type: a comma-separated list of some of ``choices`` (``--only mlp,tfm2``), an error naming
+    them otherwise."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names or any(n not in choices for n in names):
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
+        return names
+    return parse
+
+
 def worker_command(script: str, argv: list[str], flag: str = "--worker") -> list[str]:
     """``script`` as one of its own workers: what a launcher starts on every rank."""
     return [script, flag, *argv]

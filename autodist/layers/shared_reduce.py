@@ -3,9 +3,9 @@
 Gloo sums a tensor between two processes of one machine through TCP on
 loopback. The MP layers all-reduce activations (forward) and input gradients
 (backward) of a few MB at every step, each right after a GEMM, where gloo's
-all-reduce of 1 MiB took 2.5-3.5 ms on 2 ranks of a 2-core machine, against
-0.9 ms for the same bytes with the ranks lined up. Here the tensor is copied
-into this rank's slot of a file every rank of the group maps
+all-reduce of 1 MiB took 3.3-3.5 ms inside a training step on 2 ranks of a
+2-core machine, this way 1.6-2.4 ms. Here the tensor is copied into this
+rank's slot of a file every rank of the group maps
 (:mod:`autodist.runtime.shared_slots`); a one-number all-reduce says every slot
 is written; rank r adds up part r of every slot, in rank order, into every
 slot; a second says every slot holds the sum, and the tensor takes its
