@@ -138,6 +138,7 @@ def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None 
     """
     env = dict(os.environ) if env is None else env
     args = _torchrun_parser().parse_args(list(argv))  # validates; the script and its arguments are found here
+    _check_counts(args.nproc_per_node, args.nnodes)
     if not (args.module or args.no_python or os.path.isfile(args.training_script)):
         raise UsageError(f"no such script {args.training_script!r} (run it from the folder the path is relative "
                          f"to, or give its full path)")
@@ -155,6 +156,27 @@ def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None 
         return out + list(argv[script_at:])
     rank = ["--no-python", *python_command("_rank", unbuffered=True)]  # -u: as torchrun runs python
     return out + rank + (["--loopback-store"] if one_machine else []) + list(argv[script_at:])
+
+
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's: a process per CPU, GPU or XPU
+
+
+def _check_counts(nproc: str, nnodes: str) -> None:
+    """The two counts torchrun takes as free text, checked before it reads them (its own error is a traceback
+    and exit status 1): ``-n`` a number >= 1 or one of NPROC_WORDS, ``--nnodes`` N or MIN:MAX.
+
+    Example:
+        >>> _check_counts("two", "1")
+        Traceback (most recent call last):
+        UsageError: -n 'two': give a number of processes on this node (e.g. -n 2), or one of auto, cpu, gpu, xpu
+    """
+    if not (nproc in NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
+        raise UsageError(f"-n {nproc!r}: give a number of processes on this node (e.g. -n 2), or one of "
+                         f"{', '.join(NPROC_WORDS)}")
+    bounds = nnodes.split(":")
+    if len(bounds) > 2 or not all(b.isdigit() and int(b) >= 1 for b in bounds) or int(bounds[0]) > int(bounds[-1]):
+        raise UsageError(f"--nnodes {nnodes!r}: give a number of machines (e.g. --nnodes 2), or MIN:MAX for an "
+                         f"elastic job (e.g. --nnodes 1:4)")
 
 
 def _world(torchrun_argv: Sequence[str]) -> int | None:

@@ -29,6 +29,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 # Errors a rank gets because another rank died first: never the root cause when a rank has another one.
 _PEER_GONE = ("peerfailure", "connection reset by peer", "connection closed by peer", "broken pipe",
@@ -110,6 +111,23 @@ def _record(error: BaseException, tb: TracebackType | None, error_file: str | No
 
     ending.record_error(_one_line(error), "".join(traceback.format_exception(type(error), error, tb)),
                         path=error_file)
+
+
+class _LastLine:
+    """The script's stderr, remembering the last line written to it: what a script that exits with an error
+    status said last (argparse's ``error: unrecognized arguments``), for the launcher's summary."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self.last = stream, ""
+
+    def write(self, text: str) -> int:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if lines:
+            self.last = lines[-1].strip()
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _stay_on_loopback() -> tuple[object, object] | None:
@@ -201,9 +219,18 @@ def run_script(argv: list[str]) -> None:
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python script.py` puts the script's folder first
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    sys.stderr = tail = _LastLine(sys.stderr)
     try:
         runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as stop:
+        if stop.code not in (None, 0):  # sys.exit("why"), or argparse's error, whose line went to stderr
+            from autodist.runtime import ending
+
+            line = stop.code if isinstance(stop.code, str) else tail.last
+            if line:
+                ending.record_error(line, line, path=error_file)
+        raise
+    except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - reported exactly as an uncaught error would be
         tb = _user_frames(error.__traceback__)

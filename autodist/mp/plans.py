@@ -60,7 +60,8 @@ class Plan:
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         total = sum(layer.params_per_rank for layer in self.layers)
-        lines.append(f"mp={self.mp}: {self.collectives_per_step} model-parallel collectives per training step; "
+        count = self.collectives_per_step
+        lines.append(f"mp={self.mp}: {count} model-parallel collective{'' if count == 1 else 's'} per training step; "
                      f"{total:,} parameters per rank in these layers"
                      + ("" if self.traced else f"; model not traceable by torch.fx (stopped at {self.untraced}): "
                                                f"module-by-module swap, collectives counted for one call of each "

@@ -58,6 +58,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     world = autodist.init()
+    if args.mode == "hybrid" and (world.size < 4 or world.size % 2):
+        # on 2 ranks "hybrid" would be 1 data-parallel x 2 model-parallel: --mode mp under another name
+        raise SystemExit(f"train.py: --mode hybrid needs an even number of ranks, 4 or more (groups of 2 split "
+                         f"the Linear layers, and at least 2 groups train data parallel); this run has "
+                         f"{world.size}: start it with -n 4 (bash scripts/main.sh -n 4 --mode hybrid), or use "
+                         f"--mode mp")
     log = engine.rank_logger()
     torch.manual_seed(args.seed)
     data = datasets.load(args.data_dir, download=args.download, seed=args.seed)
@@ -68,7 +74,7 @@ def main() -> None:
     model = models.build(args.model, data.image_shape, data.classes).to(world.device)  # the GPU, if any
     shuffle = torch.Generator().manual_seed(args.seed)  # its state is saved with checkpoints
     loader = DataLoader(data.train, batch_size=args.batch_size, shuffle=True, generator=shuffle)
-    mp = {"dp": 1, "mp": world.size, "hybrid": min(2, world.size)}[args.mode]
+    mp = {"dp": 1, "mp": world.size, "hybrid": 2}[args.mode]
 
     model, loader = autodist.parallelize(model, loader, mp=mp, sync=SYNCS[args.sync]())
 

@@ -73,6 +73,11 @@ BAD_INPUT = [
     (["explian", "cli_nets:build"], "unknown command 'explian'; the commands are run and explain"),
     (["run", "-n", "2", "no_such_script.py"], "no such script 'no_such_script.py'"),
     (["run", "-n", "2", "--no-such-option", "x.py"], "unrecognized arguments: --no-such-option"),
+    (["run", "-n", "two", "train.py"], "-n 'two': give a number of processes on this node (e.g. -n 2)"),
+    (["run", "--nproc=0", "train.py"], "-n '0': give a number of processes"),
+    (["run", "-n", "2", "--nnodes", "two", "train.py"], "--nnodes 'two': give a number of machines"),
+    (["run", "-n", "2", "--nnodes", "4:1", "train.py"], "--nnodes '4:1': give a number of machines"),
+    (["run", "-n", "2", "--max-restarts", "x", "train.py"], "--max-restarts/--max_restarts: invalid int value: 'x'"),
 ]
 
 
@@ -220,6 +225,25 @@ def test_a_rank_that_raises_is_named_at_the_end_with_its_error():
     assert "ChildFailedError" not in out and "launch.py" not in out and "runpy" not in out, out
     assert out.count("Traceback") == 1  # rank 1's own, as python prints it
     assert end - _fault_at(out) <= 8
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how, status, says", [
+    ("argparse", 2, "args.py: error: unrecognized arguments: --bogus 4"),
+    ("message", 1, "args.py: --bogus needs 4 ranks, this run has 2"),
+])
+def test_a_script_that_exits_with_an_error_is_named_with_what_it_said_last(tmp_path, how, status, says):
+    script = tmp_path / "args.py"
+    script.write_text("import argparse, sys\n"
+                      "if sys.argv[1] == 'argparse':\n"
+                      "    argparse.ArgumentParser(prog='args.py').parse_args(sys.argv[2:])\n"
+                      "print('to stderr, then exiting', file=sys.stderr)\n"
+                      "sys.exit('args.py: --bogus needs 4 ranks, this run has 2')\n")
+    code, out, _ = _run("-n", "2", str(script), how, "--bogus", "4")
+    assert code == status, out
+    first, *also = _summary(out)  # the other rank is named too where it failed before it was stopped
+    assert re.fullmatch(rf"autodist run: rank [01] of 2 failed \(exit code {status}\): {re.escape(says)}", first), out
+    assert all(re.search(rf"also failed \(exit code \d+\): {re.escape(says)}$", line) for line in also), out
 
 
 @pytest.mark.e2e

@@ -324,6 +324,16 @@ def interrupted(tmp_path_factory) -> tuple[Run, Run]:
 
 
 @pytest.mark.e2e
+def test_hybrid_on_two_ranks_is_refused_naming_the_ranks_it_needs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", "2", TRAIN, "--mode", "hybrid"],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("autodist run: rank ") and "failed (exit code 1): train.py: --mode hybrid needs an even " \
+        "number of ranks, 4 or more" in last and "this run has 2: start it with -n 4" in last, last
+
+
+@pytest.mark.e2e
 def test_first_log_line_says_the_dataset(two_ranks_dp, interrupted):
     for run, ranks in ((two_ranks_dp, 2), (interrupted[0], 1), (interrupted[1], 2)):
         assert _log_lines(run.output)[0] == DIGITS_LINE.format(ranks)  # digits, and that CIFAR-10 was not found
