@@ -85,6 +85,7 @@ from torch.nn.parallel import DistributedDataParallel
 from workload import build_model, random_batch  # benchmarks/workload.py
 
 import autodist
+from autodist.dp.exchange import AllReduce
 from autodist.dp.grad_sync import state_of
 
 RANKS = 2
@@ -178,7 +179,7 @@ def instrument(model: nn.Module, phases: Phases) -> None:
     for method, name in (("_barrier", "wait"), ("_sum_my_parts", "sum")):
         if hasattr(exchange, method):
             phases.wrap(exchange, method, name)
-    if type(exchange).__name__ == "AllReduce":
+    if isinstance(exchange, AllReduce):
         phases.wrap(exchange, "finish", "wait")
 
 

@@ -65,10 +65,10 @@ def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, wha
     memory every rank maps: ``slots[i][r]``, and the mapping that keeps them alive; None where the ranks are
     not on one machine or cannot share a file (then use the backend; ``what`` goes through it, in words, for
     the log line saying why). A collective over ``group``."""
-    return _open(flats, group, dist.get_world_size(group), what) if one_machine(flats, group) else None
+    return _open(flats, group, dist.get_world_size(group), what) if _one_machine(flats, group) else None
 
 
-def one_machine(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
+def _one_machine(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
     """Whether every rank of ``group`` is on this machine, gloo, with CPU ``flats``, and may share memory. A
     collective over ``group``."""
     if dist.get_world_size(group) < 2 or not flats or dist.get_backend(group) != "gloo":
