@@ -176,11 +176,11 @@ def instrument(model: nn.Module, phases: Phases) -> None:
         phases.wrap(bucket, "pack", "pack")
         phases.wrap(bucket, "unpack", "unpack")
     exchange = sync._ready_exchange()
-    for method, name in (("_barrier", "wait"), ("_sum_my_parts", "sum")):
-        if hasattr(exchange, method):
-            phases.wrap(exchange, method, name)
     if isinstance(exchange, AllReduce):
         phases.wrap(exchange, "finish", "wait")
+    else:
+        phases.wrap(exchange.fence, "wait", "wait")
+        phases.wrap(exchange, "_sum_my_parts", "sum")
 
 
 def dp_contenders(work: bench_shapes.Workload, rank: int, phases: dict[str, Phases]

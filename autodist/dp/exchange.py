@@ -9,13 +9,14 @@
   every step of its ring. Here the buckets themselves live in one file of
   shared memory that every rank maps (:mod:`autodist.runtime.shared_slots`): rank r's
   bucket is its slot r there, so packing writes straight into it. At the end of
-  backward one all-reduce of a single number says that every slot is packed;
-  rank r adds up part r of every slot, in rank order, and writes the sum into
-  part r of every slot (a reduce-scatter and an all-gather in one pass), piece
-  by piece so that the writes find the sum in cache; a second all-reduce says
-  every slot holds the whole sum. Each part is added up once, by one rank, so
-  every rank holds the same bits, as after gloo's all-reduce. After the second
-  all-reduce nobody writes into another rank's slot until every rank has
+  backward a fence (:mod:`autodist.runtime.shared_fence`: microseconds in the
+  file itself on x86-64, gloo's one-number all-reduce elsewhere) says that
+  every slot is packed; rank r adds up part r of every slot, in rank order, and
+  writes the sum into part r of every slot (a reduce-scatter and an all-gather
+  in one pass), piece by piece so that the writes find the sum in cache; a
+  second fence says every slot holds the whole sum. Each part is added up once,
+  by one rank, so every rank holds the same bits, as after gloo's all-reduce.
+  After the second fence nobody writes into another rank's slot until every rank has
   entered the next sync, so what a rank does to its gradients after backward
   (clipping them in place, say) stays its own. Per rank and bucket of B bytes
   on N ranks, the sum reads B and writes B, whatever N; packing writes B more.
@@ -44,13 +45,12 @@ Example:
 """
 from __future__ import annotations
 
-import mmap
 from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 
-from autodist.runtime.shared_slots import part_pieces, shared_slots, sum_into_every_slot
+from autodist.runtime.shared_slots import Shared, part_pieces, shared_slots, sum_into_every_slot
 
 
 class AllReduce:
@@ -91,13 +91,11 @@ class SharedSum:
 
     name = "shared memory"
 
-    def __init__(self, slots: list[list[torch.Tensor]], rank: int, group: dist.ProcessGroup | None,
-                 mapping: mmap.mmap) -> None:
-        self.slots, self.rank, self.group = slots, rank, group
-        self.mapping = mapping  # the slots are views of it
-        size = len(slots[0]) if slots else 1
-        self.pieces = [part_pieces(s[0].numel(), rank, size, s[0].element_size()) for s in slots]
-        self.packed, self.summed = torch.zeros(1), torch.zeros(1)
+    def __init__(self, shared: Shared, rank: int) -> None:
+        self.slots, self.rank = shared.slots, rank
+        self.mapping, self.fence = shared.mapping, shared.fence  # the slots are views of the mapping
+        size = len(self.slots[0]) if self.slots else 1
+        self.pieces = [part_pieces(s[0].numel(), rank, size, s[0].element_size()) for s in self.slots]
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """Where bucket ``index`` lives: this rank's slot, which the other ranks can read."""
@@ -110,14 +108,11 @@ class SharedSum:
         """Nothing to do: the bucket was packed where the other ranks read it."""
 
     def finish(self) -> None:
-        # Between the two all-reduces each rank writes its part of the sum into every rank's slot; after the
+        # Between the two fences each rank writes its part of the sum into every rank's slot; after the
         # second, nobody writes into another rank's slot until every rank has entered the next sync's first.
-        self._barrier(self.packed)  # every rank has packed every bucket
+        self.fence.wait()  # every rank has packed every bucket
         self._sum_my_parts()
-        self._barrier(self.summed)  # every part of every sum is in every slot
-
-    def _barrier(self, flag: torch.Tensor) -> None:
-        dist.all_reduce(flag.zero_(), group=self.group)
+        self.fence.wait()  # every part of every sum is in every slot
 
     def _sum_my_parts(self) -> None:
         """Part r of every slot = part r of every rank's slot, added in rank order."""
@@ -135,7 +130,4 @@ def choose(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> Exchan
     """Shared memory where the group is on one machine and can map one file, the backend's all-reduce
     otherwise. A collective over ``group``: every rank calls it with buckets of the same sizes."""
     shared = shared_slots(flats, group, "gradient buckets")
-    if shared is None:
-        return AllReduce(flats, group)
-    slots, mapping = shared
-    return SharedSum(slots, dist.get_rank(group), group, mapping)
+    return AllReduce(flats, group) if shared is None else SharedSum(shared, dist.get_rank(group))

@@ -16,7 +16,8 @@ naming who is where when
 The rank that decides writes the verdict into the store; every other rank's
 thread reads it within a tick, prints one line and exits with status 1. A
 collective that fails because a peer died (gloo's "Connection closed by
-peer") is explained the same way: the peer that published its failure, or
+peer", or a fence in shared memory that finds the peer's process gone) is
+explained the same way: the peer that published its failure, or
 the one whose heartbeat stopped. At a normal end every rank waits in an
 atexit hook until all have ended, so a rank that ends early is seen by
 the others instead of hanging them.
@@ -43,6 +44,7 @@ from autodist.faults.verdicts import Status, judge
 from autodist.faults.verdicts import where as where_is
 from autodist.runtime import ending, position
 from autodist.runtime.position import record, wait_words, waiting
+from autodist.runtime.shared_fence import PeerGone
 from autodist.runtime.world import log
 
 _PREFIX = "autodist/faults/watchdog/"
@@ -57,7 +59,8 @@ class PeerFailure(RuntimeError):
 
 def is_peer_lost(exc: BaseException) -> bool:
     text = str(exc)
-    return isinstance(exc, PeerFailure) or (isinstance(exc, RuntimeError) and any(m in text for m in _PEER_LOST))
+    return isinstance(exc, (PeerFailure, PeerGone)) or \
+        (isinstance(exc, RuntimeError) and any(m in text for m in _PEER_LOST))
 
 
 # -- the thread ------------------------------------------------------------------------------------

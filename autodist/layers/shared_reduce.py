@@ -6,10 +6,12 @@ loopback. The MP layers all-reduce activations (forward) and input gradients
 all-reduce of 1 MiB took 3.3-3.5 ms inside a training step on 2 ranks of a
 2-core machine, this way 1.6-2.4 ms. Here the tensor is copied into this
 rank's slot of a file every rank of the group maps
-(:mod:`autodist.runtime.shared_slots`); a one-number all-reduce says every slot
-is written; rank r adds up part r of every slot, in rank order, into every
-slot; a second says every slot holds the sum, and the tensor takes its
-slot's: the same bits on every rank, as after gloo's all-reduce.
+(:mod:`autodist.runtime.shared_slots`); a fence says every slot is written
+(:mod:`autodist.runtime.shared_fence`: microseconds in the file on x86-64,
+gloo's one-number all-reduce elsewhere); rank r adds up part r of every slot,
+in rank order, into every slot; a second fence says every slot holds the sum,
+and the tensor takes its slot's: the same bits on every rank, as after gloo's
+all-reduce.
 
 Chosen per process group at its first all-reduce (a collective: every rank of
 the group is in it): shared memory where the group is gloo on one machine and
@@ -23,47 +25,45 @@ Example:
 """
 from __future__ import annotations
 
-import mmap
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autodist.runtime.shared_slots import part_pieces, shared_slots, sum_into_every_slot
+from autodist.runtime.position import waiting
+from autodist.runtime.shared_slots import Shared, part_pieces, shared_slots, sum_into_every_slot
 
+WAIT = "a model-parallel layer's all-reduce (in shared memory)"  # in the watchdog's words
 SMALLEST_BYTES = 4 << 20  # the slots' first size: a few activations of a small model
 
 
 class SharedAllReduce:
     """One slot of ``capacity`` bytes per rank of ``group``, in shared memory every rank maps."""
 
-    def __init__(self, slots: list[torch.Tensor], mapping: mmap.mmap, group: dist.ProcessGroup | None) -> None:
-        self.slots, self.mapping, self.group = slots, mapping, group  # the slots are views of the mapping
+    def __init__(self, shared: Shared, group: dist.ProcessGroup | None) -> None:
+        self.slots, self.mapping, self.fence = shared.slots[0], shared.mapping, shared.fence  # views of the mapping
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.capacity = slots[0].numel()
-        self.flag = torch.zeros(1)
+        self.capacity = self.slots[0].numel()
 
     @classmethod
     def open(cls, group: dist.ProcessGroup | None, capacity: int) -> SharedAllReduce | None:
         """Slots of ``capacity`` bytes, or None where the group cannot share memory. A collective over ``group``."""
         shared = shared_slots([torch.empty(capacity, dtype=torch.uint8)], group, "model-parallel all-reduces")
-        return None if shared is None else cls(shared[0][0], shared[1], group)
+        return None if shared is None else cls(shared, group)
 
     def __call__(self, t: torch.Tensor) -> None:
         n, nbytes = t.numel(), t.numel() * t.element_size()
         slots = [slot[:nbytes].view(t.dtype) for slot in self.slots]
         flat = t.view(-1)
         slots[self.rank].copy_(flat)
-        # Until the second all-reduce each rank writes its part of the sum into every slot; after it, nobody
-        # writes into another rank's slot until every rank has entered the next all-reduce's first.
-        self._barrier()  # every slot is written
-        sum_into_every_slot(slots, part_pieces(n, self.rank, self.size, t.element_size()))
-        self._barrier()  # every slot holds the whole sum
+        # Until the second fence each rank writes its part of the sum into every slot; after it, nobody
+        # writes into another rank's slot until every rank has passed the next all-reduce's first.
+        with waiting(WAIT):  # the watchdog names a rank that never arrives, or died
+            self.fence.wait()  # every slot is written
+            sum_into_every_slot(slots, part_pieces(n, self.rank, self.size, t.element_size()))
+            self.fence.wait()  # every slot holds the whole sum
         flat.copy_(slots[self.rank])
-
-    def _barrier(self) -> None:
-        dist.all_reduce(self.flag.zero_(), group=self.group)
 
 
 # per process group (the default group's object for None), the way its all-reduces go; None: the backend's

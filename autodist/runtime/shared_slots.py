@@ -13,25 +13,34 @@ rank r adds up part r of every rank's slot, in rank order, and writes it into
 part r of every slot, piece by piece so that the writes find the sum in cache.
 
 Example:
-    >>> slots, mapping = shared_slots([bucket], group, "gradient buckets")   # a collective; or None
-    >>> slots[0][rank].copy_(mine)                                           # every rank its own slot
-    >>> dist.all_reduce(flag, group=group)                                   # every slot is written
-    >>> sum_into_every_slot(slots[0], part_pieces(bucket.numel(), rank, size, 4))
-    >>> dist.all_reduce(flag, group=group)                                   # every slot holds the sum
+    >>> shared = shared_slots([bucket], group, "gradient buckets")   # a collective; or None
+    >>> shared.slots[0][rank].copy_(mine)                            # every rank its own slot
+    >>> shared.fence.wait()                                          # every slot is written
+    >>> sum_into_every_slot(shared.slots[0], part_pieces(bucket.numel(), rank, size, 4))
+    >>> shared.fence.wait()                                          # every slot holds the sum
 """
 from __future__ import annotations
 
 import mmap
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from autodist.runtime import plain, shared_memory
+from autodist.runtime import plain, shared_fence, shared_memory
 from autodist.runtime.environment import machine, shared_memory_allowed
 from autodist.runtime.world import log
 
 PIECE_BYTES = 256 << 10  # a piece of each of two slots fits a core's L2 cache with room to spare
+
+
+class Shared(NamedTuple):
+    """What :func:`shared_slots` gives: ``slots[i][r]``, rank r's slot for buffer i; the mapping the slots are
+    views of (keep it); the fence that orders the phases of a sum."""
+
+    slots: list[list[torch.Tensor]]
+    mapping: mmap.mmap
+    fence: shared_fence.Fence
 
 
 def part_pieces(n: int, rank: int, size: int, element_size: int) -> list[tuple[int, int]]:
@@ -59,12 +68,11 @@ def sum_into_every_slot(slots: list[torch.Tensor], pieces: list[tuple[int, int]]
             slot[lo:hi].copy_(out)
 
 
-def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str
-                 ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
+def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> Shared | None:
     """One slot per rank of ``group`` for each of ``flats`` (each rank's, the same sizes), in a file of shared
-    memory every rank maps: ``slots[i][r]``, and the mapping that keeps them alive; None where the ranks are
-    not on one machine or cannot share a file (then use the backend; ``what`` goes through it, in words, for
-    the log line saying why). A collective over ``group``."""
+    memory every rank maps, with the fence that orders a sum's phases; None where the ranks are not on one
+    machine or cannot share a file (then use the backend; ``what`` goes through it, in words, for the log line
+    saying why). A collective over ``group``."""
     return _open(flats, group, dist.get_world_size(group), what) if _one_machine(flats, group) else None
 
 
@@ -79,13 +87,13 @@ def _one_machine(flats: list[torch.Tensor], group: dist.ProcessGroup | None) -> 
     return len({w[0] for w in wishes}) == 1 and all(w[1] and w[2] for w in wishes)
 
 
-def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: int, what: str
-          ) -> tuple[list[list[torch.Tensor]], mmap.mmap] | None:
-    """Group rank 0 makes the file of ``regions`` views of each flat, every rank maps it, and shared memory is
-    used only if all could."""
+def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: int, what: str) -> Shared | None:
+    """Group rank 0 makes the file (the fence's lines, then ``regions`` views of each flat), every rank maps it
+    and announces itself to the fence, and shared memory is used only if all could."""
     me = dist.get_rank(group)
     strides = [shared_memory.aligned(f.numel() * f.element_size()) for f in flats]
-    nbytes = regions * sum(strides)
+    header = shared_memory.aligned(shared_fence.fence_bytes(regions))
+    nbytes = header + regions * sum(strides)
     made: list[Any] = list(shared_memory.make(nbytes)) if me == 0 else [None, ""]
     path, why = made
     try:
@@ -96,6 +104,8 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: i
                 mapping = shared_memory.map_file(path, nbytes)
             except OSError as e:  # another machine's file system (rank 0 speaks for the others below)
                 why = f"this rank cannot map the file it made ({e})" if me == 0 else why
+        if mapping is not None:
+            shared_fence.announce(mapping, 0, me)
         mapped = torch.tensor([0.0 if mapping is None else 1.0])
         dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)
     finally:  # removed as soon as every rank has it mapped, or on any error: nothing is left in /dev/shm
@@ -107,11 +117,11 @@ def _open(flats: list[torch.Tensor], group: dist.ProcessGroup | None, regions: i
                      why or "another rank could not open the file this rank made in shared memory")
         return None
     assert mapping is not None
-    views, offset = [], 0
+    views, offset = [], header
     for flat, stride in zip(flats, strides):
         views.append([torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel(), offset=offset + r * stride)
                       for r in range(regions)])
         offset += regions * stride
     if me == 0:
         log.debug("the ranks on this machine share %.1f MiB in %s", nbytes / 2**20, shared_memory.DIRECTORY)
-    return views, mapping
+    return Shared(views, mapping, shared_fence.choose(mapping, 0, group))

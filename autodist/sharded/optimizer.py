@@ -93,7 +93,6 @@ class OptimizerSharding:
         self.slots = None if at_rest is not None else shared_slots(
             [torch.empty(k.chunk, dtype=k.dtype, device=k.device) for k in self.layout.kinds], group,
             "the sharded parameters")
-        self.flag = torch.zeros(1)
         step_hooks.listen(self)
 
     # -- which optimizers --------------------------------------------------------------------------
@@ -189,16 +188,16 @@ class OptimizerSharding:
     def _gather_parameters(self) -> None:
         """Every rank's updated elements into every rank's parameters: through the shared slots on one machine
         (each rank writes its chunk, then reads the others'), else the backend's all-gather, a kind at a time."""
-        shared = self.slots[0] if self.slots is not None else None
+        shared = self.slots.slots if self.slots is not None else None
         if shared is not None:
             for kind, slots in zip(self.layout.kinds, shared):
                 self._pack(kind, slots[self.rank], self._param_slice)
-            dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank wrote its chunk
+            self.slots.fence.wait()  # every rank wrote its chunk
         for k, kind in enumerate(self.layout.kinds):
             theirs = shared[k] if shared is not None else self._through_backend(kind, kind.dtype, self._param_slice)
             self._unpack(kind, theirs, lambda piece, values: self._param_slice(piece).copy_(values), skip=self.rank)
-        if shared is not None:
-            dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank read: the chunks may be written again
+        if self.slots is not None:
+            self.slots.fence.wait()  # every rank read: the chunks may be written again
 
     def _pack(self, kind: Kind, chunk: torch.Tensor, value_of: Callable[[Piece], torch.Tensor | None]) -> None:
         """This rank's pieces of ``kind`` into its ``chunk`` (a piece whose value is None is left as it is)."""

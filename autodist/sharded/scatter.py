@@ -15,11 +15,11 @@ the last bucket); what changes is the bucket and how it is summed:
   as it is packed, so between steps a rank holds ``1/N`` of the gradients plus the ring. Buckets are
   capped at ``1/(8N)`` of the gradients (:meth:`Scatter.caps`), so the ring is at most ``1/(4N)``;
 * :class:`ScatterSum` (every rank on one machine, gloo, CPU): the ring lives in shared memory, one slot per
-  rank. When bucket k is packed, one all-reduce of a number says every rank has packed it; rank r adds up
-  part r of every rank's slot, in rank order, into its ``part`` (the same bits as the whole-gradient sum),
-  and the count and flags of every slot into the bucket's ``meta``. Packing bucket k where bucket k-2 was
-  is safe: every rank entered bucket k-1's all-reduce after summing bucket k-2. One more all-reduce at the
-  end of the sync frees the ring for the next;
+  rank. When bucket k is packed, a fence (:mod:`autodist.runtime.shared_fence`) says every rank has packed
+  it; rank r adds up part r of every rank's slot, in rank order, into its ``part`` (the same bits as the
+  whole-gradient sum), and the count and flags of every slot into the bucket's ``meta``. Packing bucket k
+  where bucket k-2 was is safe: every rank entered bucket k-1's fence after summing bucket k-2. One more
+  fence at the end of the sync frees the ring for the next;
 * :class:`ReduceScatter` otherwise: the backend's asynchronous ``reduce_scatter`` of the gradients into
   ``part`` and ``all_reduce`` of the meta, started as each bucket fills; packing bucket k first waits
   for bucket k-2's, which read the same buffer.
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.runtime.shared_slots import shared_slots
+from autodist.runtime.shared_slots import Shared, shared_slots
 from autodist.dp.buckets import Bucket, assign_buckets
 from autodist.runtime.position import waiting
 from autodist.sharded.grads import ShardedGrad
@@ -118,12 +118,12 @@ class ScatterSum:
 
     name = "shared memory"
 
-    def __init__(self, buckets: list[ScatteredBucket], ring: list[list[torch.Tensor]], rank: int, group: Any,
-                 mapping: Any) -> None:
-        self.buckets, self.rank, self.group, self.mapping = buckets, rank, group, mapping
+    def __init__(self, buckets: list[ScatteredBucket], shared: Shared, rank: int) -> None:
+        self.buckets, self.rank = buckets, rank
+        self.mapping, self.fence = shared.mapping, shared.fence  # the ring is views of the mapping
         # bucket k's slot of every rank: the first numbers of ring buffer k mod RING
-        self.slots = [[slot[:b.flat.numel()] for slot in ring[k % len(ring)]] for k, b in enumerate(buckets)]
-        self.flag = torch.zeros(1)
+        self.slots = [[slot[:b.flat.numel()] for slot in shared.slots[k % len(shared.slots)]]
+                      for k, b in enumerate(buckets)]
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         return self.slots[index][self.rank]
@@ -133,14 +133,14 @@ class ScatterSum:
 
     def send(self, index: int, flat: torch.Tensor) -> None:
         with waiting("exchange"):  # a rank that never packs it is named as in any gradient sync
-            dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank has packed bucket ``index``
+            self.fence.wait()  # every rank has packed bucket ``index``
         bucket, slots = self.buckets[index], self.slots[index]
         lo, hi, meta = self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk, bucket.count_slot
         _sum_into(bucket.part, [s[lo:hi] for s in slots])
         _sum_into(bucket.meta, [s[meta:] for s in slots])
 
     def finish(self) -> None:
-        dist.all_reduce(self.flag.zero_(), group=self.group)  # every rank has read the ring: it may be packed again
+        self.fence.wait()  # every rank has read the ring: it may be packed again
 
     def abandon(self) -> None:
         for bucket in self.buckets:
@@ -222,10 +222,7 @@ class Scatter:
         assert len(scattered) == len(buckets), "shard='gradients' builds its own buckets"
         ring = _ring(scattered)
         shared = shared_slots(ring, group, "the sharded gradient buckets")
-        if shared is not None:
-            slots, mapping = shared
-            return ScatterSum(scattered, slots, self.rank, group, mapping)
-        return ReduceScatter(scattered, ring, group)
+        return ReduceScatter(scattered, ring, group) if shared is None else ScatterSum(scattered, shared, self.rank)
 
     def backward_ended(self) -> None:
         """Nothing to do at the end of a backward (``shard="parameters"`` frees its blocks there)."""
