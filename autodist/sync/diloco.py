@@ -16,6 +16,35 @@ from autodist.sync.periodic import Periodic, _positive
 
 Fragment = tuple[list[torch.Tensor], list[torch.Tensor]]  # (parameters, floating-point buffers)
 
+# The inner optimizers the outer step's defaults were measured over (benchmarks/bench_lowcomm.py, digits,
+# 10 seeds; bench_lowcomm_lm.py): torch's SGD-like ones, and those that scale each coordinate's step by a
+# running estimate of its gradient's size.
+SGD_LIKE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.ASGD)
+ADAPTIVE: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
+                                            "RMSprop", "SparseAdam", "Adafactor") if hasattr(torch.optim, name))
+# outer_lr / (1 - momentum) = 1: once rounds agree the outer step goes as far as the replicas went, no farther;
+# the momentum only smooths the direction over rounds. Within one point of exact sync on every seed, at
+# every=16 and 64, over SGD (lr 0.05, momentum 0.9) and AdamW alike; the paper's values end at 7.8-24% over
+# that SGD and up to 2.2 points under exact sync over AdamW (its language model: loss 1.139 against 1.042).
+DEFAULT = (0.5, 0.5)
+SAFE_REACH = 1.5  # over SGD, a reach outer_lr / (1 - momentum) the user set above this is warned about
+
+
+def outer_step_for(optimizer: torch.optim.Optimizer) -> tuple[float, float, str]:
+    """The outer step's ``(outer_lr, momentum)`` over the inner ``optimizer``, and what the optimizer is to
+    the rule: ``"sgd"`` (torch's SGD and ASGD), ``"adaptive"`` (torch's Adam, AdamW, Adamax, NAdam, RAdam,
+    Adagrad, Adadelta, RMSprop, SparseAdam, Adafactor and their subclasses), both measured to train within a
+    point of exact sync with 0.5 and 0.5; or ``"unknown"`` (any other class: the same values, not measured).
+
+    Example:
+        >>> outer_step_for(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9))
+        (0.5, 0.5, 'sgd')
+    """
+    if isinstance(optimizer, SGD_LIKE):
+        return (*DEFAULT, "sgd")
+    return (*DEFAULT, "adaptive" if isinstance(optimizer, ADAPTIVE) else "unknown")
+
 
 def fragments_of(model: nn.Module, k: int) -> list[Fragment]:
     """The model cut into ``k`` runs of consecutive parameters of about the same number of elements (a
@@ -84,8 +113,8 @@ class DiLoCo(Periodic):
 
     Args:
         every: inner optimizer steps per outer step of each fragment (H).
-        outer_lr: the outer SGD's learning rate.
-        momentum: the outer SGD's momentum (0 for none).
+        outer_lr: the outer SGD's learning rate; None: chosen from the inner optimizer (see the note).
+        momentum: the outer SGD's momentum (0 for none); None: chosen from the inner optimizer.
         nesterov: Nesterov momentum (ignored when ``momentum`` is 0).
         warmup: optimizer steps of exact sync before the inner steps begin.
         fragments: how many fragments take their outer steps at staggered steps (must divide ``every``).
@@ -98,35 +127,46 @@ class DiLoCo(Periodic):
         * with ``outer_lr=1`` and ``momentum=0`` it is :class:`LocalSGD` (the outer step lands on the
           weighted average of the replicas); ``fragments=1`` is plain DiLoCo;
         * one model's worth of bytes per ``every`` steps (``bytes_sent``), in ``fragments`` parts.
-        ``autodist.save`` / ``load`` / ``resume`` keep the outer state (theta, its momentum, the step count),
-        dense: a checkpoint taken at one mp degree resumes at another.
+        ``autodist.save`` / ``load`` / ``resume`` keep the outer state (theta, its momentum, the step count,
+        the chosen ``outer_lr`` and ``momentum``), dense: a checkpoint taken at one mp degree resumes at
+        another.
 
     Example:
-        >>> model, loader = autodist.parallelize(model, loader, sync=autodist.DiLoCo(every=64))
-        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)    # the inner optimizer
+        >>> diloco = autodist.DiLoCo(every=64)
+        >>> model, loader = autodist.parallelize(model, loader, sync=diloco)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # the inner optimizer
         >>> for x, y in loader:
         ...     optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+        >>> diloco.outer_lr, diloco.momentum   # chosen at the first step, for the inner SGD
+        (0.5, 0.5)
 
     Note:
-        The defaults (outer lr 0.7, Nesterov momentum 0.9) are the DiLoCo paper's, tuned with an inner
-        AdamW. Once rounds point the same way, this outer step moves the weights up to
-        ``outer_lr / (1 - momentum)`` = 7 times as far as the replicas moved; over an inner SGD that
-        already moves far each round (lr near its stability limit) that diverges: use ``momentum=0.5``, a
-        smaller inner learning rate, or :class:`LocalSGD` there (a warning says so when the inner
-        optimizer is SGD). As for :class:`LocalSGD`: one optimizer per model, the same number of steps on
-        every rank.
+        ``outer_lr`` and ``momentum`` left unset are chosen at the first optimizer step, from the inner
+        optimizer (:func:`outer_step_for`), and logged on rank 0. Once rounds point the same way, the outer
+        step moves the weights up to ``outer_lr / (1 - momentum)`` times as far as the replicas moved. The
+        DiLoCo paper's 0.7 and Nesterov 0.9 (7x), tuned over AdamW for language models hundreds of steps
+        apart, diverge over an SGD whose steps are already as long as its stability allows, and fall up to
+        2 points short of exact sync over AdamW on the benchmarks here; 0.5 and 0.5 (1x: the replicas' own
+        reach, the momentum smoothing the direction) train within a point of exact sync over both, so they are
+        chosen over torch's SGD and adaptive optimizers, and, with a warning, over any other class.
+        ``DiLoCo(outer_lr=0.7, momentum=0.9)`` is the paper's. Values you pass win, over a checkpoint's too;
+        over SGD a reach you set above 1.5 is warned about. As for :class:`LocalSGD`: one optimizer per model,
+        the same number of steps on every rank.
     """
 
     name = "DiLoCo"
     mirrors = ("outer_params", "outer_momentum", "pending")
 
-    def __init__(self, *, every: int = 64, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 warmup: int = 0, fragments: int = 1, overlap: int = 0, mix: float = 0.5) -> None:
+    def __init__(self, *, every: int = 64, outer_lr: float | None = None, momentum: float | None = None,
+                 nesterov: bool = True, warmup: int = 0, fragments: int = 1, overlap: int = 0,
+                 mix: float = 0.5) -> None:
         super().__init__(every, warmup)
-        if not (isinstance(outer_lr, (int, float)) and outer_lr > 0):
-            raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
-        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if outer_lr is not None and not (isinstance(outer_lr, (int, float)) and outer_lr > 0):
+            raise ValueError(f"outer_lr must be a positive number (or None: chosen from the inner optimizer), "
+                             f"got {outer_lr!r}")
+        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise ValueError(f"momentum must be a number in [0, 1) (or None: chosen from the inner optimizer), "
+                             f"got {momentum!r}")
         self.fragments = _positive("fragments", fragments)
         if every % fragments:
             raise ValueError(f"fragments ({fragments}) must divide every ({every}): each fragment has its outer "
@@ -137,42 +177,80 @@ class DiLoCo(Periodic):
                              f"all-reduce must finish before the next fragment's starts), got {overlap}")
         if not (isinstance(mix, (int, float)) and 0 <= mix <= 1):
             raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
-        self.outer_lr, self.momentum, self.nesterov, self.mix = float(outer_lr), float(momentum), bool(nesterov), \
-            float(mix)
+        # the user's values (None: chosen from the inner optimizer at its first step), and those in use
+        self.asked = (None if outer_lr is None else float(outer_lr), None if momentum is None else float(momentum))
+        self.outer_lr, self.momentum = self.asked
+        self.chosen_for: str | None = None  # the inner optimizer's class the unset values were chosen for
+        self.nesterov, self.mix = bool(nesterov), float(mix)
         self.offsets = [(f + 1) * every // fragments for f in range(fragments)]  # each fragment's step in a round
         self._pending: dict[int, Pending] = {}
         self._samples = 0.0  # samples counted since the local phase began, and at each fragment's last launch
         self._launched_at = [0.0] * fragments
         self._error: str | None = None
-        self._warned = False
+        self._seen = False  # the inner optimizer: the unset values chosen from it, a risky set one warned about
 
     def _start(self, model: nn.Module, ctx: SyncContext) -> Any:
         exact = super()._start(model, ctx)
         self.parts = fragments_of(model, self.fragments)
         self.names = [(tensor_names(model, params), tensor_names(model, buffers)) for params, buffers in self.parts]
         self.outer_params = [[p.detach().clone() for p in params] for params, _ in self.parts]
-        self.outer = torch.optim.SGD([p for ps in self.outer_params for p in ps], lr=self.outer_lr,
-                                     momentum=self.momentum, nesterov=self.nesterov and self.momentum > 0)
+        self.outer = torch.optim.SGD([p for ps in self.outer_params for p in ps], lr=0.0)
+        self._set_outer()
         return exact
+
+    def _set_outer(self) -> None:
+        """The outer SGD takes the values in use (unset ones: 0, until chosen at the first step)."""
+        group = self.outer.param_groups[0]
+        group["lr"], group["momentum"] = self.outer_lr or 0.0, self.momentum or 0.0
+        group["nesterov"] = self.nesterov and bool(self.momentum)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._seen:
+            self._seen = True
+            self._choose(optimizer)
+            self._warn_about(optimizer)
+        super()._before_step(optimizer)
 
     def _begin_local(self, optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             for outers, (params, _) in zip(self.outer_params, self.parts):
                 for outer, p in zip(outers, params):
                     outer.copy_(p)
-        self._warn_about(optimizer)
+
+    def _choose(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unset ``outer_lr`` and ``momentum`` from the inner optimizer's class (:func:`outer_step_for`)."""
+        if self.outer_lr is not None and self.momentum is not None:
+            return
+        lr, momentum, rule = outer_step_for(optimizer)
+        self.outer_lr = lr if self.outer_lr is None else self.outer_lr
+        self.momentum = momentum if self.momentum is None else self.momentum
+        self.chosen_for = type(optimizer).__name__
+        self._set_outer()
+        if self._comm is None or self._comm.rank != 0:
+            return
+        chosen = " and ".join(name for name, asked in zip(("outer_lr", "momentum"), self.asked) if asked is None)
+        if rule == "unknown":
+            log.warning("%r: %s chosen as 0.5 and 0.5, measured over torch's SGD and adaptive optimizers (%s), not "
+                        "over %s; set them with autodist.DiLoCo(outer_lr=..., momentum=...) if it does not train",
+                        self, chosen, ", ".join(c.__name__ for c in (*SGD_LIKE, *ADAPTIVE)), self.chosen_for)
+            return
+        log.info("%r: %s chosen for the inner %s (0.5 and 0.5: outer_lr / (1 - momentum) = 1, the outer step goes as "
+                 "far as the replicas went; the DiLoCo paper's 0.7 and 0.9 go 7x as far); set them with "
+                 "autodist.DiLoCo(outer_lr=..., momentum=...)", self, chosen, self.chosen_for)
 
     def _warn_about(self, optimizer: torch.optim.Optimizer) -> None:
+        """Over an inner SGD, a reach the user set beyond what trains there (the chosen values do not warn)."""
+        assert self.outer_lr is not None and self.momentum is not None
         reach = self.outer_lr / (1 - self.momentum)
-        if self._warned or reach <= 2 or not isinstance(optimizer, torch.optim.SGD) or self._comm.rank != 0:  # type: ignore[union-attr]
+        if self.asked == (None, None) or reach <= SAFE_REACH or not isinstance(optimizer, SGD_LIKE) \
+                or self._comm is None or self._comm.rank != 0:
             return
-        self._warned = True
         lr = optimizer.param_groups[0].get("lr")
         log.warning("%r over an inner SGD (lr %s): its outer step moves the weights up to outer_lr/(1 - momentum) "
-                    "= %.1fx as far as the replicas moved in a round. Its defaults are the DiLoCo paper's, for an "
-                    "inner AdamW; over SGD near its stability limit this diverges (digits, SGD lr 0.05 momentum "
-                    "0.9: 7.8%% accuracy). If the loss rises after the first outer steps, use "
-                    "autodist.DiLoCo(momentum=0.5), a smaller inner lr, an inner AdamW, or autodist.LocalSGD",
+                    "= %.1fx as far as the replicas moved in a round. Over SGD near its stability limit that "
+                    "diverges (digits, SGD lr 0.05 momentum 0.9, outer_lr=0.7, momentum=0.9: 7.8%% accuracy). If "
+                    "the loss rises after the first outer steps, leave outer_lr and momentum unset (over SGD they "
+                    "are 0.5 and 0.5: 1x), use a smaller inner lr, an inner AdamW, or autodist.LocalSGD",
                     self, lr, reach)
 
     def _local_step(self, n: int) -> None:
@@ -226,7 +304,8 @@ class DiLoCo(Periodic):
 
     def state_dict(self) -> dict[str, Any]:
         """The outer parameters and their momentum, and the averages of fragments under way (waited for: every
-        rank holds the same result), each keyed by the model's tensor names; the outer SGD's hyperparameters,
+        rank holds the same result), each keyed by the model's tensor names; the outer SGD's hyperparameters
+        (``chosen``: whether its lr and momentum are the run's, False only before the first step chose them),
         the step and sample counts."""
         names = [name for params, _ in self.names for name in params]
         outers = [t for ts in self.outer_params for t in ts]
@@ -239,6 +318,7 @@ class DiLoCo(Periodic):
         return {**super().state_dict(), "outer_params": {name: t.clone() for name, t in zip(names, outers)},
                 "outer_momentum": momentum, "outer": {k: v for k, v in self.outer.param_groups[0].items()
                                                       if k != "params"},
+                "chosen": self.outer_lr is not None and self.momentum is not None, "chosen_for": self.chosen_for,
                 "samples": self._samples, "launched_at": list(self._launched_at), "pending": pending,
                 "pending_fragments": sorted(self._pending)}
 
@@ -266,9 +346,21 @@ class DiLoCo(Periodic):
         self.outer.load_state_dict({"state": {i: {"momentum_buffer": momentum[n]} for i, n in enumerate(names)
                                               if n in momentum},
                                     "param_groups": [{**state["outer"], "params": list(range(len(outers)))}]})
+        self._resume_outer(state)
         self._samples, self._launched_at = float(state["samples"]), [float(x) for x in state["launched_at"]]
         self._pending = self._restored(state["pending"], state["pending_fragments"])
         self._fresh = False
+
+    def _resume_outer(self, state: dict[str, Any]) -> None:
+        """The values the saved run used, for those left unset here (values set here win); a checkpoint saved
+        before its run's first step chose nothing: they are chosen at the next step."""
+        if state.get("chosen", True):  # a checkpoint from before the choice existed holds the values it used
+            saved = (float(state["outer"]["lr"]), float(state["outer"]["momentum"]))
+            if None in self.asked:
+                self.chosen_for = state.get("chosen_for")
+            self.outer_lr, self.momentum = (mine if mine is not None else theirs
+                                            for mine, theirs in zip(self.asked, saved))
+        self._set_outer()
 
     def _restored(self, pending: dict[str, torch.Tensor], fragments: list[int]) -> dict[int, Pending]:
         """The saved averages under way, per fragment; a fragment the checkpoint holds only in part (its model

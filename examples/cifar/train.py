@@ -31,7 +31,7 @@ import plots
 
 # the sync= of parallelize for each --sync (a new strategy object per run)
 SYNCS = {"exact": lambda: "backward", "local-sgd": lambda: autodist.LocalSGD(every=16),
-         "diloco": lambda: autodist.DiLoCo(every=16, momentum=0.5)}
+         "diloco": lambda: autodist.DiLoCo(every=16)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
                    help="dp: data parallel; mp: every rank splits the Linear layers; hybrid: groups of 2 split them")
     p.add_argument("--sync", choices=list(SYNCS), default="exact",
                    help="exact: the same training as one process; local-sgd: LocalSGD(every=16), replicas step alone "
-                        "and average every 16 steps; diloco: DiLoCo(every=16, momentum=0.5) over the SGD below")
+                        "and average every 16 steps; diloco: DiLoCo(every=16) over the SGD below")
     p.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
     p.add_argument("--data-dir", default="data", help="folder holding cifar-10-batches-py")
     p.add_argument("--download", action="store_true",

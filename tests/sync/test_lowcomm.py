@@ -295,10 +295,24 @@ def test_bad_arguments(bad):
 
 
 def test_bad_outer_arguments():
-    with pytest.raises(ValueError, match="outer_lr"):
+    with pytest.raises(ValueError, match="outer_lr must be a positive number"):
         autodist.DiLoCo(outer_lr=0)
-    with pytest.raises(ValueError, match="momentum"):
+    with pytest.raises(ValueError, match="momentum must be a number in"):
         autodist.DiLoCo(momentum=1.0)
+    with pytest.raises(ValueError, match="momentum"):
+        autodist.DiLoCo(momentum="high")
+
+
+def test_outer_step_for_classifies_the_inner_optimizer():
+    from autodist.sync.diloco import outer_step_for
+
+    params = list(torch.nn.Linear(2, 2).parameters())
+    assert outer_step_for(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == (0.5, 0.5, "sgd")
+    assert outer_step_for(torch.optim.ASGD(params)) == (0.5, 0.5, "sgd")
+    for adaptive in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad):
+        assert outer_step_for(adaptive(params)) == (0.5, 0.5, "adaptive")
+    assert outer_step_for(_Plain(params)) == (0.5, 0.5, "unknown")
+    assert outer_step_for(torch.optim.LBFGS(params)) == (0.5, 0.5, "unknown")
 
 
 def test_world_of_one_runs_unchanged():
@@ -417,27 +431,139 @@ def test_drift_is_reported_through_engine_metrics(ranks):
     assert f"spread {between['spread']:.2e}" in line
 
 
-def _warned():
+class _Plain(torch.optim.Optimizer):
+    """An optimizer class autodist does not know: plain gradient steps."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def _inner(name, model):
+    return _Plain(model.parameters()) if name == "plain" else w.optimizer(name, model)
+
+
+def _logged(runs):
+    """Each (DiLoCo options, inner optimizer) trains a step; per run: the outer values before the first step
+    and after it, the class they were chosen for, and the autodist log lines of INFO and above."""
     import logging
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("autodist").addHandler(handler)
-    try:
-        model, data = _parallel(autodist.DiLoCo(every=2))
-        _loop(model, data, w.optimizer("sgd", model), 1)
-        model, data = _parallel(autodist.DiLoCo(every=2))
-        _loop(model, data, w.optimizer("adam", model), 1)
-    finally:
-        logging.getLogger("autodist").removeHandler(handler)
-    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    logger = logging.getLogger("autodist")
+    level = logger.level
+    results = []
+    for options, inner in runs:
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            diloco = autodist.DiLoCo(every=2, **options)
+            model, data = _parallel(diloco)
+            before = (diloco.outer_lr, diloco.momentum)
+            _loop(model, data, _inner(inner, model), 1)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        group = diloco.outer.param_groups[0]
+        results.append({"before": before, "after": (diloco.outer_lr, diloco.momentum), "for": diloco.chosen_for,
+                        "outer_sgd": (group["lr"], group["momentum"], group["nesterov"]), "repr": repr(diloco),
+                        "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+                        "infos": [r.getMessage() for r in records if r.levelno == logging.INFO]})
+    return results
 
 
-def test_diloco_over_sgd_warns_what_to_change(ranks):
-    on_rank0, on_rank1 = ranks(2, _warned)
-    assert len(on_rank0) == 1 and on_rank1 == []  # once, on rank 0; not for the inner Adam
-    assert "7.0x" in on_rank0[0] and "autodist.DiLoCo(momentum=0.5)" in on_rank0[0]
+def test_diloco_chooses_the_outer_step_from_the_inner_optimizer(ranks):
+    sgd, adamw, adam = ranks(2, _logged, [({}, "sgd"), ({}, "adamw"), ({}, "adam")])[0]
+    assert sgd["before"] == (None, None) and sgd["after"] == (0.5, 0.5) and sgd["for"] == "SGD"
+    assert sgd["outer_sgd"] == (0.5, 0.5, True)  # Nesterov, as asked
+    assert adamw["after"] == adam["after"] == (0.5, 0.5) and adamw["outer_sgd"] == (0.5, 0.5, True)
+    assert adamw["for"] == "AdamW" and adam["for"] == "Adam"
+    assert "outer_lr=0.5, momentum=0.5" in sgd["repr"]
+    for run, inner in ((sgd, "SGD"), (adamw, "AdamW")):
+        assert run["warnings"] == []  # chosen values never warn
+        chosen = [m for m in run["infos"] if "set them with autodist.DiLoCo(outer_lr=" in m]
+        assert len(chosen) == 1 and f"outer_lr and momentum chosen for the inner {inner} (" in chosen[0]
+    assert all("outer_lr / (1 - momentum) = 1" in run["infos"][-1] for run in (sgd, adamw, adam))
+
+
+def test_diloco_values_set_win_and_only_unset_ones_are_chosen(ranks):
+    both, lr_only, momentum_only = ranks(2, _logged, [({"outer_lr": 1.0, "momentum": 0.0}, "adam"),
+                                                      ({"outer_lr": 0.3}, "adam"), ({"momentum": 0.2}, "sgd")])[0]
+    assert both["before"] == both["after"] == (1.0, 0.0) and both["for"] is None
+    assert not any("chosen for" in m for m in both["infos"])
+    assert both["outer_sgd"] == (1.0, 0.0, False)  # no momentum: no Nesterov
+    assert lr_only["before"] == (0.3, None) and lr_only["after"] == (0.3, 0.5)
+    assert "outer_lr=0.3, momentum=0.5" in lr_only["infos"][-1] and "): momentum chosen for the inner Adam (" \
+        in lr_only["infos"][-1]
+    assert momentum_only["after"] == (0.5, 0.2) and momentum_only["warnings"] == []
+
+
+def test_diloco_over_an_unknown_optimizer_takes_the_same_values_and_says_so(ranks):
+    on_rank0, on_rank1 = ranks(2, _logged, [({}, "plain")])
+    assert on_rank0[0]["after"] == (0.5, 0.5) and on_rank0[0]["for"] == "_Plain"
+    assert len(on_rank0[0]["warnings"]) == 1 and on_rank1[0]["warnings"] == []
+    message = on_rank0[0]["warnings"][0]
+    assert "outer_lr and momentum chosen as 0.5 and 0.5, measured over torch's SGD and adaptive optimizers (" \
+        in message and "AdamW" in message and "not over _Plain" in message
+    assert "autodist.DiLoCo(outer_lr=..., momentum=...)" in message
+
+
+def test_diloco_over_sgd_warns_about_a_reach_the_user_set(ranks):
+    on_rank0, on_rank1 = ranks(2, _logged, [({"outer_lr": 0.7, "momentum": 0.9}, "sgd"),
+                                            ({"outer_lr": 0.7, "momentum": 0.9}, "adam"),
+                                            ({"outer_lr": 0.7, "momentum": 0.5}, "sgd")])
+    risky, adaptive, bounded = on_rank0
+    assert len(risky["warnings"]) == 1 and all(r["warnings"] == [] for r in on_rank1)  # once, on rank 0
+    assert "7.0x" in risky["warnings"][0] and "leave outer_lr and momentum unset" in risky["warnings"][0]
+    assert adaptive["warnings"] == [] and bounded["warnings"] == []  # over Adam; a reach of 1.4 over SGD
+
+
+def _choice_survives_a_checkpoint(path, inner, saved_options, loaded_options):
+    """Train 3 steps with ``inner`` and save; load into a fresh DiLoCo (before any step of its own) and train
+    one step with plain SGD: the outer values at each point. Also a checkpoint saved before any step."""
+    first = autodist.DiLoCo(every=3, **saved_options)
+    model, data = _parallel(first)
+    opt = _inner(inner, model)
+    _loop(model, data, opt, 1)
+    autodist.save(path, model, opt)
+    fresh = autodist.DiLoCo(every=3, **loaded_options)
+    model2, data2 = _parallel(fresh)
+    opt2 = _plain_sgd(model2)
+    autodist.load(path, model2, opt2 if inner == "sgd" else None)
+    loaded = (fresh.outer_lr, fresh.momentum, fresh.chosen_for, fresh.outer.param_groups[0]["lr"],
+              fresh.outer.param_groups[0]["momentum"])
+    _loop(model2, data2, opt2, 1)  # an SGD now: the loaded values stay
+    unstepped = autodist.DiLoCo(every=3)
+    model3, _ = _parallel(unstepped)
+    autodist.save(path + ".early", model3, None)  # nothing chosen yet
+    late = autodist.DiLoCo(every=3)
+    model4, data4 = _parallel(late)
+    autodist.load(path + ".early", model4, None)
+    early = (late.outer_lr, late.momentum)
+    _loop(model4, data4, w.optimizer("adam", model4), 1)
+    return (first.outer_lr, first.momentum), loaded, (fresh.outer_lr, fresh.momentum, fresh.chosen_for), early, \
+        (late.outer_lr, late.momentum), fresh.state_dict()["chosen"]
+
+
+def test_diloco_checkpoint_keeps_the_chosen_outer_step(ranks, tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    for saved, loaded, after, early, late, chosen in ranks(2, _choice_survives_a_checkpoint, path, "adam", {}, {}):
+        assert saved == (0.5, 0.5) and loaded == (0.5, 0.5, "Adam", 0.5, 0.5)
+        assert after == (0.5, 0.5, "Adam")  # kept, not chosen again for the SGD that steps now
+        assert early == (None, None) and late == (0.5, 0.5) and chosen  # the early one chose at its first step
+    results = ranks(2, _choice_survives_a_checkpoint, path, "sgd", {}, {"momentum": 0.2})
+    for saved, loaded, after, *_ in results:  # a value set in the loading run wins over the checkpoint's
+        assert saved == (0.5, 0.5) and loaded == (0.5, 0.2, "SGD", 0.5, 0.2) and after == (0.5, 0.2, "SGD")
+    results = ranks(2, _choice_survives_a_checkpoint, path, "adam", {"outer_lr": 0.6, "momentum": 0.8}, {})
+    for saved, loaded, after, *_ in results:  # values the saving run set are the loading run's, when it sets none
+        assert saved == (0.6, 0.8) and loaded == (0.6, 0.8, None, 0.6, 0.8) and after == (0.6, 0.8, None)
 
 
 def test_bad_streaming_and_hierarchical_arguments():
