@@ -17,6 +17,7 @@ import tempfile
 from typing import Any, NoReturn, Sequence
 
 from autodist.cli.launch import launch, python_command, run_script, supervise
+from autodist.cli.output import Output, ranks_of
 
 _USAGE = """usage: autodist run [-n N] [torchrun options] script.py [script args]
        autodist explain MODULE:NAME --mp K [--batch-size B] [--layers a,b]
@@ -33,7 +34,7 @@ examples: autodist run -n 2 examples/cifar/train.py --epochs 3
           autodist explain mypackage.models:build_model --mp 2 --batch-size 128
 """
 
-_RUN_HELP = """usage: autodist run [-n N] [torchrun options] script.py [script args]
+_RUN_HELP = """usage: autodist run [-n N] [output options] [torchrun options] script.py [script args]
 
 Runs N processes of script.py through torchrun. Arguments after the script go
 to the script. If the job fails, the last line names the rank that failed, how
@@ -41,6 +42,14 @@ to the script. If the job fails, the last line names the rank that failed, how
 rank's. Ctrl-C stops every rank and exits with status 130.
 
   -n N, --nproc N        processes on this node (torchrun's --nproc-per-node)
+
+Each line a rank prints comes out whole, labelled with its rank (global, from
+0): "[rank1]: loss 0.25". A job of one process prints as python would.
+  --show-ranks R[,R..]   print the lines of these ranks only (e.g. 0); a rank
+                         that fails still shows its last lines on stderr before
+                         the line naming it
+  --raw-output           no labels: the ranks write to this terminal directly,
+                         as under torchrun (lines of several ranks may mix)
 
 Every torchrun option passes through unchanged (python -m torch.distributed.run
 --help lists them all); the most useful:
@@ -50,15 +59,18 @@ Every torchrun option passes through unchanged (python -m torch.distributed.run
   --rdzv-endpoint H:P    instead of the three above, where the machines meet,
                          with --rdzv-backend c10d --rdzv-id JOB on every machine
   --max-restarts K       restart every rank up to K times after a failure
-  --log-dir DIR --tee 3  also keep each rank's output in files under DIR
-  --keep-going           (autodist's, with -n only) start the ranks without
-                         torchrun, so that the others finish when one is lost:
-                         for autodist.Downpour / autodist.EASGD training
+  --log-dir DIR          also keep each rank's output in files under DIR
+                         (with --raw-output, add --tee 3)
+  --keep-going           (autodist's, with -n and the output options only)
+                         start the ranks without torchrun, so that the others
+                         finish when one is lost: for autodist.Downpour /
+                         autodist.EASGD training
 
 On one machine (none of --nnodes, --node-rank, --rdzv-*, --master-*,
 --standalone given) nothing listens beyond 127.0.0.1.
 
 examples: autodist run -n 2 train.py --epochs 3
+          autodist run -n 4 --show-ranks 0 train.py
           autodist run --nnodes 2 --node-rank 0 --master-addr node0 \\
                        --master-port 29500 -n 4 train.py    (node1: --node-rank 1)
 """
@@ -95,6 +107,8 @@ def _torchrun_parser() -> argparse.ArgumentParser:
 
     parser.error = error  # type: ignore[method-assign]
     parser.add_argument("-n", "--nproc", dest="nproc_per_node", help="processes on this node")
+    parser.add_argument("--show-ranks", default=None, help="print only these ranks' lines (e.g. 0 or 0,3)")
+    parser.add_argument("--raw-output", action="store_true", help="the ranks' lines unlabelled, as they write them")
     return parser
 
 
@@ -124,6 +138,48 @@ def _nproc_options(options: Sequence[str]) -> list[str]:
     return out
 
 
+def _without_own(options: Sequence[str]) -> list[str]:
+    """The options before the script less autodist's own about output (``--show-ranks R``, ``--raw-output``)."""
+    out: list[str] = []
+    skip = False
+    for i, opt in enumerate(options):
+        if skip:
+            skip = False
+        elif opt == "--show-ranks":
+            skip = i + 1 < len(options)
+        elif opt != "--raw-output" and not opt.startswith("--show-ranks="):
+            out.append(opt)
+    return out
+
+
+def output_of(argv: Sequence[str]) -> Output:
+    """How ``run``'s arguments ask for the ranks' lines: labelled (the default), the ranks of ``--show-ranks``
+    only, or raw with ``--raw-output``; a job known to have one process prints raw (nothing to tell apart).
+
+    Example:
+        >>> output_of(["-n", "4", "--show-ranks", "0", "train.py"])
+        Output(labelled=True, shown=frozenset({0}))
+    """
+    args = _torchrun_parser().parse_args(list(argv))
+    if args.raw_output and args.show_ranks is not None:
+        raise UsageError("--show-ranks picks among labelled lines and --raw-output has none; for raw lines of "
+                         "some ranks only, use torchrun's --local-ranks-filter (ranks of this machine)")
+    world = None
+    if str(args.nproc_per_node).isdigit() and args.nnodes.split(":")[-1] == "1":
+        world = int(args.nproc_per_node)
+    shown = None
+    if args.show_ranks is not None:
+        try:
+            shown = ranks_of(args.show_ranks)
+        except ValueError as error:
+            raise UsageError(f"--show-ranks {error}") from None
+        if world is not None and max(shown) >= world:
+            raise UsageError(f"--show-ranks {args.show_ranks}: this job has {world} rank(s), 0 to {world - 1}")
+    if args.raw_output or world == 1:
+        return Output(labelled=False)
+    return Output(shown=shown)
+
+
 def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None = None) -> list[str]:
     """Translate ``run``'s arguments into torchrun's.
 
@@ -139,11 +195,12 @@ def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None 
     env = dict(os.environ) if env is None else env
     args = _torchrun_parser().parse_args(list(argv))  # validates; the script and its arguments are found here
     _check_counts(args.nproc_per_node, args.nnodes)
+    output = output_of(argv)
     if not (args.module or args.no_python or os.path.isfile(args.training_script)):
         raise UsageError(f"no such script {args.training_script!r} (run it from the folder the path is relative "
                          f"to, or give its full path)")
     script_at = len(argv) - len(args.training_script_args) - 1
-    options = _nproc_options(argv[:script_at])
+    options = _without_own(_nproc_options(argv[:script_at]))
     out: list[str] = []
     one_machine = not any(o.startswith(_RENDEZVOUS_OPTIONS) for o in options) and \
         not any(v in env for v in _RENDEZVOUS_VARIABLES)
@@ -152,6 +209,8 @@ def torchrun_args(argv: Sequence[str], workdir: str, env: dict[str, str] | None 
     if not any(o.startswith(("--log-dir", "--log_dir", "--redirects", "--tee", "-r", "-t")) for o in options):
         out += ["--log-dir", os.path.join(workdir, "logs")]  # removed with the run (torchrun's default is kept)
     out += options
+    if output.labelled and not any(o.startswith(("--redirects", "--tee", "-r", "-t")) for o in options):
+        out += ["--tee", "3"]  # each rank's stdout and stderr into its log files, tailed a labelled line at a time
     if args.module or args.no_python or args.run_path:  # not a Python file autodist can run: as torchrun would
         return out + list(argv[script_at:])
     rank = ["--no-python", *python_command("_rank", unbuffered=True)]  # -u: as torchrun runs python
@@ -199,7 +258,7 @@ def run(argv: Sequence[str]) -> int:
         return _keep_going([a for a in argv if a != "--keep-going"])
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         launch = torchrun_args(argv, workdir)
-        return supervise(launch, os.path.join(workdir, "failures.json"), _world(launch))
+        return supervise(launch, os.path.join(workdir, "failures.json"), _world(launch), output_of(argv))
 
 
 def _keep_going(argv: list[str]) -> int:
@@ -208,14 +267,16 @@ def _keep_going(argv: list[str]) -> int:
 
     args = _torchrun_parser().parse_args(argv)
     script_at = len(argv) - len(args.training_script_args) - 1
-    options = _nproc_options(argv[:script_at])
+    options = _without_own(_nproc_options(argv[:script_at]))
     if len(options) != 2 or options[0] != "--nproc-per-node" or not options[1].isdigit() or int(options[1]) < 1:
         raise UsageError("--keep-going starts the ranks of this machine itself, without torchrun: it takes "
-                         "only -n N (a positive number of processes) before the script")
+                         "only -n N (a positive number of processes), --show-ranks and --raw-output before the "
+                         "script")
     if not os.path.isfile(args.training_script):
         raise UsageError(f"no such script {args.training_script!r}")
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
-        return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir)
+        return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir,
+                        output_of(argv))
 
 
 # -- explain ---------------------------------------------------------------------------------------
@@ -347,8 +408,8 @@ def _main(argv: list[str]) -> int:
         if command == "_rank":  # inside each rank of `autodist run` (see autodist.cli.launch)
             run_script(rest)
             return 0
-        if command == "_launch":  # the launcher child of `autodist run`
-            return launch(rest[0], rest[1:])
+        if command == "_launch":  # the launcher child of `autodist run`: report, output, torchrun's arguments
+            return launch(rest[0], rest[2:], Output.parse(rest[1]))
         raise UsageError(f"unknown command {command!r}; the commands are run and explain (see autodist --help)")
     except UsageError as error:
         name = f"autodist {command}" if command in ("run", "explain") else "autodist"

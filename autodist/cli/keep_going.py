@@ -19,6 +19,7 @@ import sys
 import time
 
 from autodist.cli.launch import failure_of, python_command, root_cause, summary
+from autodist.cli.output import LABELLED, Output, RankLines, relay
 
 
 def _free_port() -> int:
@@ -34,8 +35,11 @@ class _ErrorFile:
         self.error_file, self.exitcode, self.timestamp = path, exitcode, when
 
 
-def run_each(nproc: int, script: list[str], workdir: str) -> int:
+def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED) -> int:
     """Run ``nproc`` ranks of ``script`` (the script and its arguments) on this machine; their exit status.
+
+    With ``output`` labelled, the ranks' stdout and stderr are pipes read here, a labelled line at a time
+    (see :mod:`autodist.cli.output`); raw, the ranks write to this process's own.
 
     Returns 0 when every rank that did not die of a signal or an error finished cleanly and rank 0 is among
     them (the lost ranks are named); otherwise the first failure's status, as ``autodist run`` reports it.
@@ -45,14 +49,18 @@ def run_each(nproc: int, script: list[str], workdir: str) -> int:
     """
     port = _free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    procs = []
+    procs, relays = [], []
+    out, err = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
+    pipe = subprocess.PIPE if output.labelled else None
     for rank in range(nproc):
         env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(port), "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{rank}.json")}
         # --loopback-store: rank 0 hosts the store on 127.0.0.1, as under autodist run without --keep-going
         procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), "--loopback-store", *script],
-                                      env=env))
+                                      env=env, stdout=pipe, stderr=pipe))
+        if output.labelled:
+            relays += [relay(procs[-1].stdout, rank, out), relay(procs[-1].stderr, rank, err)]
     stopped: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -72,6 +80,9 @@ def run_each(nproc: int, script: list[str], workdir: str) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    read_by = time.monotonic() + 5  # a subprocess a rank left behind may hold its pipe open
+    for thread in relays:  # the ranks' last lines before this process's own
+        thread.join(timeout=max(0.0, read_by - time.monotonic()))
     if stopped:
         print("autodist run: interrupted; the ranks were stopped", file=sys.stderr, flush=True)
         return 128 + stopped[0]
@@ -81,9 +92,12 @@ def run_each(nproc: int, script: list[str], workdir: str) -> int:
         return 0
     if procs[0].returncode == 0 and all(f.exitcode < 0 or f.error is not None for f in failures) and \
             all(p.returncode == 0 for rank, p in enumerate(procs) if rank not in {f.rank for f in failures}):
+        for f in failures:
+            err.show_kept(f.rank)  # what a hidden rank said before it was lost
         lost = ", ".join(f"rank {f.rank} ({f.how}{': ' + f.error if f.error else ''})" for f in failures)
         print(f"autodist run: finished with {nproc - len(failures)} of {nproc} ranks; lost {lost}",
               file=sys.stderr, flush=True)
         return 0
+    err.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary
     print("\n".join(summary(failures, nproc)), file=sys.stderr, flush=True)
     return root_cause(failures).status

@@ -8,14 +8,17 @@ Three processes take part, each a function here:
   traceback), and when the job failed prints :func:`summary` after the
   launcher's output;
 * :func:`launch` (the launcher) is torchrun's ``run``; what torchrun raises
-  when ranks fail is written to a report file instead of a traceback;
+  when ranks fail is written to a report file instead of a traceback; the
+  ranks' lines it tails come out labelled with their rank, those of the ranks
+  shown only (:mod:`autodist.cli.output`);
 * :func:`run_script` (each rank) runs the user's script as ``python script.py``
   would, and records an uncaught exception's last line in the error file
   torchrun gives every rank (``TORCHELASTIC_ERROR_FILE``).
 
 Example:
-    >>> from autodist.cli.command import torchrun_args
-    >>> code = supervise(torchrun_args(["-n", "2", "train.py"], "/tmp/run"), "/tmp/run/failures.json", world=2)
+    >>> from autodist.cli.command import output_of, torchrun_args
+    >>> argv = ["-n", "2", "--show-ranks", "0", "train.py"]
+    >>> code = supervise(torchrun_args(argv, "/tmp/run"), "/tmp/run/failures.json", world=2, output=output_of(argv))
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import traceback
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+
+from autodist.cli.output import LABELLED, TEMPLATE, Output, RankLines
 
 # Errors a rank gets because another rank died first: never the root cause when a rank has another one.
 _PEER_GONE = ("peerfailure", "connection reset by peer", "connection closed by peer", "broken pipe",
@@ -267,8 +272,11 @@ def _quiet_shutdown(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
 
 
-def launch(report: str, torchrun_argv: list[str]) -> int:
+def launch(report: str, torchrun_argv: list[str], output: Output = LABELLED) -> int:
     """torchrun's ``run`` with ``torchrun_argv``; failed ranks go to the JSON file ``report``.
+
+    With ``output`` labelled, the ranks' lines that torchrun tails (``--tee``) carry their global rank, and
+    only the ranks ``output`` shows are printed (see :mod:`autodist.cli.output`).
 
     Returns:
         0 when every rank finished, 1 when ranks failed (see ``report``), 128 +
@@ -284,10 +292,16 @@ def launch(report: str, torchrun_argv: list[str]) -> int:
     own = logging.getLogger("torch.distributed.run")
     own.propagate = False
     own.addHandler(logging.StreamHandler())
+    if output.labelled:
+        os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = TEMPLATE  # read by torchrun's run()
+        # torchrun's tailing threads write to the sys.stdout and sys.stderr they find when the ranks start.
+        sys.stdout, sys.stderr = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
     try:
         run(parse_args(torchrun_argv))
     except ChildFailedError as failed:
         failures = [failure_of(rank, f) for rank, f in sorted(failed.failures.items())]
+        if isinstance(sys.stderr, RankLines):
+            sys.stderr.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary
         with open(report, "w") as f:
             json.dump([vars(failure) for failure in failures], f)
         return 1
@@ -366,19 +380,20 @@ def _kill_now(pid: int) -> None:
         pass
 
 
-def supervise(torchrun_argv: list[str], report: str, world: int | None = None) -> int:
+def supervise(torchrun_argv: list[str], report: str, world: int | None = None, output: Output = LABELLED) -> int:
     """Run the launcher as a child; forward a stop request; return the job's exit status.
 
     Args:
         torchrun_argv: torchrun's arguments.
         report: where the launcher writes the failed ranks (a file that does not exist yet).
         world: the number of ranks, for the summary, when known.
+        output: how the ranks' lines are printed (labelled ones need torchrun's ``--tee``).
 
     Returns:
         0 on success; the failed rank's exit status (128 + signal when killed);
         130 after Ctrl-C (143 after SIGTERM).
     """
-    cmd = [*python_command("_launch"), report, *torchrun_argv]
+    cmd = [*python_command("_launch"), report, str(output), *torchrun_argv]
     child = subprocess.Popen(cmd, preexec_fn=_own_group_dying_with_parent)
     stopped_by: list[int] = []
 

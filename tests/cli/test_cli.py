@@ -44,7 +44,8 @@ def test_run_help_says_torchrun_options_pass_through(capsys):
     assert main(["run", "--help"]) == 0
     text = capsys.readouterr().out
     assert "Every torchrun option passes through unchanged" in text
-    for option in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "-n N"):
+    for option in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "-n N", "--show-ranks",
+                   "--raw-output"):
         assert option in text, option
     assert main([]) == 2 and "autodist run" in capsys.readouterr().out
 
@@ -78,6 +79,8 @@ BAD_INPUT = [
     (["run", "-n", "2", "--nnodes", "two", "train.py"], "--nnodes 'two': give a number of machines"),
     (["run", "-n", "2", "--nnodes", "4:1", "train.py"], "--nnodes '4:1': give a number of machines"),
     (["run", "-n", "2", "--max-restarts", "x", "train.py"], "--max-restarts/--max_restarts: invalid int value: 'x'"),
+    (["run", "-n", "2", "--show-ranks", "2", "train.py"], "--show-ranks 2: this job has 2 rank(s), 0 to 1"),
+    (["run", "-n", "2", "--raw-output", "--show-ranks", "0", "train.py"], "--show-ranks picks among labelled lines"),
 ]
 
 
@@ -123,7 +126,8 @@ def test_one_machine_meets_in_a_file_and_binds_loopback(tmp_path):
     assert args[:15] == ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "/r/rendezvous", "--rdzv-conf",
                          "store_type=file", "--rdzv-id", "autodist", "--local-addr", "127.0.0.1", "--log-dir",
                          "/r/logs", "--nproc-per-node"]
-    assert args[15:18] == ["2", "--no-python", sys.executable]  # each rank runs the script inside autodist _rank
+    assert args[15:18] == ["2", "--tee", "3"]  # each rank's lines tailed, labelled (tests/cli/test_rank_output.py)
+    assert args[18:20] == ["--no-python", sys.executable]  # each rank runs the script inside autodist _rank
     assert args[-5:] == ["_rank", "--loopback-store", script, "-n", "x"]
 
 
@@ -132,11 +136,11 @@ def test_multi_node_options_and_a_module_pass_through(tmp_path):
     open(script, "w").close()
     args = torchrun_args(["--nproc=4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--log-dir", "L", script],
                          "/r", env={})
-    assert args[:9] == ["--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--log-dir", "L",
-                        "--no-python"]
+    assert args[:11] == ["--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--log-dir", "L",
+                         "--tee", "3", "--no-python"]
     assert args[-2:] == ["_rank", script]  # nothing of the one-machine set-up
-    assert torchrun_args(["-n2", "-m", "mypkg.train", "--lr", "1"], "/r", env={})[-6:] == \
-        ["--nproc-per-node", "2", "-m", "mypkg.train", "--lr", "1"]  # not a file: run as torchrun would
+    assert torchrun_args(["-n2", "-m", "mypkg.train", "--lr", "1"], "/r", env={})[-8:] == \
+        ["--nproc-per-node", "2", "-m", "--tee", "3", "mypkg.train", "--lr", "1"]  # not a file: run as torchrun would
     assert "--nnodes" not in torchrun_args(["-n", "2", script], "/r", env={"PET_NNODES": "2"})
 
 

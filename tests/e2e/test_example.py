@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tarfile
@@ -297,8 +298,22 @@ def _run(folder, ranks: int, *args: str) -> Run:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout
     out = os.path.join(folder, "out")
+    lines = proc.stdout.splitlines() if ranks == 1 else _unlabelled(proc.stdout.splitlines())
     with open(os.path.join(out, "metrics.json")) as f:
-        return Run(proc.stdout.splitlines(), json.load(f), out)
+        return Run(lines, json.load(f), out)
+
+
+def _unlabelled(output: list[str]) -> list[str]:
+    """The lines of a run under `autodist run` without the label it puts on every rank's line ("[rank1]: ");
+    torchrun's banner has none."""
+    lines = []
+    for line in output:
+        if line.strip() and not line.startswith(TORCHRUN_BANNER):
+            label = re.match(r"\[rank\d+\]: ", line)
+            assert label is not None, f"a line without its rank: {line!r}"
+            line = line[label.end():]
+        lines.append(line)
+    return lines
 
 
 def _log_lines(output: list[str]) -> list[str]:
