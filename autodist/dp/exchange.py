@@ -23,8 +23,8 @@
   Packing happens during backward, as buckets fill; the sum after it, so none
   of the sum overlaps backward (where every core computes, as on the benchmark
   machine, another thread would compete for them anyway). On 2 ranks of a
-  2-core machine a bucket is summed in 0.3x of gloo's time from 2.8 MB up, 0.8x
-  at 1 MB (``benchmarks/bench_exchange.py``).
+  2-core machine a bucket is summed in 0.1x of gloo's time at 1 MB, 0.26x at
+  40 MB (``benchmarks/bench_exchange.py``).
 
 :func:`choose` takes shared memory when every rank of the group is on this
 machine as the launcher placed it (:func:`autodist.runtime.environment.machine`), every rank
