@@ -298,7 +298,9 @@ def launch(report: str, torchrun_argv: list[str], output: Output = LABELLED) -> 
         sys.stdout, sys.stderr = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
     try:
         run(parse_args(torchrun_argv))
+        _finish_lines()
     except ChildFailedError as failed:
+        _finish_lines()
         failures = [failure_of(rank, f) for rank, f in sorted(failed.failures.items())]
         if isinstance(sys.stderr, RankLines):
             sys.stderr.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary
@@ -311,6 +313,13 @@ def launch(report: str, torchrun_argv: list[str], output: Output = LABELLED) -> 
         print(f"autodist run: torchrun failed before the ranks ran: {_one_line(error)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _finish_lines() -> None:
+    """The ranks are done: lines they left without a newline go out."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, RankLines):
+            stream.finish()
 
 
 # -- autodist run ----------------------------------------------------------------------------------

@@ -84,25 +84,50 @@ def ranks_of(text: str) -> frozenset[int]:
 
 
 class RankLines:
-    """A stream the ranks' labelled lines are written to, one whole line per write (torchrun's tailing threads
-    write so, as does :func:`relay`): the lines of shown ranks go on to ``stream`` at once; of the others the
-    last :data:`KEPT_LINES` are kept for :meth:`show_kept`. Writes without a label (the launcher's own lines)
-    go on unchanged.
+    """A stream the ranks' labelled lines are written to, each write one rank's (torchrun's tailing threads,
+    one per rank, and :func:`relay` write so): a rank's line goes on to ``stream`` once whole, in one write,
+    if the rank is shown; of the others the last :data:`KEPT_LINES` are kept for :meth:`show_kept`. Writes
+    without a label (the launcher's own lines) go on unchanged.
+
+    A write may hold part of a line: torchrun's tailing reads a rank's log file up to its end, where the rank
+    may have written half a line (``print`` writes the text, then the newline), and labels the rest when it
+    comes. The part waits here for the rest, so that no other rank's line lands in the middle of it.
     """
 
     def __init__(self, stream: Any, shown: frozenset[int] | None = None) -> None:
         self._stream, self._shown = stream, shown
         self._kept: dict[int, deque[str]] = {}
+        self._partial: dict[int, str] = {}  # per rank, the start of a line whose end has not come yet
+        self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         found = _LABELLED.match(text)
-        if found is not None:
-            rank = int(found.group(1))
-            line = label(rank) + text[found.end():]
-            if self._shown is not None and rank not in self._shown:
-                self._kept.setdefault(rank, deque(maxlen=KEPT_LINES)).append(line)
+        if found is None:
+            return self._put(text)
+        rank = int(found.group(1))
+        with self._lock:
+            rest = self._partial.pop(rank, "") + text[found.end():]
+            if not rest.endswith("\n"):
+                self._partial[rank] = rest
                 return len(text)
-            text = line
+        self._line(rank, label(rank) + rest)
+        return len(text)
+
+    def finish(self) -> None:
+        """The ranks are done: what they left without a newline goes out as lines."""
+        with self._lock:
+            partial, self._partial = self._partial, {}
+        for rank, rest in sorted(partial.items()):
+            self._line(rank, label(rank) + rest + "\n")
+
+    def _line(self, rank: int, line: str) -> None:
+        if self._shown is not None and rank not in self._shown:
+            with self._lock:
+                self._kept.setdefault(rank, deque(maxlen=KEPT_LINES)).append(line)
+            return
+        self._put(line)
+
+    def _put(self, text: str) -> int:
         written = self._stream.write(text)
         if text.endswith("\n"):
             self._stream.flush()  # a line as soon as it is whole, into a pipe or a file too
@@ -110,7 +135,10 @@ class RankLines:
 
     def show_kept(self, rank: int) -> None:
         """Print the last lines kept of hidden ``rank`` (it failed: the failure summary follows them)."""
-        for line in self._kept.pop(rank, ()):
+        self.finish()
+        with self._lock:
+            kept = self._kept.pop(rank, ())
+        for line in kept:
             self._stream.write(line if line.endswith("\n") else line + "\n")
         self._stream.flush()
 

@@ -40,6 +40,15 @@ os.write(1, f"rank {{rank}} from C level\\n".encode())
 subprocess.run([sys.executable, "-c", f"print('rank {{rank}} from a subprocess')"], check=True)
 if sys.argv[1] == "together":
     dist.barrier()
+    if rank == 0:  # half a line, the rest after rank 1 printed a whole one
+        sys.stdout.write("rank 0 half")
+        sys.stdout.flush()
+        time.sleep(0.5)
+        print(" a line")
+    else:
+        time.sleep(0.25)
+        print("rank 1 meanwhile")
+    dist.barrier()
 done = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0.done")
 if rank == 0:
     open(done, "w").close()
@@ -125,6 +134,23 @@ def test_rank_lines_print_the_shown_ranks_and_keep_the_last_lines_of_the_others(
     assert every.getvalue() == "[rank7]: shown\n"
 
 
+def test_rank_lines_hold_a_half_line_until_its_end_comes():
+    stream = io.StringIO()
+    lines = RankLines(stream, shown=frozenset({0, 1}))
+    lines.write("[rank0]: half")         # torchrun read rank 0's file up to the middle of a line
+    lines.write("[rank1]: whole\n")
+    lines.write("[rank0]:  and the rest\n")
+    lines.write("[rank1]: no newline at the end")
+    assert stream.getvalue() == "[rank1]: whole\n[rank0]: half and the rest\n"
+    lines.finish()
+    assert stream.getvalue().endswith("[rank1]: no newline at the end\n")
+    hidden = RankLines(io.StringIO(), shown=frozenset({0}))
+    hidden.write("[rank1]: Value")
+    hidden.write("[rank1]: Error: boom")
+    hidden.show_kept(1)  # a hidden rank's last words, finished
+    assert hidden.getvalue() == "[rank1]: ValueError: boom\n"
+
+
 # -- real launches ---------------------------------------------------------------------------------
 
 def _own_lines(text: str, word: str) -> dict[int, int]:
@@ -148,6 +174,8 @@ def test_every_line_is_whole_and_labelled_with_its_rank(tmp_path, mode):
     for rank in (0, 1):  # what the rank's file descriptor 1 got, not only Python's sys.stdout
         assert f"[rank{rank}]: rank {rank} from C level\n" in proc.stdout
         assert f"[rank{rank}]: rank {rank} from a subprocess\n" in proc.stdout
+    # the half line waited for its end: rank 1's whole line did not land in the middle of it
+    assert "[rank0]: rank 0 half a line\n" in proc.stdout and "[rank1]: rank 1 meanwhile\n" in proc.stdout
 
 
 @pytest.mark.e2e
