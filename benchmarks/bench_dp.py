@@ -94,7 +94,6 @@ def run_worker(args: argparse.Namespace) -> None:
         print(f"  autodist: {ours}\n  ddp:      {theirs}", flush=True)
         steps = args.warmup + args.rounds * args.steps
         print(f"  after {steps} steps each, autodist's and DDP's weights agree (rtol 1e-4)", flush=True)
-    dist.destroy_process_group()
 
 
 def run_solo(args: argparse.Namespace) -> None:

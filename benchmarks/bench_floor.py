@@ -355,7 +355,6 @@ def run_worker(args: argparse.Namespace) -> None:
             results[shape] = result
     if world.rank == 0:
         print(tables(results), flush=True)
-    dist.destroy_process_group()
 
 
 def main() -> int:

@@ -169,7 +169,6 @@ def run_gpt_worker(args: argparse.Namespace, world: autodist.World, mesh: Device
         report(f"2 ranks (gloo, {args.threads} thread(s) each), mp=2, nanoGPT-style {args.layers} layers x width "
                f"256, batch {args.batch} x {args.seq} tokens on both, torch TP with torchtitan's plan:",
                times, paired, GPT_GOAL)
-    dist.destroy_process_group()
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -201,7 +200,6 @@ def run_worker(args: argparse.Namespace) -> None:
         steps = args.warmup + args.rounds * args.steps
         print(f"  after {steps} steps each, the loss on the batch agrees: torch-tp "
               f"{losses['torch-tp'].item():.6f}, autodist {losses['autodist'].item():.6f}", flush=True)
-    dist.destroy_process_group()
 
 
 def main() -> int:

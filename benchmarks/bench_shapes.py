@@ -188,7 +188,6 @@ def run_worker(args: argparse.Namespace) -> None:
             medians[name] = result
     if world.rank == 0:
         print(table(medians), flush=True)
-    dist.destroy_process_group()
 
 
 def main() -> int:
