@@ -90,7 +90,7 @@ class OptimizerSharding:
         self.holds: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.swapped: dict[int, list[torch.Tensor]] = {}  # id(param group) -> its own params, during a step
         # On one machine the updated chunks meet in shared memory: each rank writes its own, reads the others'.
-        self.slots = None if at_rest is not None else shared_slots(
+        self.shared = None if at_rest is not None else shared_slots(
             [torch.empty(k.chunk, dtype=k.dtype, device=k.device) for k in self.layout.kinds], group,
             "the sharded parameters")
         step_hooks.listen(self)
@@ -188,16 +188,17 @@ class OptimizerSharding:
     def _gather_parameters(self) -> None:
         """Every rank's updated elements into every rank's parameters: through the shared slots on one machine
         (each rank writes its chunk, then reads the others'), else the backend's all-gather, a kind at a time."""
-        shared = self.slots.slots if self.slots is not None else None
+        shared = self.shared
         if shared is not None:
-            for kind, slots in zip(self.layout.kinds, shared):
+            for kind, slots in zip(self.layout.kinds, shared.slots):
                 self._pack(kind, slots[self.rank], self._param_slice)
-            self.slots.fence.wait()  # every rank wrote its chunk
+            shared.fence.wait()  # every rank wrote its chunk
         for k, kind in enumerate(self.layout.kinds):
-            theirs = shared[k] if shared is not None else self._through_backend(kind, kind.dtype, self._param_slice)
+            theirs = shared.slots[k] if shared is not None else \
+                self._through_backend(kind, kind.dtype, self._param_slice)
             self._unpack(kind, theirs, lambda piece, values: self._param_slice(piece).copy_(values), skip=self.rank)
-        if self.slots is not None:
-            self.slots.fence.wait()  # every rank read: the chunks may be written again
+        if shared is not None:
+            shared.fence.wait()  # every rank read: the chunks may be written again
 
     def _pack(self, kind: Kind, chunk: torch.Tensor, value_of: Callable[[Piece], torch.Tensor | None]) -> None:
         """This rank's pieces of ``kind`` into its ``chunk`` (a piece whose value is None is left as it is)."""
