@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.dp.own_part import OwnPart, segments
+
 MB = 1024 * 1024
 
 
@@ -64,11 +66,13 @@ class Bucket:
         self.copies_back = False
         self.ready: set[int] = set()
         self.sent = False  # packed and handed to the exchange in this sync
+        self.own: OwnPart | None = None  # this sync's part the exchange sums from the gradients themselves
 
     def _layout(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Each parameter's view of ``flat``, and its extra slots."""
-        views, offset = [], 0
+        views, offset, self.offsets = [], 0, []
         for p in self.params:
+            self.offsets.append(offset)
             views.append(flat[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
         return views, flat[self.count_slot + 1 + len(self.params):]
@@ -91,13 +95,18 @@ class Bucket:
 
     def abandon(self) -> None:
         """A backward failed midway: nothing of the bucket's is kept beyond the sync."""
+        self.own = None
 
-    def pack(self, count: float, scale: float) -> None:
+    def pack(self, count: float, scale: float, own: tuple[int, int] | None = None, into_grads: bool = False
+             ) -> OwnPart | None:
         """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.
 
         A small model's bucket (``copies_back``) is packed with two batched ops (copy every gradient, scale
         the region), whose per-op cost in Python would otherwise be most of the packing; a large one's with
-        one multiply per gradient, a single pass over its many bytes.
+        one multiply per gradient, a single pass over its many bytes. ``own``: the numbers [lo, hi) the
+        exchange sums on this rank alone; where every gradient is there to read (dense, contiguous, of its
+        parameter's shape), those are left out and the returned :class:`~autodist.dp.own_part.OwnPart` reads
+        them from the gradients (and with ``into_grads`` writes their sum there: a copy-back sync).
         """
         grads = [p.grad for p in self.params]
         meta = [count, *(0.0 if g is None else 1.0 for g in grads)]
@@ -106,7 +115,20 @@ class Bucket:
                                       "use dense gradients")
         present = [(view, g) for view, g in zip(self.views, grads) if g is not None]
         region = self.flat[:self.count_slot]
-        if scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
+        self.own = None
+        if own is not None and scale != 0.0 and not self.copies_back and all(
+                g is not None and g.is_contiguous() and g.shape == v.shape and g.dtype == v.dtype
+                and g.data_ptr() != v.data_ptr() for v, g in zip(self.views, grads)):
+            self.own = OwnPart(self.flat, segments(self.offsets, grads, *own), scale, into_grads)
+            for view, g, offset in zip(self.views, grads, self.offsets):
+                for a, b in self.own.outside(offset, offset + g.numel()):
+                    into = view.view(-1)[a - offset:b - offset]
+                    flat = g.view(-1)[a - offset:b - offset]
+                    if scale == 1.0:
+                        into.copy_(flat)
+                    else:
+                        torch.mul(flat, scale, out=into)
+        elif scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
             region.zero_()
         elif self.copies_back or scale == 1.0:
             if len(present) < len(grads):
@@ -121,6 +143,7 @@ class Bucket:
                 else:
                     torch.mul(g, scale, out=view)
         self.flat[self.count_slot:self.count_slot + len(meta)].copy_(to_device(meta, self.flat), non_blocking=True)
+        return self.own
 
     def total(self) -> float:
         return float(self.flat[self.count_slot])
@@ -141,17 +164,26 @@ class Bucket:
         self.sent = False
         self.ready.clear()
         used = self.flat[self.count_slot + 1:self.count_slot + 1 + len(self.params)].tolist()
+        own, self.own = self.own, None
         if correction != 1.0:
             self.flat[:self.count_slot].mul_(correction)
-        copy_back = copy_back or self.copies_back
+            if own is not None:
+                own.correct(correction)
+        direct = own is not None and own.into_grads  # this rank's part of the sum is in the gradients already
+        copy_back = copy_back or self.copies_back or direct
         into, sources = [], []  # autograd's gradients and their averages, copied with one batched op
-        for p, view, flag in zip(self.params, self.views, used):
+        for p, view, flag, offset in zip(self.params, self.views, used, self.offsets):
             grad = p.grad
             if flag <= 0.0:
                 p.grad = None
             elif copy_back and grad is not None and grad is not view and grad.shape == view.shape:
-                into.append(grad)
-                sources.append(view)
+                if own is not None and direct:
+                    for a, b in own.outside(offset, offset + grad.numel()):
+                        into.append(grad.view(-1)[a - offset:b - offset])
+                        sources.append(view.view(-1)[a - offset:b - offset])
+                else:
+                    into.append(grad)
+                    sources.append(view)
             elif grad is not view:
                 p.grad = view
         if into:

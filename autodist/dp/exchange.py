@@ -18,8 +18,12 @@
   by one rank, so every rank holds the same bits, as after gloo's all-reduce.
   After the second fence nobody writes into another rank's slot until every rank has
   entered the next sync, so what a rank does to its gradients after backward
-  (clipping them in place, say) stays its own. Per rank and bucket of B bytes
-  on N ranks, the sum reads B and writes B, whatever N; packing writes B more.
+  (clipping them in place, say) stays its own. Part r of rank r's slot is read
+  by rank r alone, so a large model's bucket leaves it out of packing and the
+  sum reads it from autograd's gradients themselves (:mod:`autodist.dp.own_part`;
+  after accumulation it writes its sum there too, and the copy back skips it).
+  Per rank and bucket of B bytes on N ranks, the sum reads B and writes B,
+  whatever N; packing writes B (N-1)/N more.
   Packing happens during backward, as buckets fill; the sum after it, so none
   of the sum overlaps backward (where every core computes, as on the benchmark
   machine, another thread would compete for them anyway). On 2 ranks of a
@@ -50,7 +54,9 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from autodist.runtime.shared_slots import Shared, part_pieces, shared_slots, sum_into_every_slot
+from autodist.dp.own_part import OwnPart
+from autodist.runtime.shared_slots import (PIECE_BYTES, Shared, part_pieces, shared_slots, sum_from_mine,
+                                           sum_into_every_slot)
 
 
 class AllReduce:
@@ -69,7 +75,11 @@ class AllReduce:
     def claim(self, index: int) -> None:
         """Bucket ``index`` is about to be packed: its buffer is its own, nothing to wait for."""
 
-    def send(self, index: int, flat: torch.Tensor) -> None:
+    def own(self, index: int) -> tuple[int, int] | None:
+        """No numbers of a bucket are summed on this rank alone: every one is packed."""
+        return None
+
+    def send(self, index: int, flat: torch.Tensor, own: OwnPart | None = None) -> None:
         self.works[index] = dist.all_reduce(flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
@@ -96,6 +106,8 @@ class SharedSum:
         self.mapping, self.fence = shared.mapping, shared.fence  # the slots are views of the mapping
         size = len(self.slots[0]) if self.slots else 1
         self.pieces = [part_pieces(s[0].numel(), rank, size, s[0].element_size()) for s in self.slots]
+        self.mine: list[OwnPart | None] = [None] * len(self.slots)
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # two pieces, for a sum read from the gradients
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """Where bucket ``index`` lives: this rank's slot, which the other ranks can read."""
@@ -104,8 +116,15 @@ class SharedSum:
     def claim(self, index: int) -> None:
         """Bucket ``index`` is about to be packed: its slot is its own, nothing to wait for."""
 
-    def send(self, index: int, flat: torch.Tensor) -> None:
-        """Nothing to do: the bucket was packed where the other ranks read it."""
+    def own(self, index: int) -> tuple[int, int] | None:
+        """The numbers [lo, hi) of bucket ``index`` that only this rank reads: its part of the sum."""
+        n, size = self.slots[index][0].numel(), len(self.slots[index])
+        return n * self.rank // size, n * (self.rank + 1) // size
+
+    def send(self, index: int, flat: torch.Tensor, own: OwnPart | None = None) -> None:
+        """Nothing to send: the bucket was packed where the other ranks read it; ``own``, where its own part
+        is to be read from (and its sum written to) instead of its slot."""
+        self.mine[index] = own
 
     def finish(self) -> None:
         # Between the two fences each rank writes its part of the sum into every rank's slot; after the
@@ -116,11 +135,22 @@ class SharedSum:
 
     def _sum_my_parts(self) -> None:
         """Part r of every slot = part r of every rank's slot, added in rank order."""
-        for slots, pieces in zip(self.slots, self.pieces):
-            sum_into_every_slot(slots, pieces)
+        for index, (slots, pieces) in enumerate(zip(self.slots, self.pieces)):
+            mine, self.mine[index] = self.mine[index], None
+            if mine is None:
+                sum_into_every_slot(slots, pieces)
+            else:
+                sum_from_mine(slots, self.rank, pieces, mine, self._scratch(slots[0]))
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """Two pieces of ``like``'s dtype, which stay in cache from one piece to the next."""
+        if like.dtype not in self.scratch:
+            self.scratch[like.dtype] = like.new_empty(2 * (PIECE_BYTES // like.element_size()))
+        return self.scratch[like.dtype]
 
     def abandon(self) -> None:
         """A backward failed midway: what it packed is packed again by the next sync."""
+        self.mine = [None] * len(self.mine)
 
 
 Exchange = Union[AllReduce, SharedSum]

@@ -306,9 +306,10 @@ class GradSync:
         exchange.claim(index)
         if bucket is self.buckets[-1] and bucket.extra.numel():
             self.buffer_sync.pack(bucket.extra, self.packing.count)
-        bucket.pack(self.packing.count, self.packing.scale)
+        own = bucket.pack(self.packing.count, self.packing.scale, exchange.own(index),
+                          into_grads=self.window.backwards > 1)  # a copy-back sync (see Bucket.unpack)
         bucket.sent = True
-        exchange.send(index, bucket.flat)
+        exchange.send(index, bucket.flat, own)
 
     def flush(self) -> None:
         """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import mmap
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,42 @@ def sum_into_every_slot(slots: list[torch.Tensor], pieces: list[tuple[int, int]]
             out.add_(slot[lo:hi])
         for slot in rest:
             slot[lo:hi].copy_(out)
+
+
+class Mine(Protocol):
+    """Where this rank's own numbers of a slot are read from and its part of the sum goes, when not its slot."""
+
+    def read(self, lo: int, hi: int, out: torch.Tensor) -> None: ...
+
+    def write(self, lo: int, hi: int, summed: torch.Tensor) -> None: ...
+
+
+def sum_from_mine(slots: list[torch.Tensor], rank: int, pieces: list[tuple[int, int]], mine: Mine,
+                  scratch: torch.Tensor) -> None:
+    """:func:`sum_into_every_slot`, where this rank's own numbers are read through ``mine`` (its slot holds
+    none of the pieces) and its part of the sum is written through it; ``scratch`` holds two pieces. The same
+    bits: rank order, but for the first two ranks, whose addition commutes."""
+    step = scratch.numel() // 2
+    for lo, hi in pieces:
+        n = hi - lo
+        total = scratch[:n]
+        if rank <= 1:  # a + b is b + a, bit for bit
+            mine.read(lo, hi, total)
+            order = [k for k in range(len(slots)) if k != rank]
+        else:
+            total.copy_(slots[0][lo:hi])
+            order = list(range(1, len(slots)))
+        for k in order:
+            if k == rank:
+                own = scratch[step:step + n]
+                mine.read(lo, hi, own)
+                total.add_(own)
+            else:
+                total.add_(slots[k][lo:hi])
+        for k, slot in enumerate(slots):
+            if k != rank:
+                slot[lo:hi].copy_(total)
+        mine.write(lo, hi, total)
 
 
 def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> Shared | None:

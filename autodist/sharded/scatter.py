@@ -74,8 +74,9 @@ class ScatteredBucket(Bucket):
         """The region reduce-scattered: the gradients and their padding (``ranks x chunk`` numbers)."""
         return self.flat[:self.count_slot]
 
-    def pack(self, count: float, scale: float) -> None:
-        super().pack(count, scale)
+    def pack(self, count: float, scale: float, own: tuple[int, int] | None = None, into_grads: bool = False
+             ) -> None:
+        super().pack(count, scale)  # every number: each rank's part is summed on its own, no part is left out
         for p in self.params:
             p.grad = None  # autograd's whole gradient: packed, so freed now
         if self.after_pack is not None:
@@ -131,7 +132,11 @@ class ScatterSum:
     def claim(self, index: int) -> None:
         """Nothing to wait for: the all-reduce of bucket k-1 said every rank had read bucket k-2's buffer."""
 
-    def send(self, index: int, flat: torch.Tensor) -> None:
+    def own(self, index: int) -> None:
+        """Every number of a bucket is packed: the whole gradient is freed after packing."""
+        return None
+
+    def send(self, index: int, flat: torch.Tensor, own: None = None) -> None:
         with waiting("exchange"):  # a rank that never packs it is named as in any gradient sync
             self.fence.wait()  # every rank has packed bucket ``index``
         bucket, slots = self.buckets[index], self.slots[index]
@@ -165,7 +170,11 @@ class ReduceScatter:
         if index >= RING:
             self._wait(index - RING)
 
-    def send(self, index: int, flat: torch.Tensor) -> None:
+    def own(self, index: int) -> None:
+        """Every number of a bucket is packed: the whole gradient is freed after packing."""
+        return None
+
+    def send(self, index: int, flat: torch.Tensor, own: None = None) -> None:
         bucket = self.buckets[index]
         bucket.meta.copy_(flat[bucket.count_slot:])
         self.works[index] = [dist.reduce_scatter_single(bucket.part, bucket.gradients(), group=self.group,

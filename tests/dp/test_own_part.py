@@ -1,0 +1,108 @@
+"""A rank's own part of each bucket, summed straight from autograd's gradients through shared memory.
+
+The model here holds more than 4 MiB of gradients (a small one is copied back whole, and packed whole), so
+its buckets take the path: its own part left out of packing, read from the gradients, and after
+accumulation its sum written into them. Compared with the single-process run and, bit for bit, with the
+same run packing every number (the own part switched off in the ranks).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+from autodist.dp import exchange, own_part
+from autodist.dp.grad_sync import state_of
+
+
+def _big() -> torch.nn.Module:
+    """4.3 MiB of float64 parameters: past the size below which buckets are copied back whole."""
+    return torch.nn.Sequential(torch.nn.Linear(6, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1024), torch.nn.Tanh(),
+                               torch.nn.Linear(1024, 3)).double()
+
+
+def _steps(model: torch.nn.Module, batches: list, accumulate: bool, no_sync, sync=lambda: None) -> torch.nn.Module:
+    """Adam over ``batches``, one step each, or one step per pair with the first under ``no_sync``; ``sync``
+    before each step."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    per_step = 2 if accumulate else 1
+    for i in range(0, len(batches) - per_step + 1, per_step):
+        opt.zero_grad()
+        for k, (x, y) in enumerate(batches[i:i + per_step]):
+            with no_sync() if k < per_step - 1 else torch.enable_grad():
+                F.cross_entropy(model(x), y).backward()
+        sync()
+        opt.step()
+    return model
+
+
+def _run(direct: bool, accumulate: bool, own_data: bool) -> tuple[dict, dict, int]:
+    """This rank's final parameters, the single-process ones, and how many bucket sums read from the
+    gradients. ``own_data``: the ranks cut each batch themselves (unevenly), so N is counted in the buckets
+    and the sync where it changes (the short last batch) multiplies by a correction; accumulating, they sync
+    by hand, so that every micro-batch's N is counted at the sync (under no_sync each is counted at once)."""
+    used, plain_own, plain_sum = [0], exchange.SharedSum.own, exchange.sum_from_mine
+
+    def counting(*args, **kwargs):
+        used[0] += 1
+        return plain_sum(*args, **kwargs)
+
+    exchange.sum_from_mine = counting
+    if not direct:
+        exchange.SharedSum.own = lambda self, index: None  # every number packed: the path before
+    try:
+        return (*_train(accumulate, own_data), used[0])
+    finally:  # the ranks' processes serve the next test
+        exchange.SharedSum.own, exchange.sum_from_mine = plain_own, plain_sum
+
+
+def _train(accumulate: bool, own_data: bool) -> tuple[dict, dict]:
+    x, y = w.digits_like(44)
+    x = x.double()
+    # five batches of 8, then one of 4: halved on 2 ranks, every micro-batch of a window is split alike
+    whole = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 44, 8)]
+    ref = _steps(w.seeded(_big, 0), whole, accumulate, torch.enable_grad)
+    model = w.seeded(_big, 0 if dist.get_rank() == 0 else 5)
+    if own_data:  # and by hand: the sync after accumulation, where N is counted, not known (a correction)
+        model, _ = autodist.parallelize(model, sync="manual" if accumulate else "backward")
+        me, size = dist.get_rank(), dist.get_world_size()
+        mine = [(bx[len(bx) * me // size:len(bx) * (me + 1) // size], by[len(by) * me // size:len(by) * (me + 1) // size])
+                for bx, by in whole]
+        by_hand = (lambda: autodist.synchronize_model(model)) if accumulate else (lambda: None)
+        model = _steps(model, mine, accumulate, torch.enable_grad, by_hand)
+    else:
+        model, loader = autodist.parallelize(model, w.loader(x, y, 8, shuffle=False))
+        model = _steps(model, list(loader), accumulate, lambda: autodist.no_sync(model))
+    assert state_of(model).exchange.name == "shared memory"
+    return w.state(model), w.state(ref)
+
+
+@pytest.mark.parametrize("size,accumulate,own_data", [(2, False, False), (3, True, False), (3, False, True),
+                                                      (2, True, True)])
+def test_the_own_part_read_from_the_gradients_gives_the_same_bits(ranks, size, accumulate, own_data):
+    direct = ranks(size, _run, True, accumulate, own_data)
+    packed = ranks(size, _run, False, accumulate, own_data)
+    for (par, ref, used), (par_packed, _, used_packed) in zip(direct, packed):
+        assert used > 0 and used_packed == 0  # the path under test was taken, and not in the run compared
+        assert_close(par, ref, rtol=1e-9, atol=1e-10)
+        assert_close(par, par_packed, rtol=0, atol=0)
+    for par, _, _ in direct[1:]:
+        assert_close(par, direct[0][0], rtol=0, atol=0)
+
+
+def test_segments_and_reads_of_a_part_across_parameters():
+    grads = [torch.arange(4.0), torch.arange(10.0, 16.0)]
+    slot = torch.full((12,), -1.0)  # 10 gradient numbers, then 2 packed ones (a count and a flag, say)
+    slot[10:] = torch.tensor([7.0, 8.0])
+    part = own_part.OwnPart(slot, own_part.segments([0, 4], grads, 2, 12), 0.5, into_grads=True)
+    out = torch.empty(10)
+    part.read(2, 12, out)
+    assert out.tolist() == [1.0, 1.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 7.0, 8.0]
+    assert part.outside(0, 4) == [(0, 2)] and part.outside(4, 10) == [] and part.outside(0, 12) == [(0, 2), (10, 12)]
+    part.write(3, 11, torch.arange(100.0, 108.0))
+    assert grads[0].tolist() == [0.0, 1.0, 2.0, 100.0] and grads[1].tolist() == [101.0, 102.0, 103.0, 104.0, 105.0, 106.0]
+    assert slot[10].item() == 107.0 and slot[3].item() == -1.0  # the sum went into the gradients, the rest to the slot
