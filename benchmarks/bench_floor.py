@@ -37,12 +37,19 @@ What it measures
     The breakdown's clocks cost a little; its steps are not in the headline.
 
     Last, the floor of the exchange on this machine, where the ranks share its
-    cores and memory: autodist's exchange passes over the gradients' G bytes
-    twice (packing into the shared slot; the sum, which reads and writes each
-    byte once), three times where it copies the sum back into autograd's
-    tensors (after accumulation, or for a model of under 4 MB of gradients);
-    the floor is that many copies of G bytes timed with every rank copying at
-    once, and "alone + floor" the step no exchange of these bytes can beat here.
+    cores and memory: on N ranks autodist's exchange passes over the gradients'
+    G bytes 1 + (N-1)/N times (packing the parts the other ranks sum into the
+    shared slot; the sum, which reads and writes each byte once, this rank's
+    own part read from autograd's gradients), 2 (N-1)/N + 1 times after
+    accumulation (the sum of the own part written into autograd's gradients,
+    the rest copied back), three times for a model of under 4 MB of gradients
+    (packed whole and copied back whole); the floor is that many copies of G
+    bytes timed with every rank copying at once, and "alone + floor" the step
+    no exchange of these bytes can beat here. On 2 ranks no exchange through
+    memory can pass fewer times over a large model's gradients: each rank
+    publishes the half the other sums (half a pass), reads both halves of its
+    own and writes the sum into both (one pass), and after accumulation
+    brings the other half's sum into autograd's tensors (half a pass).
     And the floor of any synchronous step: "alone in lockstep" takes, for each
     step, the slower rank's time of the ranks training alone (their jitter),
     over rank 0's median: a step that waits for every rank pays that much with
@@ -248,16 +255,21 @@ def copy_seconds(nbytes: int, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
-def exchange_floor(model: nn.Module, micro_batches: int) -> tuple[int, int, float] | None:
+def exchange_floor(model: nn.Module, micro_batches: int) -> tuple[int, float, float] | None:
     """What autodist's exchange must move on this machine, where the ranks share its cores and memory: the
-    gradients' bytes G, the passes over them (packing into the shared slot, the sum, which reads and writes
-    each byte once, and the copy back into autograd's tensors after accumulation or for a small model), and the
-    milliseconds of that many copies of G. None where the model has no gradient sync (mp2)."""
+    gradients' bytes G, the passes over them (packing the other ranks' parts into the shared slot, the sum,
+    which reads and writes each byte once, and copying the other ranks' parts back into autograd's tensors after
+    accumulation; a small model's packed and copied back whole), and the milliseconds of that many copies of G.
+    None where the model has no gradient sync (mp2)."""
     sync = state_of(model)
     if sync is None:
         return None
     nbytes = sum(p.numel() * p.element_size() for p in sync.params)
-    passes = 2 + (micro_batches > 1 or any(b.copies_back for b in sync.buckets))
+    others = (dist.get_world_size() - 1) / dist.get_world_size()  # the share of a bucket the other ranks sum
+    if any(b.copies_back for b in sync.buckets):  # a small model: packed whole, copied back whole
+        passes = 3.0
+    else:
+        passes = others + 1 + (others if micro_batches > 1 else 0)
     return nbytes, passes, passes * copy_seconds(nbytes)
 
 
@@ -310,7 +322,7 @@ def run_shape(shape: str, args: argparse.Namespace, rank: int) -> dict[str, Any]
     print(f"  alone in lockstep (each step the slower rank's): {lockstep:.3f} of alone", flush=True)
     if floor is not None:
         nbytes, passes, seconds = floor
-        print(f"  exchange floor: {passes} passes over {nbytes / 2**20:.1f} MiB of gradients = {1e3 * seconds:.1f} ms "
+        print(f"  exchange floor: {passes:g} passes over {nbytes / 2**20:.1f} MiB of gradients = {1e3 * seconds:.1f} ms "
               f"(both ranks copying at once); alone + floor = {1 + seconds / medians['alone']:.3f} of alone",
               flush=True)
     print(flush=True)
@@ -328,7 +340,7 @@ def tables(results: dict[str, dict[str, Any]]) -> str:
     for shape, r in results.items():
         m, (ours, ours_p), (theirs, theirs_p) = r["medians"], r["ratios"]["autodist"], r["ratios"]["ddp"]
         floor = "| - | -" if r["floor"] is None else \
-            f"| {1e3 * r['floor'][2]:.1f} ({r['floor'][1]} x {r['floor'][0] / 2**20:.1f} MiB) " \
+            f"| {1e3 * r['floor'][2]:.1f} ({r['floor'][1]:g} x {r['floor'][0] / 2**20:.1f} MiB) " \
             f"| {1 + r['floor'][2] / m['alone']:.3f}"
         rows.append(f"| {shape} | {1e3 * m['alone']:.1f} | {1e3 * m['autodist']:.1f} | {1e3 * m['ddp']:.1f} "
                     f"({r['peer']}) | **{ours:.3f}** ({ours_p:.3f}) | {theirs:.3f} ({theirs_p:.3f}) | {r['lockstep']:.3f} {floor} |")

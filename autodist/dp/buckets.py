@@ -120,14 +120,16 @@ class Bucket:
                 g is not None and g.is_contiguous() and g.shape == v.shape and g.dtype == v.dtype
                 and g.data_ptr() != v.data_ptr() for v, g in zip(self.views, grads)):
             self.own = OwnPart(self.flat, segments(self.offsets, grads, *own), scale, into_grads)
+            into, sources = [], []  # every number but the own part's
             for view, g, offset in zip(self.views, grads, self.offsets):
                 for a, b in self.own.outside(offset, offset + g.numel()):
-                    into = view.view(-1)[a - offset:b - offset]
-                    flat = g.view(-1)[a - offset:b - offset]
-                    if scale == 1.0:
-                        into.copy_(flat)
-                    else:
-                        torch.mul(flat, scale, out=into)
+                    into.append(view.view(-1)[a - offset:b - offset])
+                    sources.append(g.view(-1)[a - offset:b - offset])
+            if scale == 1.0:
+                torch._foreach_copy_(into, sources)
+            else:
+                for out, g in zip(into, sources):
+                    torch.mul(g, scale, out=out)
         elif scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
             region.zero_()
         elif self.copies_back or scale == 1.0:

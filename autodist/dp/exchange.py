@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.dp.own_part import OwnPart
-from autodist.runtime.shared_slots import (PIECE_BYTES, Shared, part_pieces, shared_slots, sum_from_mine,
+from autodist.runtime.shared_slots import (PIECE_BYTES, Shared, part_pieces, shared_slots, sum_from_own,
                                            sum_into_every_slot)
 
 
@@ -107,7 +107,7 @@ class SharedSum:
         size = len(self.slots[0]) if self.slots else 1
         self.pieces = [part_pieces(s[0].numel(), rank, size, s[0].element_size()) for s in self.slots]
         self.mine: list[OwnPart | None] = [None] * len(self.slots)
-        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # two pieces, for a sum read from the gradients
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # a piece, for a sum read from the gradients
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """Where bucket ``index`` lives: this rank's slot, which the other ranks can read."""
@@ -140,12 +140,12 @@ class SharedSum:
             if mine is None:
                 sum_into_every_slot(slots, pieces)
             else:
-                sum_from_mine(slots, self.rank, pieces, mine, self._scratch(slots[0]))
+                sum_from_own(slots, self.rank, mine.split(pieces), self._scratch(slots[0]))
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """Two pieces of ``like``'s dtype, which stay in cache from one piece to the next."""
+        """A piece of ``like``'s dtype, which stays in cache from one piece to the next."""
         if like.dtype not in self.scratch:
-            self.scratch[like.dtype] = like.new_empty(2 * (PIECE_BYTES // like.element_size()))
+            self.scratch[like.dtype] = like.new_empty(PIECE_BYTES // like.element_size())
         return self.scratch[like.dtype]
 
     def abandon(self) -> None:

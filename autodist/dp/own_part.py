@@ -5,10 +5,10 @@ part r of every rank's bucket. The other ranks read their parts of rank r's
 slot, so those must be packed there; part r only rank r reads. So a bucket
 packs every number but its gradients in part r (:meth:`Bucket.pack
 <autodist.dp.buckets.Bucket.pack>`), and the sum reads them from the gradients
-themselves, scaled as packing would have scaled them, one piece at a time
-into a buffer that stays in cache (:meth:`OwnPart.read`). After gradient
+themselves, scaled as packing would have scaled them (:meth:`OwnPart.split`
+says where each piece is read from and where its sum goes). After gradient
 accumulation, where the bucket is copied back into autograd's tensors, the
-sum of part r goes straight into them (:meth:`OwnPart.write`) and the copy
+sum of part r goes straight into them, built up in place, and the copy
 back skips it. Per bucket of B bytes on 2 ranks that
 leaves packing B/2 and the copy back B/2 instead of B each: 1.5 passes over
 the bucket in all instead of 2, 2 instead of 3 after accumulation
@@ -18,14 +18,14 @@ may swap: IEEE addition is commutative).
 
 Example:
     >>> part = OwnPart(slot, [(0, 6, grad.view(-1))], scale=0.5, into_grads=False)
-    >>> part.read(0, 4, out[:4])      # 0.5 x the gradient's first four numbers
-    >>> part.write(0, 4, summed[:4])  # into the slot (or the gradient, with into_grads)
+    >>> [(o.lo, o.hi) for o in part.split([(0, 4), (4, 8)])]   # 0.5 x the gradient's numbers; 6, 7 in the slot
+    [(0, 4), (4, 6), (6, 8)]
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-
 import torch
+
+from autodist.runtime.shared_slots import Own
 
 Segment = tuple[int, int, torch.Tensor]  # numbers [a, b) of the bucket are the gradient's numbers (b - a of them)
 
@@ -37,46 +37,27 @@ class OwnPart:
 
     def __init__(self, slot: torch.Tensor, segments: list[Segment], scale: float, into_grads: bool) -> None:
         self.slot, self.segments, self.scale, self.into_grads = slot, segments, scale, into_grads
-        self.starts = [a for a, _, _ in segments]
 
-    def _covering(self, lo: int, hi: int) -> list[tuple[int, int, torch.Tensor]]:
-        """The segments' numbers within [lo, hi): (start, end, the gradient's numbers there)."""
-        found = []
-        for a, b, grad in self.segments[max(0, bisect_right(self.starts, lo) - 1):]:
-            if a >= hi:
-                break
-            s, e = max(a, lo), min(b, hi)
-            if s < e:
-                found.append((s, e, grad[s - a:e - a]))
+    def split(self, pieces: list[tuple[int, int]]) -> list[Own]:
+        """``pieces`` of this rank's part cut where a gradient begins or ends: each piece's numbers, where they
+        are read from and where their sum goes (see :func:`~autodist.runtime.shared_slots.sum_from_own`)."""
+        found, k = [], 0
+        for lo, hi in pieces:
+            done = lo
+            while done < hi:
+                while k < len(self.segments) and self.segments[k][1] <= done:
+                    k += 1
+                a, b, grad = self.segments[k] if k < len(self.segments) else (hi, hi, None)
+                if done < a:  # numbers no gradient holds (the padding, the count, the flags): packed in the slot
+                    end = min(a, hi)
+                    found.append(Own(done, end, self.slot[done:end], self.slot[done:end], 1.0))
+                else:
+                    end = min(b, hi)
+                    source = grad[done - a:end - a]
+                    found.append(Own(done, end, source, source if self.into_grads else self.slot[done:end],
+                                     self.scale))
+                done = end
         return found
-
-    def read(self, lo: int, hi: int, out: torch.Tensor) -> None:
-        """``out`` = this rank's packed numbers [lo, hi) of the bucket."""
-        done = lo
-        for s, e, grad in self._covering(lo, hi):
-            if s > done:
-                out[done - lo:s - lo].copy_(self.slot[done:s])
-            if self.scale == 1.0:
-                out[s - lo:e - lo].copy_(grad)
-            else:
-                torch.mul(grad, self.scale, out=out[s - lo:e - lo])
-            done = e
-        if done < hi:
-            out[done - lo:].copy_(self.slot[done:hi])
-
-    def write(self, lo: int, hi: int, summed: torch.Tensor) -> None:
-        """Put the sum of numbers [lo, hi) where this rank keeps it: the gradients, or the slot."""
-        if not self.into_grads:
-            self.slot[lo:hi].copy_(summed)
-            return
-        done = lo
-        for s, e, grad in self._covering(lo, hi):
-            if s > done:
-                self.slot[done:s].copy_(summed[done - lo:s - lo])
-            grad.copy_(summed[s - lo:e - lo])
-            done = e
-        if done < hi:
-            self.slot[done:hi].copy_(summed[done - lo:])
 
     def correct(self, factor: float) -> None:
         """Multiply the sums written into the gradients by ``factor`` (as the bucket's own numbers are)."""

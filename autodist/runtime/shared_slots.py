@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import mmap
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,40 +68,45 @@ def sum_into_every_slot(slots: list[torch.Tensor], pieces: list[tuple[int, int]]
             slot[lo:hi].copy_(out)
 
 
-class Mine(Protocol):
-    """Where this rank's own numbers of a slot are read from and its part of the sum goes, when not its slot."""
+class Own(NamedTuple):
+    """Numbers [lo, hi) of this rank's part of a slot, when its slot does not hold them: where they are read
+    (``source``, to be multiplied by ``scale``) and where their sum goes (``home``; may be ``source`` itself)."""
 
-    def read(self, lo: int, hi: int, out: torch.Tensor) -> None: ...
+    lo: int
+    hi: int
+    source: torch.Tensor
+    home: torch.Tensor
+    scale: float
 
-    def write(self, lo: int, hi: int, summed: torch.Tensor) -> None: ...
 
-
-def sum_from_mine(slots: list[torch.Tensor], rank: int, pieces: list[tuple[int, int]], mine: Mine,
-                  scratch: torch.Tensor) -> None:
-    """:func:`sum_into_every_slot`, where this rank's own numbers are read through ``mine`` (its slot holds
-    none of the pieces) and its part of the sum is written through it; ``scratch`` holds two pieces. The same
-    bits: rank order, but for the first two ranks, whose addition commutes."""
-    step = scratch.numel() // 2
-    for lo, hi in pieces:
-        n = hi - lo
-        total = scratch[:n]
+def sum_from_own(slots: list[torch.Tensor], rank: int, own: list[Own], scratch: torch.Tensor) -> None:
+    """:func:`sum_into_every_slot` of this rank's part, its own numbers read from ``own`` and their sum left
+    there, in the other ranks' slots and in ``home``. The same bits: the ranks' numbers added in rank order,
+    but for the first two, whose addition commutes. Written where the numbers were just read, so that no
+    line is fetched only to be overwritten: on ranks 0 and 1 the sum builds up in ``home`` (in the gradient
+    itself where it is its source); on a later rank its own numbers wait in ``scratch`` (a cache-sized piece)
+    while the sum of the ranks before it builds up in ``home``."""
+    for lo, hi, source, home, scale in own:
+        theirs = [slot[lo:hi] for slot in slots]
         if rank <= 1:  # a + b is b + a, bit for bit
-            mine.read(lo, hi, total)
-            order = [k for k in range(len(slots)) if k != rank]
-        else:
-            total.copy_(slots[0][lo:hi])
-            order = list(range(1, len(slots)))
-        for k in order:
-            if k == rank:
-                own = scratch[step:step + n]
-                mine.read(lo, hi, own)
-                total.add_(own)
+            first = theirs[1 - rank]
+            if scale == 1.0:
+                torch.add(source, first, out=home)
             else:
-                total.add_(slots[k][lo:hi])
+                torch.mul(source, scale, out=home)
+                home.add_(first)
+            later = range(2, len(slots))
+        else:
+            mine = scratch[:hi - lo]
+            torch.mul(source, scale, out=mine) if scale != 1.0 else mine.copy_(source)
+            torch.add(theirs[0], theirs[1], out=home)
+            later = range(2, len(slots))
+            theirs[rank] = mine
+        for k in later:
+            home.add_(theirs[k])
         for k, slot in enumerate(slots):
             if k != rank:
-                slot[lo:hi].copy_(total)
-        mine.write(lo, hi, total)
+                slot[lo:hi].copy_(home)
 
 
 def shared_slots(flats: list[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> Shared | None:

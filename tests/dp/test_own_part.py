@@ -45,19 +45,19 @@ def _run(direct: bool, accumulate: bool, own_data: bool) -> tuple[dict, dict, in
     gradients. ``own_data``: the ranks cut each batch themselves (unevenly), so N is counted in the buckets
     and the sync where it changes (the short last batch) multiplies by a correction; accumulating, they sync
     by hand, so that every micro-batch's N is counted at the sync (under no_sync each is counted at once)."""
-    used, plain_own, plain_sum = [0], exchange.SharedSum.own, exchange.sum_from_mine
+    used, plain_own, plain_sum = [0], exchange.SharedSum.own, exchange.sum_from_own
 
     def counting(*args, **kwargs):
         used[0] += 1
         return plain_sum(*args, **kwargs)
 
-    exchange.sum_from_mine = counting
+    exchange.sum_from_own = counting
     if not direct:
         exchange.SharedSum.own = lambda self, index: None  # every number packed: the path before
     try:
         return (*_train(accumulate, own_data), used[0])
     finally:  # the ranks' processes serve the next test
-        exchange.SharedSum.own, exchange.sum_from_mine = plain_own, plain_sum
+        exchange.SharedSum.own, exchange.sum_from_own = plain_own, plain_sum
 
 
 def _train(accumulate: bool, own_data: bool) -> tuple[dict, dict]:
@@ -94,15 +94,16 @@ def test_the_own_part_read_from_the_gradients_gives_the_same_bits(ranks, size, a
         assert_close(par, direct[0][0], rtol=0, atol=0)
 
 
-def test_segments_and_reads_of_a_part_across_parameters():
+def test_a_part_is_cut_where_each_gradient_begins_and_ends():
     grads = [torch.arange(4.0), torch.arange(10.0, 16.0)]
     slot = torch.full((12,), -1.0)  # 10 gradient numbers, then 2 packed ones (a count and a flag, say)
-    slot[10:] = torch.tensor([7.0, 8.0])
-    part = own_part.OwnPart(slot, own_part.segments([0, 4], grads, 2, 12), 0.5, into_grads=True)
-    out = torch.empty(10)
-    part.read(2, 12, out)
-    assert out.tolist() == [1.0, 1.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 7.0, 8.0]
-    assert part.outside(0, 4) == [(0, 2)] and part.outside(4, 10) == [] and part.outside(0, 12) == [(0, 2), (10, 12)]
-    part.write(3, 11, torch.arange(100.0, 108.0))
-    assert grads[0].tolist() == [0.0, 1.0, 2.0, 100.0] and grads[1].tolist() == [101.0, 102.0, 103.0, 104.0, 105.0, 106.0]
-    assert slot[10].item() == 107.0 and slot[3].item() == -1.0  # the sum went into the gradients, the rest to the slot
+    for into_grads in (False, True):
+        part = own_part.OwnPart(slot, own_part.segments([0, 4], grads, 2, 12), 0.5, into_grads)
+        cut = part.split([(2, 5), (5, 12)])
+        assert [(o.lo, o.hi, o.scale) for o in cut] == [(2, 4, 0.5), (4, 5, 0.5), (5, 10, 0.5), (10, 12, 1.0)]
+        assert [o.source.tolist() for o in cut] == [[2.0, 3.0], [10.0], [11.0, 12.0, 13.0, 14.0, 15.0], [-1.0, -1.0]]
+        homes = [o.home.data_ptr() for o in cut]
+        in_grads = [grads[0][2:].data_ptr(), grads[1].data_ptr(), grads[1][1:].data_ptr()]
+        in_slot = [slot[2:].data_ptr(), slot[4:].data_ptr(), slot[5:].data_ptr()]
+        assert homes == (in_grads if into_grads else in_slot) + [slot[10:].data_ptr()]
+        assert part.outside(0, 4) == [(0, 2)] and part.outside(4, 10) == [] and part.outside(0, 12) == [(0, 2), (10, 12)]
