@@ -3,6 +3,9 @@
 The tests are grouped like the package (tests/dp, tests/mp, ...); the shared helpers (workloads, alike, ranks,
 the scripts the launch tests run) stay here in tests/. Every folder goes on sys.path before any rank pool is
 spawned, so the ranks can unpickle a function of any test module, whichever test started the pool.
+
+The docs pages (tests/test_docs.py) start running with the session, beside the other tests, and their tests
+come last.
 """
 from __future__ import annotations
 
@@ -39,3 +42,26 @@ def ranks() -> Callable[..., list[Any]]:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+def _runs_a_page(item: pytest.Item) -> bool:
+    return getattr(item, "originalname", "") == getattr(getattr(item, "module", None), "PAGE_TEST", None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The docs pages' tests last: their pages have run beside the other tests by then (docs_pages)."""
+    items.sort(key=_runs_a_page)  # stable: the order is otherwise pytest's
+
+
+@pytest.fixture(scope="session", autouse=True)
+def docs_pages(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The selected docs pages, started with the session (tests/test_docs.py, Pages); None if none is."""
+    items = [item for item in request.session.items if _runs_a_page(item)]
+    if not items:
+        yield None
+        return
+    pages = items[0].module.Pages([item.callspec.params["page"] for item in items], tmp_path_factory)
+    try:
+        yield pages
+    finally:
+        pages.close()

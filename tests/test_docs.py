@@ -1,20 +1,23 @@
 """Docs that cannot rot: every python and bash block of README.md and docs/*.md runs (see tests/docs_blocks.py).
 
-One test per page runs its blocks in order in a fresh folder (two pages at a time); a block that fails
-names its page and line with its output. Fragments are skipped and counted, and there may be only a few.
+One test per page runs its blocks in order in a fresh folder; a block that fails names its page and line
+with its output. The pages start with the session (tests/conftest.py), one at a time in the cores the other
+tests leave idle while they wait for the processes they launch, and two at a time once their tests, which
+run last, are reached. Fragments are skipped and counted, and there may be only a few.
 Links between pages and file names of the repository must lead somewhere.
 """
 from __future__ import annotations
 
 import contextlib
 import io
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 import multiprocessing
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -27,10 +30,13 @@ README_LINES = 220  # the front page stays a front page (about 200 lines)
 CHECKOUT = ("examples", "benchmarks", "scripts", "tests")  # what a page's folder links to, as a checkout has it
 BLOCK_TIMEOUT = 300.0
 CONCURRENT_PAGES = 2  # a page mostly waits for the processes it starts: two pages at a time fill two cores
+BACKGROUND_PAGES = 1  # while the other tests run (see Pages)
+PAGE_TEST = "test_every_block_of_the_page_runs"
+_SHELL = dict(os.environ)  # the environment the session started in, before any test changed os.environ
 
 
 def _environment() -> dict[str, str]:
-    env = dict(os.environ)
+    env = dict(_SHELL)
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
@@ -142,14 +148,66 @@ def _launches(page: str) -> int:
                for b in blocks_of(ROOT / page) if b.runs)
 
 
+class Pages:
+    """The selected pages' runs, slow pages first, each one's outcome a Future (None, or why a block failed).
+
+    They start with the session (the fixture ``docs_pages`` of tests/conftest.py), BACKGROUND_PAGES at a time
+    while the other tests run: those mostly wait for the processes they launch, and a page fills the core
+    they leave idle. When the pages' own tests are reached (they run last), CONCURRENT_PAGES at a time.
+    """
+
+    def __init__(self, pages: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._queue = [(page, tmp_path_factory.mktemp(re.sub(r"\W", "-", page)))
+                       for page in sorted(dict.fromkeys(pages), key=_launches, reverse=True)]
+        self.outcomes: dict[str, Future] = {page: Future() for page, _ in self._queue}
+        self._allowed, self._running = BACKGROUND_PAGES, 0
+        self._turn = threading.Condition()
+        self._threads = [threading.Thread(target=self._work, name=f"docs-page-{i}", daemon=True)
+                         for i in range(CONCURRENT_PAGES)]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._turn:
+                while self._queue and self._running >= self._allowed:
+                    self._turn.wait()
+                if not self._queue:
+                    return
+                page, folder = self._queue.pop(0)
+                self._running += 1
+            outcome = self.outcomes[page]
+            try:
+                outcome.set_result(_run_page(page, folder))
+            except BaseException as error:  # noqa: BLE001 - goes to the page's test
+                outcome.set_exception(error)
+            finally:
+                with self._turn:
+                    self._running -= 1
+                    self._turn.notify_all()
+
+    def all_at_once(self) -> dict[str, Future]:
+        """From now on CONCURRENT_PAGES at a time; every page's outcome."""
+        with self._turn:
+            self._allowed = CONCURRENT_PAGES
+            self._turn.notify_all()
+        return self.outcomes
+
+    def close(self) -> None:
+        """Pages not started are dropped (the session ended early); the running ones are waited for."""
+        with self._turn:
+            for page, _ in self._queue:
+                self.outcomes[page].cancel()
+            self._queue.clear()
+            self._turn.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+
 @pytest.fixture(scope="module")
-def page_outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
-    """The selected pages, run CONCURRENT_PAGES at a time as soon as the first page's test asks."""
-    selected = [item.callspec.params["page"] for item in request.session.items
-                if getattr(item, "originalname", "") == "test_every_block_of_the_page_runs"]
-    with ThreadPoolExecutor(CONCURRENT_PAGES) as pool:
-        yield {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(re.sub(r"\W", "-", page)))
-               for page in sorted(selected, key=_launches, reverse=True)}
+def page_outcomes(docs_pages: Pages) -> dict[str, Future]:
+    """The selected pages' outcomes; the pages not done yet now run CONCURRENT_PAGES at a time."""
+    return docs_pages.all_at_once()
 
 
 @pytest.mark.parametrize("page", [str(p.relative_to(ROOT)) for p in pages()])
