@@ -32,6 +32,7 @@ import harness  # benchmarks/harness.py, next to this file
 import torch
 import torch.distributed as dist
 
+import autodist
 from autodist.dp import exchange
 
 
@@ -63,7 +64,7 @@ def measure(mb: float, rounds: int, block: int) -> tuple[float, float]:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
+    autodist.init(backend="gloo")  # the group it starts, it ends at exit while the interpreter is whole
     rows = []
     for mb in args.sizes:
         shared, gloo = measure(mb, args.rounds, args.block)
