@@ -97,16 +97,15 @@ class Bucket:
         """A backward failed midway: nothing of the bucket's is kept beyond the sync."""
         self.own = None
 
-    def pack(self, count: float, scale: float, own: tuple[int, int] | None = None, into_grads: bool = False
-             ) -> OwnPart | None:
+    def pack(self, count: float, scale: float, own: tuple[int, int] | None = None) -> OwnPart | None:
         """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.
 
         A small model's bucket (``copies_back``) is packed with two batched ops (copy every gradient, scale
         the region), whose per-op cost in Python would otherwise be most of the packing; a large one's with
-        one multiply per gradient, a single pass over its many bytes. ``own``: the numbers [lo, hi) the
-        exchange sums on this rank alone; where every gradient is there to read (dense, contiguous, of its
-        parameter's shape), those are left out and the returned :class:`~autodist.dp.own_part.OwnPart` reads
-        them from the gradients (and with ``into_grads`` writes their sum there: a copy-back sync).
+        one multiply per gradient, a single pass over its many bytes. ``own``, in a sync that copies back: the
+        numbers [lo, hi) the exchange sums on this rank alone; in a large model's bucket whose gradients are
+        all there to read (dense, contiguous, of their parameter's shape), those are left out and the
+        returned :class:`~autodist.dp.own_part.OwnPart` says where in the gradients their sum is made.
         """
         grads = [p.grad for p in self.params]
         meta = [count, *(0.0 if g is None else 1.0 for g in grads)]
@@ -119,7 +118,7 @@ class Bucket:
         if own is not None and scale != 0.0 and not self.copies_back and all(
                 g is not None and g.is_contiguous() and g.shape == v.shape and g.dtype == v.dtype
                 and g.data_ptr() != v.data_ptr() for v, g in zip(self.views, grads)):
-            self.own = OwnPart(self.flat, segments(self.offsets, grads, *own), scale, into_grads)
+            self.own = OwnPart(self.flat, segments(self.offsets, grads, *own), scale)
             into, sources = [], []  # every number but the own part's
             for view, g, offset in zip(self.views, grads, self.offsets):
                 for a, b in self.own.outside(offset, offset + g.numel()):
@@ -171,15 +170,14 @@ class Bucket:
             self.flat[:self.count_slot].mul_(correction)
             if own is not None:
                 own.correct(correction)
-        direct = own is not None and own.into_grads  # this rank's part of the sum is in the gradients already
-        copy_back = copy_back or self.copies_back or direct
+        copy_back = copy_back or self.copies_back or own is not None  # own: its sum is in the gradients
         into, sources = [], []  # autograd's gradients and their averages, copied with one batched op
         for p, view, flag, offset in zip(self.params, self.views, used, self.offsets):
             grad = p.grad
             if flag <= 0.0:
                 p.grad = None
             elif copy_back and grad is not None and grad is not view and grad.shape == view.shape:
-                if own is not None and direct:
+                if own is not None:
                     for a, b in own.outside(offset, offset + grad.numel()):
                         into.append(grad.view(-1)[a - offset:b - offset])
                         sources.append(view.view(-1)[a - offset:b - offset])

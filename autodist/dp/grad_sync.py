@@ -306,8 +306,8 @@ class GradSync:
         exchange.claim(index)
         if bucket is self.buckets[-1] and bucket.extra.numel():
             self.buffer_sync.pack(bucket.extra, self.packing.count)
-        own = bucket.pack(self.packing.count, self.packing.scale, exchange.own(index),
-                          into_grads=self.window.backwards > 1)  # a copy-back sync (see Bucket.unpack)
+        copies_back = self.window.backwards > 1  # see Bucket.unpack; own parts only then (see dp/own_part.py)
+        own = bucket.pack(self.packing.count, self.packing.scale, exchange.own(index) if copies_back else None)
         bucket.sent = True
         exchange.send(index, bucket.flat, own)
 

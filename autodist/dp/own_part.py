@@ -1,23 +1,26 @@
-"""The part of a bucket a rank sums itself, read from and written to autograd's gradients where they are.
+"""The part of a bucket a rank sums itself, read from and summed into autograd's gradients where they are.
 
 Through shared memory (:class:`autodist.dp.exchange.SharedSum`) rank r adds up
 part r of every rank's bucket. The other ranks read their parts of rank r's
-slot, so those must be packed there; part r only rank r reads. So a bucket
-packs every number but its gradients in part r (:meth:`Bucket.pack
-<autodist.dp.buckets.Bucket.pack>`), and the sum reads them from the gradients
-themselves, scaled as packing would have scaled them (:meth:`OwnPart.split`
-says where each piece is read from and where its sum goes). After gradient
-accumulation, where the bucket is copied back into autograd's tensors, the
-sum of part r goes straight into them, built up in place, and the copy
-back skips it. Per bucket of B bytes on 2 ranks that
-leaves packing B/2 and the copy back B/2 instead of B each: 1.5 passes over
-the bucket in all instead of 2, 2 instead of 3 after accumulation
-(``benchmarks/bench_floor.py``). The numbers are the same: each is scaled by
-the same multiply and added in the same rank order (the first two of a sum
-may swap: IEEE addition is commutative).
+slot, so those must be packed there; part r only rank r reads. After gradient
+accumulation, where the sum is copied back into autograd's tensors anyway
+(see :meth:`Bucket.unpack <autodist.dp.buckets.Bucket.unpack>`), a large
+model's bucket packs every number but its gradients in part r (:meth:`Bucket.pack
+<autodist.dp.buckets.Bucket.pack>`); the sum scales them in the gradients
+themselves, as packing would have, adds the other ranks' to them there
+(:meth:`OwnPart.split` cuts the part where each gradient begins and ends) and
+the copy back skips them. Per bucket of B bytes on 2 ranks that leaves packing
+B/2 and the copy back B/2 instead of B each: 2 passes over the bucket instead
+of 3 (``benchmarks/bench_floor.py``: the no_sync MLP's packing, sum and copy back
+19.5 ms a step -> 13.4). The numbers are the same: each is scaled by the same
+multiply and added in the same rank order (the first two of a sum may swap:
+IEEE addition is commutative). Not taken after a single backward, where the
+gradients become views of the slot: the sum would write part r into the slot,
+fetching every line only to overwrite it (measured: the MLP's step 1.35 of
+no communication without it, 1.41-1.44 with it).
 
 Example:
-    >>> part = OwnPart(slot, [(0, 6, grad.view(-1))], scale=0.5, into_grads=False)
+    >>> part = OwnPart(slot, [(0, 6, grad.view(-1))], scale=0.5)
     >>> [(o.lo, o.hi) for o in part.split([(0, 4), (4, 8)])]   # 0.5 x the gradient's numbers; 6, 7 in the slot
     [(0, 4), (4, 6), (6, 8)]
 """
@@ -31,12 +34,12 @@ Segment = tuple[int, int, torch.Tensor]  # numbers [a, b) of the bucket are the 
 
 
 class OwnPart:
-    """This rank's part of one bucket: where its gradient numbers are (``segments``, in bucket order), the scale
-    they are packed with, and whether the sum goes into the gradients (``into_grads``) or this rank's slot.
-    Numbers of the part no segment covers (padding, the sample count, the flags) are in the slot, packed."""
+    """This rank's part of one bucket: where its gradient numbers are (``segments``, in bucket order) and the
+    scale they are packed with. Numbers of the part no segment covers (padding, the sample count, the flags)
+    are in the slot, packed, and their sum goes there."""
 
-    def __init__(self, slot: torch.Tensor, segments: list[Segment], scale: float, into_grads: bool) -> None:
-        self.slot, self.segments, self.scale, self.into_grads = slot, segments, scale, into_grads
+    def __init__(self, slot: torch.Tensor, segments: list[Segment], scale: float) -> None:
+        self.slot, self.segments, self.scale = slot, segments, scale
 
     def split(self, pieces: list[tuple[int, int]]) -> list[Own]:
         """``pieces`` of this rank's part cut where a gradient begins or ends: each piece's numbers, where they
@@ -54,16 +57,14 @@ class OwnPart:
                 else:
                     end = min(b, hi)
                     source = grad[done - a:end - a]
-                    found.append(Own(done, end, source, source if self.into_grads else self.slot[done:end],
-                                     self.scale))
+                    found.append(Own(done, end, source, source, self.scale))
                 done = end
         return found
 
     def correct(self, factor: float) -> None:
         """Multiply the sums written into the gradients by ``factor`` (as the bucket's own numbers are)."""
-        if self.into_grads:
-            for _, _, grad in self.segments:
-                grad.mul_(factor)
+        for _, _, grad in self.segments:
+            grad.mul_(factor)
 
     def outside(self, a: int, b: int) -> list[tuple[int, int]]:
         """The ranges of numbers [a, b) of the bucket outside this part's gradient numbers."""
