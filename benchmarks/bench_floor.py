@@ -37,19 +37,16 @@ What it measures
     The breakdown's clocks cost a little; its steps are not in the headline.
 
     Last, the floor of the exchange on this machine, where the ranks share its
-    cores and memory: on N ranks autodist's exchange passes over the gradients'
-    G bytes 1 + (N-1)/N times (packing the parts the other ranks sum into the
-    shared slot; the sum, which reads and writes each byte once, this rank's
-    own part read from autograd's gradients), 2 (N-1)/N + 1 times after
-    accumulation (the sum of the own part written into autograd's gradients,
-    the rest copied back), three times for a model of under 4 MB of gradients
-    (packed whole and copied back whole); the floor is that many copies of G
-    bytes timed with every rank copying at once, and "alone + floor" the step
-    no exchange of these bytes can beat here. On 2 ranks no exchange through
-    memory can pass fewer times over a large model's gradients: each rank
-    publishes the half the other sums (half a pass), reads both halves of its
-    own and writes the sum into both (one pass), and after accumulation
-    brings the other half's sum into autograd's tensors (half a pass).
+    cores and memory: autodist's exchange passes over the gradients' G bytes
+    twice after a single backward (packing into the shared slot; the sum,
+    which reads and writes each byte once; the gradients become views of the
+    slot), 2 (N-1)/N + 1 times on N ranks after accumulation (packing only the
+    parts the other ranks sum; the sum, this rank's own part made in
+    autograd's gradients themselves; copying the other parts back), three
+    times for a model of under 4 MB of gradients (packed whole and copied
+    back whole); the floor is that many copies of G bytes timed with every
+    rank copying at once, and "alone + floor" the step no exchange of these
+    bytes can beat here.
     And the floor of any synchronous step: "alone in lockstep" takes, for each
     step, the slower rank's time of the ranks training alone (their jitter),
     over rank 0's median: a step that waits for every rank pays that much with
@@ -268,8 +265,8 @@ def exchange_floor(model: nn.Module, micro_batches: int) -> tuple[int, float, fl
     others = (dist.get_world_size() - 1) / dist.get_world_size()  # the share of a bucket the other ranks sum
     if any(b.copies_back for b in sync.buckets):  # a small model: packed whole, copied back whole
         passes = 3.0
-    else:
-        passes = others + 1 + (others if micro_batches > 1 else 0)
+    else:  # after accumulation the own part is summed in the gradients; the gradients become views otherwise
+        passes = others + 1 + others if micro_batches > 1 else 2.0
     return nbytes, passes, passes * copy_seconds(nbytes)
 
 
