@@ -18,12 +18,12 @@
   by one rank, so every rank holds the same bits, as after gloo's all-reduce.
   After the second fence nobody writes into another rank's slot until every rank has
   entered the next sync, so what a rank does to its gradients after backward
-  (clipping them in place, say) stays its own. Part r of rank r's slot is read
-  by rank r alone, so a large model's bucket leaves it out of packing and the
-  sum reads it from autograd's gradients themselves (:mod:`autodist.dp.own_part`;
-  after accumulation it writes its sum there too, and the copy back skips it).
-  Per rank and bucket of B bytes on N ranks, the sum reads B and writes B,
-  whatever N; packing writes B (N-1)/N more.
+  (clipping them in place, say) stays its own. Per rank and bucket of B bytes
+  on N ranks, the sum reads B and writes B, whatever N; packing writes B more.
+  Part r of rank r's slot is read by rank r alone, so after accumulation, where
+  the sum is copied back into autograd's gradients, a large model's bucket
+  leaves it out of packing and the sum makes it in the gradients themselves,
+  which the copy back then skips (:mod:`autodist.dp.own_part`).
   Packing happens during backward, as buckets fill; the sum after it, so none
   of the sum overlaps backward (where every core computes, as on the benchmark
   machine, another thread would compete for them anyway). On 2 ranks of a
@@ -107,7 +107,7 @@ class SharedSum:
         size = len(self.slots[0]) if self.slots else 1
         self.pieces = [part_pieces(s[0].numel(), rank, size, s[0].element_size()) for s in self.slots]
         self.mine: list[OwnPart | None] = [None] * len(self.slots)
-        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # a piece, for a sum read from the gradients
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # a piece: a later rank's own numbers (sum_from_own)
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """Where bucket ``index`` lives: this rank's slot, which the other ranks can read."""
@@ -122,8 +122,8 @@ class SharedSum:
         return n * self.rank // size, n * (self.rank + 1) // size
 
     def send(self, index: int, flat: torch.Tensor, own: OwnPart | None = None) -> None:
-        """Nothing to send: the bucket was packed where the other ranks read it; ``own``, where its own part
-        is to be read from (and its sum written to) instead of its slot."""
+        """Nothing to send: the bucket was packed where the other ranks read it; ``own``: where its own part
+        is read from and summed, instead of its slot."""
         self.mine[index] = own
 
     def finish(self) -> None:

@@ -95,14 +95,12 @@ def sum_from_own(slots: list[torch.Tensor], rank: int, own: list[Own], scratch: 
             else:
                 torch.mul(source, scale, out=home)
                 home.add_(first)
-            later = range(2, len(slots))
         else:
             mine = scratch[:hi - lo]
             torch.mul(source, scale, out=mine) if scale != 1.0 else mine.copy_(source)
             torch.add(theirs[0], theirs[1], out=home)
-            later = range(2, len(slots))
             theirs[rank] = mine
-        for k in later:
+        for k in range(2, len(slots)):
             home.add_(theirs[k])
         for k, slot in enumerate(slots):
             if k != rank:

@@ -74,8 +74,7 @@ class ScatteredBucket(Bucket):
         """The region reduce-scattered: the gradients and their padding (``ranks x chunk`` numbers)."""
         return self.flat[:self.count_slot]
 
-    def pack(self, count: float, scale: float, own: tuple[int, int] | None = None, into_grads: bool = False
-             ) -> None:
+    def pack(self, count: float, scale: float, own: tuple[int, int] | None = None) -> None:
         super().pack(count, scale)  # every number: each rank's part is summed on its own, no part is left out
         for p in self.params:
             p.grad = None  # autograd's whole gradient: packed, so freed now
