@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.dp.own_part import OwnPart
-from autodist.runtime.shared_slots import (PIECE_BYTES, Shared, part_pieces, shared_slots, sum_from_own,
+from autodist.runtime.shared_slots import (PIECE_BYTES, Shared, part, part_pieces, shared_slots, sum_from_own,
                                            sum_into_every_slot)
 
 
@@ -118,8 +118,7 @@ class SharedSum:
 
     def own(self, index: int) -> tuple[int, int] | None:
         """The numbers [lo, hi) of bucket ``index`` that only this rank reads: its part of the sum."""
-        n, size = self.slots[index][0].numel(), len(self.slots[index])
-        return n * self.rank // size, n * (self.rank + 1) // size
+        return part(self.slots[index][0].numel(), self.rank, len(self.slots[index]))
 
     def send(self, index: int, flat: torch.Tensor, own: OwnPart | None = None) -> None:
         """Nothing to send: the bucket was packed where the other ranks read it; ``own``: where its own part

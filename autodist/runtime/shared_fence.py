@@ -22,9 +22,10 @@ A rank that waits spins a little (the others are usually microseconds away),
 then sleeps 50 microseconds between looks, leaving its core to the others (a
 rank it waits for may share that core, or be its hyperthread sibling; 4
 ranks on 2 cores sum 1 MB in 0.9 ms this way, 1.3 ms yielding the core
-instead, and 2 ranks on 2 cores train alike either way). It checks that the ranks it waits for are alive every few milliseconds
-and raises :class:`PeerGone` if one is not (killed, out of memory): gloo's
-all-reduce fails at once there too; the watchdog names the rank
+instead, and 2 ranks on 2 cores train alike either way). It checks that the
+ranks it waits for are alive every few milliseconds and raises
+:class:`PeerGone` if one is not (killed, out of memory): gloo's all-reduce
+fails at once there too; the watchdog names the rank
 (:mod:`autodist.faults.watchdog`) as for gloo's error. A rank that is alive but
 never arrives is the watchdog's to name after ``AUTODIST_TIMEOUT``, as for any
 collective.

@@ -43,15 +43,24 @@ class Shared(NamedTuple):
     fence: shared_fence.Fence
 
 
+def part(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Part ``rank`` of ``n`` numbers over ``size`` ranks: the numbers [lo, hi) that rank sums.
+
+    Example:
+        >>> part(10, 1, 3)
+        (3, 6)
+    """
+    return n * rank // size, n * (rank + 1) // size
+
+
 def part_pieces(n: int, rank: int, size: int, element_size: int) -> list[tuple[int, int]]:
-    """Part ``rank`` of ``n`` numbers over ``size`` ranks, [n*rank//size, n*(rank+1)//size), in pieces of at most
-    PIECE_BYTES.
+    """:func:`part` ``rank`` of ``n`` numbers over ``size`` ranks in pieces of at most PIECE_BYTES.
 
     Example:
         >>> part_pieces(10, 1, 2, 4)
         [(5, 10)]
     """
-    lo, hi = n * rank // size, n * (rank + 1) // size
+    lo, hi = part(n, rank, size)
     step = max(1, PIECE_BYTES // element_size)
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 

@@ -17,6 +17,7 @@ import autodist
 import workloads as w
 from autodist.dp import exchange, own_part
 from autodist.dp.grad_sync import state_of
+from autodist.runtime.shared_slots import part
 
 
 def _big() -> torch.nn.Module:
@@ -70,8 +71,8 @@ def _train(accumulate: bool, own_data: bool) -> tuple[dict, dict]:
     if own_data:  # and by hand: the sync after accumulation, where N is counted, not known (a correction)
         model, _ = autodist.parallelize(model, sync="manual" if accumulate else "backward")
         me, size = dist.get_rank(), dist.get_world_size()
-        mine = [(bx[len(bx) * me // size:len(bx) * (me + 1) // size], by[len(by) * me // size:len(by) * (me + 1) // size])
-                for bx, by in whole]
+        cut = [slice(*part(len(bx), me, size)) for bx, _ in whole]
+        mine = [(bx[c], by[c]) for (bx, by), c in zip(whole, cut)]
         by_hand = (lambda: autodist.synchronize_model(model)) if accumulate else (lambda: None)
         model = _steps(model, mine, accumulate, torch.enable_grad, by_hand)
     else:
