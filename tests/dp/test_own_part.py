@@ -18,6 +18,7 @@ import workloads as w
 from autodist.dp import exchange, own_part
 from autodist.dp.grad_sync import state_of
 from autodist.runtime.shared_slots import part
+from outside import nanogpt
 
 
 def _big() -> torch.nn.Module:
@@ -26,7 +27,8 @@ def _big() -> torch.nn.Module:
                                torch.nn.Linear(1024, 3)).double()
 
 
-def _steps(model: torch.nn.Module, batches: list, accumulate: bool, no_sync, sync=lambda: None) -> torch.nn.Module:
+def _steps(model: torch.nn.Module, batches: list, accumulate: bool, no_sync, sync=lambda: None,
+           loss=lambda model, x, y: F.cross_entropy(model(x), y)) -> torch.nn.Module:
     """Adam over ``batches``, one step each, or one step per pair with the first under ``no_sync``; ``sync``
     before each step."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -35,17 +37,15 @@ def _steps(model: torch.nn.Module, batches: list, accumulate: bool, no_sync, syn
         opt.zero_grad()
         for k, (x, y) in enumerate(batches[i:i + per_step]):
             with no_sync() if k < per_step - 1 else torch.enable_grad():
-                F.cross_entropy(model(x), y).backward()
+                loss(model, x, y).backward()
         sync()
         opt.step()
     return model
 
 
-def _run(direct: bool, accumulate: bool, own_data: bool) -> tuple[dict, dict, int]:
-    """This rank's final parameters, the single-process ones, and how many bucket sums read from the
-    gradients. ``own_data``: the ranks cut each batch themselves (unevenly), so N is counted in the buckets
-    and the sync where it changes (the short last batch) multiplies by a correction; accumulating, they sync
-    by hand, so that every micro-batch's N is counted at the sync (under no_sync each is counted at once)."""
+def _run(direct: bool, train, *args) -> tuple[dict, dict, int]:
+    """This rank's final parameters and the single-process ones (``train(*args)``), and how many bucket sums
+    were made in the gradients."""
     used, plain_own, plain_sum = [0], exchange.SharedSum.own, exchange.sum_from_own
 
     def counting(*args, **kwargs):
@@ -56,12 +56,15 @@ def _run(direct: bool, accumulate: bool, own_data: bool) -> tuple[dict, dict, in
     if not direct:
         exchange.SharedSum.own = lambda self, index: None  # every number packed: the path before
     try:
-        return (*_train(accumulate, own_data), used[0])
+        return (*train(*args), used[0])
     finally:  # the ranks' processes serve the next test
         exchange.SharedSum.own, exchange.sum_from_own = plain_own, plain_sum
 
 
 def _train(accumulate: bool, own_data: bool) -> tuple[dict, dict]:
+    """``own_data``: the ranks cut each batch themselves (unevenly), so N is counted in the buckets and the
+    sync where it changes (the short last batch) multiplies by a correction; accumulating, they sync by hand,
+    so that every micro-batch's N is counted at the sync (under no_sync each is counted at once)."""
     x, y = w.digits_like(44)
     x = x.double()
     # five batches of 8, then one of 4: halved on 2 ranks, every micro-batch of a window is split alike
@@ -84,8 +87,8 @@ def _train(accumulate: bool, own_data: bool) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("size,own_data", [(2, False), (3, False), (2, True)])
 def test_the_own_part_summed_in_the_gradients_gives_the_same_bits(ranks, size, own_data):
-    direct = ranks(size, _run, True, True, own_data)
-    packed = ranks(size, _run, False, True, own_data)
+    direct = ranks(size, _run, True, _train, True, own_data)
+    packed = ranks(size, _run, False, _train, True, own_data)
     for (par, ref, used), (par_packed, _, used_packed) in zip(direct, packed):
         assert used > 0 and used_packed == 0  # the path under test was taken, and not in the run compared
         assert_close(par, ref, rtol=1e-9, atol=1e-10)
@@ -97,9 +100,33 @@ def test_the_own_part_summed_in_the_gradients_gives_the_same_bits(ranks, size, o
 def test_a_single_backward_packs_every_number(ranks):
     # Its gradients become views of the slot: the own part would be summed into the slot, which costs more
     # than packing it (see autodist/dp/own_part.py).
-    for par, ref, used in ranks(2, _run, True, False, False):
+    for par, ref, used in ranks(2, _run, True, _train, False, False):
         assert used == 0
         assert_close(par, ref, rtol=1e-9, atol=1e-10)
+
+
+def _nanogpt() -> tuple[dict, dict]:
+    """nanoGPT (tests/outside), 1.6 M float64 parameters with its tied embedding, two micro-batches per step."""
+    config = nanogpt.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=256, dropout=0.0)
+    build = lambda: nanogpt.GPT(config).double()  # noqa: E731
+    tokens = torch.randint(0, 64, (48, 17), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as nanoGPT's get_batch makes them
+    loss = lambda model, x, y: model(x, y)[1]  # noqa: E731 - nanoGPT returns (logits, loss)
+    ref = _steps(w.seeded(build, 0), [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)], True, torch.enable_grad,
+                 loss=loss)
+    model, loader = autodist.parallelize(w.seeded(build, 0 if dist.get_rank() == 0 else 5),
+                                         w.loader(x, y, 8, shuffle=False))
+    model = _steps(model, list(loader), True, lambda: autodist.no_sync(model), loss=loss)
+    assert state_of(model).exchange.name == "shared memory"
+    return w.state(model), w.state(ref)
+
+
+def test_nanogpt_accumulating_through_the_own_part_gives_the_same_bits(ranks):
+    direct, packed = ranks(2, _run, True, _nanogpt), ranks(2, _run, False, _nanogpt)
+    for (par, ref, used), (par_packed, _, used_packed) in zip(direct, packed):
+        assert used > 0 and used_packed == 0
+        assert_close(par, ref, rtol=1e-9, atol=1e-10)
+        assert_close(par, par_packed, rtol=0, atol=0)
 
 
 def test_a_part_is_cut_where_each_gradient_begins_and_ends():
