@@ -232,8 +232,8 @@ def run_script(argv: list[str]) -> None:
             from autodist.runtime import ending
 
             line = stop.code if isinstance(stop.code, str) else tail.last
-            if line:
-                ending.record_error(line, line, path=error_file)
+            if line:  # with the status: the launcher may stop this rank while it exits (see failure_of)
+                ending.record_error(line, line, path=error_file, status=stop.code if isinstance(stop.code, int) else 1)
         raise
     except KeyboardInterrupt:
         raise
@@ -258,7 +258,7 @@ def failure_of(rank: int, failure) -> Failure:
         ours = data.get("autodist") or {}
         line, when, verdict = ours.get("line"), float(ours.get("time", when)), bool(ours.get("verdict"))
         if line is not None and exitcode == -signal.SIGTERM:
-            exitcode = 1  # it raised, and the launcher stopped it while it was exiting with status 1
+            exitcode = int(ours.get("status", 1))  # it ended, and the launcher stopped it while it was exiting
         if line is None:  # a script that records its own errors (torch's @record): the message is the line
             message = data.get("message")
             line = message.get("message") if isinstance(message, dict) else message

@@ -104,10 +104,11 @@ def use_meeting(meeting: Meeting | None) -> None:
     _meeting = meeting
 
 
-def record_error(line: str, callstack: str = "", *, verdict: bool = False, path: str | None = None) -> None:
-    """Write this rank's error where the launcher looks for it (torchrun's error file, with the exact time
-    and line for ``autodist run``'s summary); ``verdict``: the watchdog's, naming another rank's fault.
-    Nothing is written without a launcher that asks for it."""
+def record_error(line: str, callstack: str = "", *, verdict: bool = False, path: str | None = None,
+                 status: int = 1) -> None:
+    """Write this rank's error where the launcher looks for it (torchrun's error file, with the exact time,
+    line and the exit status the rank is leaving with, for ``autodist run``'s summary); ``verdict``: the
+    watchdog's, naming another rank's fault. Nothing is written without a launcher that asks for it."""
     path = path or error_file()
     if not path:
         return
@@ -115,7 +116,7 @@ def record_error(line: str, callstack: str = "", *, verdict: bool = False, path:
         return  # the watchdog's verdict stays: what the main thread raises afterwards follows from it
     now = time.time()
     data = {"message": {"message": line, "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}},
-            "autodist": {"time": now, "line": line, "verdict": verdict}}
+            "autodist": {"time": now, "line": line, "verdict": verdict, "status": status}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -135,7 +136,7 @@ def leave(code: int, verdict: str | None = None) -> None:
     """Leave now with ``code``, output flushed: the main thread may be blocked in a call that never returns.
     ``verdict``: why every rank stops (the watchdog's words), recorded for the launcher's summary."""
     if verdict is not None:
-        record_error(verdict.splitlines()[0], verdict=True)
+        record_error(verdict.splitlines()[0], verdict=True, status=code)
     for handler in log.handlers:
         handler.flush()
     for stream in (sys.stdout, sys.stderr):

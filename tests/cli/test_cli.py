@@ -166,6 +166,27 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_lost_it():
                    "autodist run: rank 0 also failed (exit code 1): KeyError: 'x'"]
 
 
+def test_a_rank_stopped_while_exiting_keeps_the_status_it_was_leaving_with(tmp_path):
+    # Both ranks exit 2 (argparse); the launcher stops rank 1, already past its error, with SIGTERM: the summary
+    # and the exit status of `autodist run` are the script's own, whichever rank recorded its error first.
+    from types import SimpleNamespace
+
+    from autodist.cli.launch import failure_of
+    from autodist.runtime import ending
+
+    said = "args.py: error: unrecognized arguments: --bogus"
+    for rank, status in ((0, 2), (1, 2), (2, 1)):
+        ending.record_error(said, said, path=str(tmp_path / f"{rank}.json"), status=status)
+    ended = [failure_of(0, SimpleNamespace(error_file=str(tmp_path / "0.json"), exitcode=2, timestamp=9.0)),
+             failure_of(1, SimpleNamespace(error_file=str(tmp_path / "1.json"), exitcode=-signal.SIGTERM,
+                                           timestamp=9.0))]
+    assert [(f.exitcode, f.error) for f in ended] == [(2, said), (2, said)]
+    assert root_cause(ended).status == 2
+    raised = failure_of(2, SimpleNamespace(error_file=str(tmp_path / "2.json"), exitcode=-signal.SIGTERM,
+                                           timestamp=9.0))
+    assert raised.exitcode == 1  # an uncaught error exits 1, as Python's does
+
+
 def test_a_watchdog_verdict_is_the_summary_when_no_rank_raised():
     found = ("rank 0 has waited 5 s in the gradient sync of step 4 of epoch 0 for the other ranks: rank 1 is in its "
              "own code")
