@@ -50,7 +50,10 @@ What it measures
     And the floor of any synchronous step: "alone in lockstep" takes, for each
     step, the slower rank's time of the ranks training alone (their jitter),
     over rank 0's median: a step that waits for every rank pays that much with
-    no communication at all.
+    no communication at all. The two together, "lockstep + floor" (alone in
+    lockstep, plus the exchange floor's milliseconds over alone's step), is
+    the floor of a synchronous step with this exchange on this machine; the
+    last column is how far autodist is above it.
 
 How to run
     python benchmarks/bench_floor.py                   # every shape, about 8 minutes on 2 idle cores
@@ -279,6 +282,12 @@ def lockstep_ratio(alone: list[float]) -> float:
     return statistics.median(map(max, zip(*every))) / statistics.median(alone)
 
 
+def synchronous_floor(lockstep: float, floor: tuple[int, float, float] | None, alone: float) -> float:
+    """The floor of a synchronous step with autodist's exchange, over alone's step: the ranks' jitter
+    (``lockstep``), then the exchange's copies (``floor``'s seconds) on top of the slower rank's step."""
+    return lockstep + (0.0 if floor is None else floor[2] / alone)
+
+
 def block_medians(times: list[float], block: int) -> list[float]:
     return [statistics.median(times[i:i + block]) for i in range(0, len(times), block)]
 
@@ -322,6 +331,8 @@ def run_shape(shape: str, args: argparse.Namespace, rank: int) -> dict[str, Any]
         print(f"  exchange floor: {passes:g} passes over {nbytes / 2**20:.1f} MiB of gradients = {1e3 * seconds:.1f} ms "
               f"(both ranks copying at once); alone + floor = {1 + seconds / medians['alone']:.3f} of alone",
               flush=True)
+    print(f"  lockstep + floor: {synchronous_floor(lockstep, floor, medians['alone']):.3f} of alone; autodist "
+          f"{ratios['autodist'][0] - synchronous_floor(lockstep, floor, medians['alone']):+.3f} above it", flush=True)
     print(flush=True)
     return {"medians": medians, "ratios": ratios, "phases": {n: p.medians() for n, p in phases.items()},
             "peer": peer, "floor": floor, "lockstep": lockstep}
@@ -332,15 +343,18 @@ PHASE_ORDER = ("forward", "backward", "pack", "wait", "sum", "unpack", "step")
 
 def tables(results: dict[str, dict[str, Any]]) -> str:
     rows = ["| shape | alone ms | autodist ms | peer ms | autodist / alone (paired) | peer / alone (paired) "
-            "| alone in lockstep / alone | exchange floor ms | (alone + floor) / alone |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| alone in lockstep / alone | exchange floor ms | (alone + floor) / alone | lockstep + floor "
+            "| autodist above it |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, r in results.items():
         m, (ours, ours_p), (theirs, theirs_p) = r["medians"], r["ratios"]["autodist"], r["ratios"]["ddp"]
         floor = "| - | -" if r["floor"] is None else \
             f"| {1e3 * r['floor'][2]:.1f} ({r['floor'][1]:g} x {r['floor'][0] / 2**20:.1f} MiB) " \
             f"| {1 + r['floor'][2] / m['alone']:.3f}"
+        both = synchronous_floor(r["lockstep"], r["floor"], m["alone"])
         rows.append(f"| {shape} | {1e3 * m['alone']:.1f} | {1e3 * m['autodist']:.1f} | {1e3 * m['ddp']:.1f} "
-                    f"({r['peer']}) | **{ours:.3f}** ({ours_p:.3f}) | {theirs:.3f} ({theirs_p:.3f}) | {r['lockstep']:.3f} {floor} |")
+                    f"({r['peer']}) | **{ours:.3f}** ({ours_p:.3f}) | {theirs:.3f} ({theirs_p:.3f}) "
+                    f"| {r['lockstep']:.3f} {floor} | {both:.3f} | {ours - both:+.3f} |")
     rows += ["", "Breakdown, median ms per step (pack ... unpack are inside autodist's backward):", "",
              "| shape | contender | " + " | ".join(PHASE_ORDER) + " |", "|---|---|" + "---|" * len(PHASE_ORDER)]
     for shape, r in results.items():
