@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -211,6 +211,23 @@ class Watchdog:
             self.report(message)
             _exit(message)
         self.stop.set()
+
+    def keep_books(self, op: Callable[[], Any]) -> Any:
+        """The main thread's bookkeeping in the store (the loader's epochs, a lost worker): its result, or None
+        where the store is gone with its host, rank 0. Nothing is raised for that here: the next collective
+        or request names the lost rank in its own words (the parameter server's, the gradient sync's; with
+        ``store_lost`` set, a collective's says the store went with rank 0), where a socket error from this
+        bookkeeping would have said only that some rank was gone while this one waits in a collective."""
+        if self.store_lost is not None:
+            return None
+        try:
+            return op()
+        except RuntimeError as exc:
+            if not is_peer_lost(exc):
+                raise
+            self.store_lost = _first_line(exc)
+            log.debug("watchdog: the rendezvous store failed: %s", exc)
+            return None
 
     def _store_host_gone(self, where: str) -> str:
         return (f"rank 0 is gone (the rendezvous store its process hosts stopped answering: {self.store_lost}) "
@@ -411,8 +428,8 @@ def rank_left(rank: int, why: str) -> None:
     """A mode that goes on without a lost worker (the parameter server) tells every rank's watchdog that
     ``rank`` left the job: from now on no rank waits for it, at the end or in a collective."""
     dog = _watchdog
-    if dog is not None and dog.store_lost is None:
-        dog.store.set(f"left/{rank}", why)
+    if dog is not None:
+        dog.keep_books(lambda: dog.store.set(f"left/{rank}", why))
 
 
 _data_end_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -430,7 +447,7 @@ def epoch_begins(loader: str, epoch: int, steps: int, samples: int) -> None:
     """A sharded loader starts an epoch of ``steps`` batches: tell the other ranks (once an epoch)."""
     dog = _watchdog
     if dog is not None:
-        dog.store.set(f"epoch/{loader}/{epoch}/{dog.rank}", f"{steps} {samples}")
+        dog.keep_books(lambda: dog.store.set(f"epoch/{loader}/{epoch}/{dog.rank}", f"{steps} {samples}"))
 
 
 def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
@@ -442,11 +459,10 @@ def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
     dog = _watchdog
     if dog is None:
         return
-    for rank in range(dog.size):
-        key = f"epoch/{loader}/{epoch}/{rank}"
-        if rank == dog.rank or not dog.store.check([key]):
-            continue
-        their_steps, their_samples = map(int, dog.store.get(key).split())
+    keys = [f"epoch/{loader}/{epoch}/{rank}" for rank in range(dog.size)]
+    theirs = dog.keep_books(lambda: {r: tuple(map(int, dog.store.get(k).split())) for r, k in enumerate(keys)
+                                     if r != dog.rank and dog.store.check([k])})
+    for rank, (their_steps, their_samples) in sorted((theirs or {}).items()):
         if their_steps > steps:
             raise ValueError(
                 f"rank {dog.rank}'s data ended after step {steps} of epoch {epoch}, but rank {rank}'s has "

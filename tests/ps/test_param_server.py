@@ -211,7 +211,8 @@ def _free_port() -> int:
 
 def _launch(size: int, victim: int, out: str, *how: str) -> tuple[list[int], list[str], float]:
     """``size`` processes as mpirun starts them; rank ``victim`` SIGKILLs itself mid-run (``how``: "crafted",
-    it sends a crafted message first and leaves)."""
+    it sends a crafted message first and leaves; "between": as epoch 1 begins, while the others wait to
+    begin it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_"))}
     env |= {"PYTHONPATH": os.pathsep.join([HERE, env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
             "AUTODIST_TIMEOUT": "20"}
@@ -281,6 +282,17 @@ def test_a_killed_server_ends_the_job_with_the_last_checkpoint_intact(tmp_path):
     plain.load_state_dict(torch.load(out + ".ckpt", weights_only=True)["model"])
 
 
+@pytest.mark.e2e
+def test_a_server_killed_between_epochs_is_named_by_the_workers_that_begin_the_next(tmp_path):
+    # The job's store lives in rank 0 too: the loader's bookkeeping of the new epoch finds it gone first, and
+    # the workers' next request names the lost server (not a socket error "while waiting in a collective").
+    out = str(tmp_path / "final.pt")
+    codes, outputs, _ = _launch(3, 0, out, "between")
+    assert codes[0] == -signal.SIGKILL
+    for code, text in zip(codes[1:], outputs[1:]):
+        assert code != 0 and "ServerLost: the parameter server on rank 0" in text and "is gone" in text, text
+
+
 class _RunsCodeWhenLoaded:
     """Unpickling this runs a shell command (what a crafted message would do to a server that unpickles)."""
 
@@ -307,9 +319,10 @@ def _send_crafted(ps, out: str) -> None:
     os._exit(0)
 
 
-def _script(victim: int, out: str, crafted: bool = False) -> None:
-    """One rank of the fault tests: 3 epochs of Downpour on 3 ranks; ``victim`` dies in epoch 1 (``crafted``:
-    it sends a message that would run code on the server first)."""
+def _script(victim: int, out: str, how: str = "") -> None:
+    """One rank of the fault tests: 3 epochs of Downpour on 3 ranks; ``victim`` dies in epoch 1 (``how``:
+    "crafted", it sends a message that would run code on the server first; "between", before the epoch's
+    first batch, the others beginning the epoch after it died)."""
     torch.set_num_threads(1)
     x, y = w.digits_like(96, classes=2)
     y = (x[:, 0] + x[:, 1] > 0).long()  # a learnable rule
@@ -318,10 +331,12 @@ def _script(victim: int, out: str, crafted: bool = False) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = autodist.rank()
     for epoch in range(3):
+        if how == "between" and epoch == 1:
+            time.sleep(0.5 if rank == victim else 2.0)
         for step, (xb, yb) in enumerate(data):
-            if rank == victim and epoch == 1 and step == 2 and crafted:
+            if rank == victim and epoch == 1 and step == 2 and how == "crafted":
                 _send_crafted(ps, out)
-            if rank == victim and epoch == 1 and step == 2:
+            if rank == victim and epoch == 1 and step == (0 if how == "between" else 2):
                 with open(out + ".killed", "w") as f:
                     f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -339,7 +354,7 @@ def _script(victim: int, out: str, crafted: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    _script(int(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["crafted"])
+    _script(int(sys.argv[1]), sys.argv[2], *sys.argv[3:])
 
 
 # -- convergence on a small real task: scikit-learn's handwritten digits ------------------------------------
