@@ -129,6 +129,33 @@ def test_nanogpt_accumulating_through_the_own_part_gives_the_same_bits(ranks):
         assert_close(par, par_packed, rtol=0, atol=0)
 
 
+def _hf_gpt2() -> tuple[dict, dict]:
+    """Hugging Face GPT-2 from a config (13.6 MiB of float64 parameters, its tied embedding), dict batches
+    through torch's DataLoader, two micro-batches per step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=512, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    build = lambda: transformers.GPT2LMHeadModel(config).double()  # noqa: E731
+    tokens = torch.randint(0, 512, (32, 16), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": t, "labels": t} for t in tokens]  # the model shifts the labels itself
+    loss = lambda model, batch, _: model(**batch).loss  # noqa: E731
+    whole = [(batch, None) for batch in torch.utils.data.DataLoader(rows, batch_size=8)]
+    ref = _steps(w.seeded(build, 0), whole, True, torch.enable_grad, loss=loss)
+    model, loader = autodist.parallelize(w.seeded(build, 0 if dist.get_rank() == 0 else 5),
+                                         torch.utils.data.DataLoader(rows, batch_size=8))
+    model = _steps(model, [(batch, None) for batch in loader], True, lambda: autodist.no_sync(model), loss=loss)
+    assert state_of(model).exchange.name == "shared memory"
+    return w.state(model), w.state(ref)
+
+
+def test_hugging_face_gpt2_accumulating_dict_batches_through_the_own_part(ranks):
+    direct = ranks(2, _run, True, _hf_gpt2)
+    for par, ref, used in direct:
+        assert used > 0
+        assert_close(par, ref, rtol=1e-9, atol=1e-10)
+    assert_close(direct[1][0], direct[0][0], rtol=0, atol=0)
+
+
 def test_a_part_is_cut_where_each_gradient_begins_and_ends():
     grads = [torch.arange(4.0), torch.arange(10.0, 16.0)]
     slot = torch.full((12,), -1.0)  # 10 gradient numbers, then 2 packed ones (a count and a flag, say)
