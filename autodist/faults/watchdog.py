@@ -213,8 +213,8 @@ class Watchdog:
         self.stop.set()
 
     def keep_books(self, op: Callable[[], Any]) -> Any:
-        """The main thread's bookkeeping in the store (the loader's epochs, a lost worker): its result, or None
-        where the store is gone with its host, rank 0. Nothing is raised for that here: the next collective
+        """Bookkeeping in the store beside the heartbeat (a loader's epochs, a parameter server's lost worker):
+        its result, or None where the store is gone with its host, rank 0. Nothing is raised for that here: the next collective
         or request names the lost rank in its own words (the parameter server's, the gradient sync's; with
         ``store_lost`` set, a collective's says the store went with rank 0), where a socket error from this
         bookkeeping would have said only that some rank was gone while this one waits in a collective."""
