@@ -331,11 +331,11 @@ def run_shape(shape: str, args: argparse.Namespace, rank: int) -> dict[str, Any]
         print(f"  exchange floor: {passes:g} passes over {nbytes / 2**20:.1f} MiB of gradients = {1e3 * seconds:.1f} ms "
               f"(both ranks copying at once); alone + floor = {1 + seconds / medians['alone']:.3f} of alone",
               flush=True)
-    print(f"  lockstep + floor: {synchronous_floor(lockstep, floor, medians['alone']):.3f} of alone; autodist "
-          f"{ratios['autodist'][0] - synchronous_floor(lockstep, floor, medians['alone']):+.3f} above it", flush=True)
+    both = synchronous_floor(lockstep, floor, medians["alone"])
+    print(f"  lockstep + floor: {both:.3f} of alone; autodist {ratios['autodist'][0] - both:+.3f} above it", flush=True)
     print(flush=True)
     return {"medians": medians, "ratios": ratios, "phases": {n: p.medians() for n, p in phases.items()},
-            "peer": peer, "floor": floor, "lockstep": lockstep}
+            "peer": peer, "floor": floor, "lockstep": lockstep, "synchronous": both}
 
 
 PHASE_ORDER = ("forward", "backward", "pack", "wait", "sum", "unpack", "step")
@@ -351,7 +351,7 @@ def tables(results: dict[str, dict[str, Any]]) -> str:
         floor = "| - | -" if r["floor"] is None else \
             f"| {1e3 * r['floor'][2]:.1f} ({r['floor'][1]:g} x {r['floor'][0] / 2**20:.1f} MiB) " \
             f"| {1 + r['floor'][2] / m['alone']:.3f}"
-        both = synchronous_floor(r["lockstep"], r["floor"], m["alone"])
+        both = r["synchronous"]
         rows.append(f"| {shape} | {1e3 * m['alone']:.1f} | {1e3 * m['autodist']:.1f} | {1e3 * m['ddp']:.1f} "
                     f"({r['peer']}) | **{ours:.3f}** ({ours_p:.3f}) | {theirs:.3f} ({theirs_p:.3f}) "
                     f"| {r['lockstep']:.3f} {floor} | {both:.3f} | {ours - both:+.3f} |")

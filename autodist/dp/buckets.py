@@ -95,7 +95,6 @@ class Bucket:
 
     def abandon(self) -> None:
         """A backward failed midway: nothing of the bucket's is kept beyond the sync."""
-        self.own = None
 
     def pack(self, count: float, scale: float, own: tuple[int, int] | None = None) -> OwnPart | None:
         """Copy ``scale`` x each gradient into the bucket (zeros for a missing one), then the count and flags.
@@ -119,11 +118,9 @@ class Bucket:
                 g is not None and g.is_contiguous() and g.shape == v.shape and g.dtype == v.dtype
                 and g.data_ptr() != v.data_ptr() for v, g in zip(self.views, grads)):
             self.own = OwnPart(self.flat, segments(self.offsets, grads, *own), scale)
-            into, sources = [], []  # every number but the own part's
-            for view, g, offset in zip(self.views, grads, self.offsets):
-                for a, b in self.own.outside(offset, offset + g.numel()):
-                    into.append(view.view(-1)[a - offset:b - offset])
-                    sources.append(g.view(-1)[a - offset:b - offset])
+            pairs = [pair for view, g, offset in zip(self.views, grads, self.offsets)
+                     for pair in self.own.pieces_outside(view, g, offset)]  # every number but the own part's
+            into, sources = [v for v, _ in pairs], [g for _, g in pairs]
             if scale == 1.0:
                 torch._foreach_copy_(into, sources)
             else:
@@ -178,9 +175,9 @@ class Bucket:
                 p.grad = None
             elif copy_back and grad is not None and grad is not view and grad.shape == view.shape:
                 if own is not None:
-                    for a, b in own.outside(offset, offset + grad.numel()):
-                        into.append(grad.view(-1)[a - offset:b - offset])
-                        sources.append(view.view(-1)[a - offset:b - offset])
+                    for piece, grad_piece in own.pieces_outside(view, grad, offset):
+                        into.append(grad_piece)
+                        sources.append(piece)
                 else:
                     into.append(grad)
                     sources.append(view)

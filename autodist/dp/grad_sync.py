@@ -306,8 +306,8 @@ class GradSync:
         exchange.claim(index)
         if bucket is self.buckets[-1] and bucket.extra.numel():
             self.buffer_sync.pack(bucket.extra, self.packing.count)
-        copies_back = self.window.backwards > 1  # see Bucket.unpack; own parts only then (see dp/own_part.py)
-        own = bucket.pack(self.packing.count, self.packing.scale, exchange.own(index) if copies_back else None)
+        part = exchange.own(index) if self._copies_back() else None  # only where the sums are copied back
+        own = bucket.pack(self.packing.count, self.packing.scale, part)  # see dp/own_part.py
         bucket.sent = True
         exchange.send(index, bucket.flat, own)
 
@@ -338,7 +338,7 @@ class GradSync:
                         "not on the same global batch (a loop that takes batches ahead of their step?); this "
                         "step's gradient is not the single-process one", total, packing.expected)
         for bucket in self.buckets:
-            bucket.unpack(correction, copy_back=self.window.backwards > 1)
+            bucket.unpack(correction, copy_back=self._copies_back())
         rode = self.buffer_sync.sent is not None
         if rode:
             self.buffer_sync.unpack(self.buckets[-1].summed_extra(), total)
@@ -346,6 +346,11 @@ class GradSync:
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
         self.window.reset()
         self.next_bucket, self.packing = 0, None
+
+    def _copies_back(self) -> bool:
+        """Whether this sync copies the sums back into autograd's gradients: after accumulation (see
+        Bucket.unpack)."""
+        return self.window.backwards > 1
 
     def _raise_uncounted(self, mine: str | None) -> None:
         raise ValueError(mine or f"autodist cannot count the samples of this step on another rank (see that rank's "

@@ -73,6 +73,13 @@ class OwnPart:
         lo, hi = self.segments[0][0], self.segments[-1][1]
         return [(x, y) for x, y in ((a, min(b, lo)), (max(a, hi), b)) if x < y]
 
+    def pieces_outside(self, view: torch.Tensor, grad: torch.Tensor, offset: int
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One gradient's numbers outside this part, the gradient starting at ``offset`` of the bucket and
+        ``view`` its numbers there: pairs of (the bucket's piece, the gradient's piece)."""
+        return [(view.view(-1)[a - offset:b - offset], grad.view(-1)[a - offset:b - offset])
+                for a, b in self.outside(offset, offset + grad.numel())]
+
 
 def segments(offsets: list[int], grads: list[torch.Tensor], lo: int, hi: int) -> list[Segment]:
     """Where the gradients' numbers within the bucket's [lo, hi) are: each gradient starting at its offset.
