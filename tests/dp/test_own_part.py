@@ -28,16 +28,16 @@ def _big() -> torch.nn.Module:
 
 
 def _steps(model: torch.nn.Module, batches: list, accumulate: bool, no_sync, sync=lambda: None,
-           loss=lambda model, x, y: F.cross_entropy(model(x), y)) -> torch.nn.Module:
+           loss=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])) -> torch.nn.Module:
     """Adam over ``batches``, one step each, or one step per pair with the first under ``no_sync``; ``sync``
     before each step."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     per_step = 2 if accumulate else 1
     for i in range(0, len(batches) - per_step + 1, per_step):
         opt.zero_grad()
-        for k, (x, y) in enumerate(batches[i:i + per_step]):
+        for k, batch in enumerate(batches[i:i + per_step]):
             with no_sync() if k < per_step - 1 else torch.enable_grad():
-                loss(model, x, y).backward()
+                loss(model, batch).backward()
         sync()
         opt.step()
     return model
@@ -111,12 +111,18 @@ def _nanogpt() -> tuple[dict, dict]:
     build = lambda: nanogpt.GPT(config).double()  # noqa: E731
     tokens = torch.randint(0, 64, (48, 17), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as nanoGPT's get_batch makes them
-    loss = lambda model, x, y: model(x, y)[1]  # noqa: E731 - nanoGPT returns (logits, loss)
-    ref = _steps(w.seeded(build, 0), [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)], True, torch.enable_grad,
-                 loss=loss)
-    model, loader = autodist.parallelize(w.seeded(build, 0 if dist.get_rank() == 0 else 5),
-                                         w.loader(x, y, 8, shuffle=False))
-    model = _steps(model, list(loader), True, lambda: autodist.no_sync(model), loss=loss)
+    loss = lambda model, batch: model(*batch)[1]  # noqa: E731 - nanoGPT returns (logits, loss)
+    return _accumulated(build, [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)], w.loader(x, y, 8, shuffle=False),
+                        loss)
+
+
+def _accumulated(build, whole: list, loader: torch.utils.data.DataLoader, loss) -> tuple[dict, dict]:
+    """``build()`` trained two micro-batches a step: alone on ``whole`` (the global batches), and on this rank
+    through parallelize(model, ``loader``) with the first under no_sync (rank 1 starts from other weights,
+    which parallelize makes rank 0's). Both final states."""
+    ref = _steps(w.seeded(build, 0), whole, True, torch.enable_grad, loss=loss)
+    model, mine = autodist.parallelize(w.seeded(build, 0 if dist.get_rank() == 0 else 5), loader)
+    model = _steps(model, list(mine), True, lambda: autodist.no_sync(model), loss=loss)
     assert state_of(model).exchange.name == "shared memory"
     return w.state(model), w.state(ref)
 
@@ -138,14 +144,9 @@ def _hf_gpt2() -> tuple[dict, dict]:
     build = lambda: transformers.GPT2LMHeadModel(config).double()  # noqa: E731
     tokens = torch.randint(0, 512, (32, 16), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": t, "labels": t} for t in tokens]  # the model shifts the labels itself
-    loss = lambda model, batch, _: model(**batch).loss  # noqa: E731
-    whole = [(batch, None) for batch in torch.utils.data.DataLoader(rows, batch_size=8)]
-    ref = _steps(w.seeded(build, 0), whole, True, torch.enable_grad, loss=loss)
-    model, loader = autodist.parallelize(w.seeded(build, 0 if dist.get_rank() == 0 else 5),
-                                         torch.utils.data.DataLoader(rows, batch_size=8))
-    model = _steps(model, [(batch, None) for batch in loader], True, lambda: autodist.no_sync(model), loss=loss)
-    assert state_of(model).exchange.name == "shared memory"
-    return w.state(model), w.state(ref)
+    loss = lambda model, batch: model(**batch).loss  # noqa: E731
+    return _accumulated(build, list(torch.utils.data.DataLoader(rows, batch_size=8)),
+                        torch.utils.data.DataLoader(rows, batch_size=8), loss)
 
 
 def test_hugging_face_gpt2_accumulating_dict_batches_through_the_own_part(ranks):
