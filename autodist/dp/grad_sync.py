@@ -42,6 +42,7 @@ from autodist.dp.exchange import choose as choose_exchange
 from autodist.dp.replicate import first_difference, model_tensors, signature
 from autodist.dp.shares import Counted, SampleCounter, combine, watch_outputs
 from autodist.dp.structure import Watch
+from autodist.dp.weak_hooks import on_grad_accumulated
 from autodist.dp.weights import Pack, Window
 from autodist.faults import watchdog
 from autodist.runtime import plain, provenance
@@ -122,7 +123,7 @@ class GradSync:
             bucket.copies_back = small
         for handle in self.param_handles:
             handle.remove()
-        self.param_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.param_handles = [on_grad_accumulated(p, self._on_grad_ready) for p in self.params]
         if self.scatter is not None:  # a sharded gradient left from the last sync leaves .grad before autograd adds
             self.param_handles += [p.register_hook(partial(_carry, self.bucket_of[p], p)) for p in self.params]
 

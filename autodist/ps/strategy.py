@@ -37,6 +37,7 @@ class ParameterServer(Strategy):
     every rank is a worker. Subclasses say what a worker sends after its optimizer steps."""
 
     name = "parameter server"
+    settles_dropped = True  # its servers serve the other workers until close(), the model dropped or not
 
     def __init__(self, *, servers: int = 1, staleness: int | None = None) -> None:
         super().__init__()
@@ -190,6 +191,7 @@ class ParameterServer(Strategy):
         self._exchange(wire.BYE)
         if self.server is not None:
             self.serving.join()
+        dist.destroy_process_group(self.group)  # every rank is done with it: its connections and buffers go
         if self.lost and self.me == self.layout.servers[0]:
             gone = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.lost.items()))
             log.warning("parameter server: training finished with %d of %d workers; lost: %s",

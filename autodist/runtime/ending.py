@@ -4,7 +4,8 @@ then the process group torn down.
 At exit (one ``atexit`` hook, registered by :func:`autodist.runtime.world.init`):
 
 1. every callable registered with :func:`settle_at_exit` settles what it still has in flight (Gossip's
-   last exchange, streamed DiLoCo's averages under way, a parameter server's last conversation);
+   last exchange, streamed DiLoCo's averages under way, a parameter server's last conversation), and the
+   communication that owners dropped before the end left in flight (:func:`wait_at_exit`) is waited for;
 2. the ranks meet: through the watchdog where one runs (:func:`use_meeting`; it also counts a rank that
    failed or fell silent as arrived), otherwise through the rendezvous store;
 3. the process group is destroyed.
@@ -14,8 +15,8 @@ line naming the ranks that did not arrive and leaves with status 1; with the wat
 stops with it. A rank that dies of an exception skips both (its peers learn of it from the watchdog).
 
 Example:
-    >>> ending.settle_at_exit(gossip.settle)     # a strategy with messages under way at the end
-    >>> ending.forget(gossip.settle)             # removed: nothing to settle any more
+    >>> ending.settle_at_exit(gossip.settle, weakly=True)   # a strategy with messages under way at the end
+    >>> ending.forget(gossip.settle)                        # removed: nothing to settle any more
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
@@ -81,21 +83,69 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-_settlers: list[Callable[[], None]] = []
+_settlers: list[Callable[[], Callable[[], None] | None]] = []  # each gives its settle(), or None once it is gone
+_orphans: list[Any] = []  # communication in flight whose owner is gone: objects with wait()
 _meeting: Meeting | None = None
 
 
-def settle_at_exit(settle: Callable[[], None]) -> None:
+def settle_at_exit(settle: Callable[[], None], *, weakly: bool = False) -> None:
     """Have ``settle()`` called at the end of the script, on every rank, before the ranks meet: it waits for,
     or abandons alike on every rank, the communication its owner still has in flight. Held until
-    :func:`forget` (a strategy whose model the script dropped still has its messages under way)."""
-    _settlers.append(settle)
+    :func:`forget`; ``weakly`` (a bound method): only while its object lives, so that a strategy the script
+    dropped is freed with its model (it hands what it left in flight to :func:`wait_at_exit`). A parameter
+    server must still talk to the others at the end, so it is held strongly."""
+    _settlers[:] = [s for s in _settlers if s() is not None]
+    _settlers.append(weakref.WeakMethod(settle) if weakly else lambda: settle)  # type: ignore[arg-type]
 
 
 def forget(settle: Callable[[], None]) -> None:
     """Nothing left to settle at exit for ``settle``'s owner (it was removed or closed)."""
-    if settle in _settlers:
-        _settlers.remove(settle)
+    _settlers[:] = [s for s in _settlers if s() is not None and s() != settle]
+
+
+class InFlight:
+    """The communication an owner has under way: torch's work objects (each holds the tensors it reads and
+    writes), handed to :func:`wait_at_exit` when the owner is collected before it waited for them.
+
+    Example:
+        >>> flight = InFlight(strategy)                # strategy dropped: its works are waited for at exit
+        >>> flight.add([dist.all_reduce(t, async_op=True)])
+    """
+
+    def __init__(self, owner: object) -> None:
+        self.works: list[Any] = []
+        weakref.finalize(owner, wait_at_exit, self)
+
+    def add(self, works: Any) -> None:
+        """More work under way (the finished work is let go)."""
+        self.works = [w for w in self.works if not _completed(w)] + list(works)
+
+    def __iter__(self) -> Any:
+        return iter(self.works)
+
+
+def wait_at_exit(works: Any) -> None:
+    """Communication in flight that its owner (a strategy whose model the script dropped) no longer waits for:
+    ``works``, an iterable of objects with ``wait()``, is held (with the buffers they read and write) until
+    :func:`finish_orphans` or the exit waits for it, since its peers finish the same messages. Called when the
+    owner is collected, which may be in any thread: it never waits here."""
+    _orphans[:] = [w for w in _orphans if not _completed(w)]
+    _orphans.extend(w for w in works if not _completed(w))
+
+
+def finish_orphans() -> None:
+    """Wait for the communication dropped owners left in flight, and let it go. Call it where every rank has
+    started all of it: after a collective that each reaches only after the work was started everywhere (the
+    next ``parallelize``), so the wait is short and cannot meet a peer that never sends."""
+    orphans, _orphans[:] = list(_orphans), []
+    with waiting("the end of the communication a dropped model's strategy left in flight"):
+        for work in orphans:
+            work.wait()
+
+
+def _completed(work: Any) -> bool:
+    done = getattr(work, "is_completed", None)
+    return bool(done()) if callable(done) else False
 
 
 def use_meeting(meeting: Meeting | None) -> None:
@@ -182,9 +232,12 @@ class _Bound:
 
 
 def _settle() -> bool:
-    """Every registered settle(); False if one failed (it says why)."""
+    """Every registered settle() whose owner lives, then the orphans' waits; False if one failed (it says
+    why)."""
     fine = True
-    for settle in list(_settlers):
+    settles = [s() for s in _settlers]
+    waits = [w.wait for w in _orphans]
+    for settle in [s for s in settles if s is not None] + waits:
         try:
             with waiting("exit"):  # a lost peer is named (the watchdog's explanation), not gloo's socket error
                 settle()
@@ -193,6 +246,7 @@ def _settle() -> bool:
                       else type(exc).__name__)
             fine = False
     _settlers.clear()
+    _orphans.clear()
     return fine
 
 

@@ -40,11 +40,16 @@ class Strategy:
     # (tensor_names): a tensor of its shape here}. A checkpoint holds them dense (model-parallel shards
     # gathered, keyed by the original model's names); load cuts them to the loading model's layout.
     mirrors: tuple[str, ...] = ()
+    # Whether settle() must run at exit even once the model is dropped: a parameter server serves the other
+    # ranks until it is closed. Otherwise the strategy goes with its model, and what it left in flight
+    # (``self.in_flight``) is waited for at exit.
+    settles_dropped = False
 
     def __init__(self) -> None:
         self._model: weakref.ref | None = None
         self._comm: comm.Communicator | None = None
         self._sent = 0.0
+        self.in_flight = ending.InFlight(self)
 
     def setup(self, model: nn.Module, ctx: SyncContext) -> object | None:
         """Bind to ``model`` (once) and install what the strategy needs."""
@@ -53,9 +58,10 @@ class Strategy:
                                f"{type(self).__name__}(...) to each parallelize call")
         self._model = weakref.ref(model)
         self._comm = comm.of_group(ctx.group, "data-parallel ranks")
+        ending.finish_orphans()  # parallelize's collectives passed: every rank has started what they hold
         exact = self._start(model, ctx)
         if type(self).settle is not Strategy.settle:  # it may have work in flight at the end
-            ending.settle_at_exit(self.settle)
+            ending.settle_at_exit(self.settle, weakly=not self.settles_dropped)
         return exact
 
     def settle(self) -> None:

@@ -272,6 +272,7 @@ class DiLoCo(Periodic):
             deltas = [outer - p.detach() for outer, p in zip(self.outer_params[f], params)]
         self._pending[f] = self._sending(lambda: self.averager.start(deltas + buffers, weight,  # type: ignore[union-attr]
                                                                      self._error))
+        self.in_flight.add(self._pending[f].handles)
 
     def _land(self, f: int) -> None:
         """Fragment f's outer step on the averaged delta; the replicas continue from it."""

@@ -69,7 +69,7 @@ class Gossip(Strategy):
         self.peers = _positive("peers", peers)
         self.steps = 0
         self.rounds = 0
-        self._pending: list[tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []
+        self._pending: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []  # handles, sent, received
 
     def _start(self, model: nn.Module, ctx: SyncContext) -> None:
         self.tensors = float_state(model)
@@ -99,7 +99,8 @@ class Gossip(Strategy):
                 received.append(torch.empty_like(flat))
                 handles.append(comm.send(flat, dst=(me + offset) % size, comm=group, async_op=True))
                 handles.append(comm.recv(received[-1], src=(me - offset) % size, comm=group, async_op=True))
-            self._pending.append((handles, sent, received, list(self.by_kind.values())))
+            self._pending.append((handles, sent, received))
+            self.in_flight.add(handles)
         self._counted(before)
         self.rounds += 1
 
@@ -109,15 +110,14 @@ class Gossip(Strategy):
             return
         k = len(self._pending)
         sums: dict[int, torch.Tensor] = {}
-        for handles, sent, received, _ in self._pending:
+        for handles, sent, received in self._pending:
             for h in handles:
                 h.wait()
             for i, (s, r) in enumerate(zip(sent, received)):
                 sums[i] = sums[i] + (r - s) if i in sums else r - s
-        groups = self._pending[0][3]
         self._pending = []
         with torch.no_grad():
-            for i, ts in enumerate(groups):
+            for i, ts in enumerate(self.by_kind.values()):
                 for t, step in zip(ts, _unflatten_dense_tensors(sums[i] / (1 + k), ts)):
                     t.add_(step)
 

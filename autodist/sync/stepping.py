@@ -24,6 +24,7 @@ from torch import nn
 from autodist.dp import step_hooks
 from autodist.dp.shares import Counted, SampleCounter, watch_outputs
 from autodist.dp.structure import Watch
+from autodist.dp.weak_hooks import on_grad_accumulated
 from autodist.runtime import provenance
 
 class StepWatch:
@@ -74,8 +75,7 @@ class SampleTally:
         self.compiled = False  # a forward of the model was traced by torch.compile: count in backward instead
         self.reset()
         self.handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
-        self.grad_handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                             for p in model.parameters() if p.requires_grad]
+        self.grad_handles = [on_grad_accumulated(p, self._on_grad) for p in model.parameters() if p.requires_grad]
 
     def reset(self) -> None:
         self.count = 0.0

@@ -1,0 +1,90 @@
+"""Every floating-point tensor byte alive in this process, found through the garbage collector: how much
+memory a rank holds, counted the same way for autodist and for torch's peers. Not a benchmark itself.
+
+Each storage is counted once, however many tensors view it (a view of a parameter, a gradient that is a
+view of a bucket). Pages of a shared mapping that every rank of the host maps (autodist's file of shared
+memory) are counted 1/``sharers`` on each rank, as the host holds them once. A DTensor counts its local part;
+a tensor subclass without storage of its own (autodist's ``ShardedGrad``) counts the tensor it wraps.
+The gradients of parameters are found through their parameters (torch need not have made Python objects
+of them). Independent of autodist's own bookkeeping (``autodist.memory``), which the tests check against it.
+
+Example:
+    >>> live_tensor_bytes(sharers=2)    # on a rank of two on one host
+    134_742_016.0
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import warnings
+from typing import Any
+
+import torch
+
+
+def _mappings() -> list[tuple[int, int]]:
+    """The address ranges of the mmap objects alive in this process."""
+    spans = []
+    for obj in gc.get_objects():
+        if isinstance(obj, mmap.mmap) and not obj.closed:
+            try:
+                start = ctypes.addressof(ctypes.c_char.from_buffer(obj))
+            except (TypeError, ValueError, BufferError):
+                continue
+            spans.append((start, start + len(obj)))
+    return spans
+
+
+def _storages(roots: list[Any]) -> dict[int, int]:
+    """{first byte: bytes} of every storage behind the floating-point tensors among ``roots``."""
+    found: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        inner = getattr(t, "_local_tensor", None)  # a DTensor: its local part
+        if torch.is_tensor(inner):
+            return add(inner)
+        if not t.is_floating_point() or t.device.type == "meta":
+            return
+        try:
+            storage = t.untyped_storage()
+            start, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass: what it wraps
+            local = getattr(t, "local", None)
+            if torch.is_tensor(local):
+                add(local)
+            return
+        if size:
+            found[start] = max(found.get(start, 0), size)
+
+    for obj in roots:
+        try:
+            if not torch.is_tensor(obj):
+                continue
+            add(obj)
+            if obj.is_leaf and obj.grad is not None:
+                add(obj.grad)
+        except (RuntimeError, ReferenceError):
+            continue
+    return found
+
+
+def live_tensor_bytes(sharers: int = 1) -> float:
+    """Bytes of every floating-point tensor storage alive in this process (see the module docstring); bytes
+    inside a shared mapping count 1/``sharers``."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        spans = sorted((start, start + size) for start, size in _storages(gc.get_objects()).items())
+        mappings = _mappings()
+    merged: list[list[int]] = []
+    for start, end in spans:  # storages that overlap (views of one mapping) count once
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = 0.0
+    for start, end in merged:
+        shared = sum(max(0, min(end, b) - max(start, a)) for a, b in mappings)
+        total += (end - start - shared) + shared / sharers
+    return total
