@@ -51,6 +51,7 @@ _PREFIX = "autodist/faults/watchdog/"
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
               "Socket closed")
 _EXIT_CODE = 1
+HELD_FRAME_LOOK_S = 0.02  # how often a held frame of the main thread is checked for having been left
 
 
 class PeerFailure(RuntimeError):
@@ -74,6 +75,8 @@ def _main_frame_in_collective(frame: Any) -> tuple[Any, str] | None:
         api = api.f_back
         if api.f_code.co_filename.endswith("distributed_c10d.py"):
             name = api.f_code.co_name  # the API function, not the logging wrapper around it
+    if api.f_back is not None and api.f_back.f_code.co_filename.startswith("<frozen importlib"):
+        return None  # a module of torch.distributed being imported (its first use), not a call waiting for peers
     callers, caller = [], api.f_back
     while caller is not None and len(callers) < 4:  # through autodist's own frames to the script's line
         callers.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} in {caller.f_code.co_name}")
@@ -176,13 +179,34 @@ class Watchdog:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self.stop.wait(self.tick):
+        while not self._pause():
             if not dist.is_initialized():
                 return  # the process group was destroyed: the job is over
             try:
                 self._tick()
             except Exception as exc:  # noqa: BLE001 - the store is gone or broken: never crash the thread
                 self._store_failed(exc)
+
+    def _pause(self) -> bool:
+        """Wait a tick (True: stopped). The frame of a collective the main thread was seen in is held for its
+        identity, and with it the locals of every caller (a model the script has since dropped, a buffer made
+        for the call): it is let go as soon as the main thread has left it, looked for every HELD_FRAME_LOOK_S."""
+        end = time.monotonic() + self.tick
+        while self.collective is not None:
+            if self.stop.wait(min(HELD_FRAME_LOOK_S, max(0.0, end - time.monotonic()))):
+                return True
+            if not self._still_in(self.collective[0]):
+                self.collective = None
+            if time.monotonic() >= end:
+                return False
+        return self.stop.wait(max(0.0, end - time.monotonic()))
+
+    def _still_in(self, api: Any) -> bool:
+        """Whether the main thread's stack still holds frame ``api``."""
+        frame = sys._current_frames().get(self.ident)
+        while frame is not None and frame is not api:
+            frame = frame.f_back
+        return frame is not None
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import weakref
+from functools import partial
 from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
@@ -84,7 +85,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 _settlers: list[Callable[[], Callable[[], None] | None]] = []  # each gives its settle(), or None once it is gone
-_orphans: list[Any] = []  # communication in flight whose owner is gone: objects with wait()
+_orphans: list["InFlight"] = []  # communication in flight whose owner is gone
 _meeting: Meeting | None = None
 
 
@@ -114,6 +115,7 @@ class InFlight:
 
     def __init__(self, owner: object) -> None:
         self.works: list[Any] = []
+        self.note: str | None = None  # logged if the exit waits for these works (the owner's words)
         weakref.finalize(owner, wait_at_exit, self)
 
     def add(self, works: Any) -> None:
@@ -124,13 +126,14 @@ class InFlight:
         return iter(self.works)
 
 
-def wait_at_exit(works: Any) -> None:
-    """Communication in flight that its owner (a strategy whose model the script dropped) no longer waits for:
-    ``works``, an iterable of objects with ``wait()``, is held (with the buffers they read and write) until
+def wait_at_exit(flight: InFlight) -> None:
+    """Communication in flight that its owner (a strategy whose model the script dropped, or whose script
+    ended) no longer waits for: held (each work holds the buffers it reads and writes) until
     :func:`finish_orphans` or the exit waits for it, since its peers finish the same messages. Called when the
     owner is collected, which may be in any thread: it never waits here."""
-    _orphans[:] = [w for w in _orphans if not _completed(w)]
-    _orphans.extend(w for w in works if not _completed(w))
+    flight.works = [w for w in flight.works if not _completed(w)]
+    if flight.works:
+        _orphans.append(flight)
 
 
 def finish_orphans() -> None:
@@ -139,8 +142,17 @@ def finish_orphans() -> None:
     next ``parallelize``), so the wait is short and cannot meet a peer that never sends."""
     orphans, _orphans[:] = list(_orphans), []
     with waiting("the end of the communication a dropped model's strategy left in flight"):
-        for work in orphans:
-            work.wait()
+        for flight in orphans:
+            for work in flight.works:
+                work.wait()
+
+
+def _wait_for(flight: InFlight) -> None:
+    """At exit: an orphan's works, then its owner's note."""
+    for work in flight.works:
+        work.wait()
+    if flight.note:
+        log.warning("%s", flight.note)
 
 
 def _completed(work: Any) -> bool:
@@ -236,7 +248,7 @@ def _settle() -> bool:
     why)."""
     fine = True
     settles = [s() for s in _settlers]
-    waits = [w.wait for w in _orphans]
+    waits = [partial(_wait_for, flight) for flight in _orphans]
     for settle in [s for s in settles if s is not None] + waits:
         try:
             with waiting("exit"):  # a lost peer is named (the watchdog's explanation), not gloo's socket error

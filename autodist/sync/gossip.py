@@ -9,6 +9,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from autodist.runtime import comm, ending
+from autodist.runtime.held import Held
 from autodist.runtime.world import log
 from autodist.sync.averaging import float_state
 from autodist.sync.base import Strategy, SyncContext
@@ -77,6 +78,10 @@ class Gossip(Strategy):
         for t in self.tensors:
             self.by_kind.setdefault((t.dtype, t.device), []).append(t)
         self.watch = StepWatch(model, self._after_step)
+        if ctx.dp_rank == 0:  # said once, by the exit's settle or, the model dropped, by the exit's wait
+            self.in_flight.note = (f"{self!r}: the script ended with its last exchange under way; autodist waited "
+                                   f"for it at exit (end with gossip.flush() and autodist.synchronize_model(model, "
+                                   f"what='parameters') for one final model)")
         return None
 
     def _after_step(self) -> None:
@@ -121,14 +126,18 @@ class Gossip(Strategy):
                 for t, step in zip(ts, _unflatten_dense_tensors(sums[i] / (1 + k), ts)):
                     t.add_(step)
 
+    def held(self) -> Held:
+        """The models sent and received in the exchange under way."""
+        held = Held()
+        held.add("autodist buffers", *(t for _, sent, received in self._pending for t in sent + received))
+        return held
+
     def settle(self) -> None:
         """The script ended without ``flush()``: wait for the last exchange, as ``flush()`` would."""
         if self._pending:
             self.flush()
-            if self._comm is not None and self._comm.rank == 0:
-                log.warning("%r: the script ended with its last exchange under way; autodist waited for it at "
-                            "exit (end with gossip.flush() and autodist.synchronize_model(model, what='parameters') "
-                            "for one final model)", self)
+            if self.in_flight.note:
+                log.warning("%s", self.in_flight.note)
 
     def state_dict(self) -> dict[str, Any]:
         """The step and round counts (the graph's phase); the exchange under way is folded in first."""
