@@ -21,6 +21,7 @@ from autodist.runtime.world import World, init, rank, world_size
 from autodist.sync import DiLoCo, Gossip, Hierarchical, LocalSGD
 from autodist.train import checkpoint, engine
 from autodist.train.checkpoint import load, resume, save
+from autodist.train.memory import memory
 
 # The public modules keep the short names they always had (as os.path is os's): autodist.engine (the training-loop
 # helpers), autodist.comm (collectives over communicators), autodist.checkpoint (save / load and CheckpointError).
@@ -30,5 +31,5 @@ del _public
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
-           "rank", "world_size", "engine", "ModelChanged"]
+           "rank", "world_size", "engine", "ModelChanged", "memory"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from torch.nn.parameter import is_lazy
 
 from autodist import sync as sync_mod
 from autodist.dp import data as data_mod
+from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
 from autodist.dp.replicate import broadcast_state, check_same_model, model_tensors
 from autodist.dp.shares import SampleCounter, SampleFn
@@ -335,7 +336,7 @@ def parallelize(
             sync_buffers, scatter=scatter))
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
-                                    at_rest)
+                                    at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp.own_part import OwnPart, segments
+from autodist.runtime.held import Held
 
 MB = 1024 * 1024
 
@@ -89,6 +90,10 @@ class Bucket:
     def summed_extra(self) -> torch.Tensor:
         """The ``extra`` slots summed over the ranks, after the exchange."""
         return self.extra
+
+    def held(self, held: Held) -> None:
+        """The bucket's memory, for ``autodist.memory`` (a slot of shared memory counts with its file)."""
+        held.add("autodist buffers", self.flat)
 
     def carry(self, p: nn.Parameter) -> None:
         """A backward is about to add to ``p.grad``: whole gradients need nothing done."""

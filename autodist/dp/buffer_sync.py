@@ -22,6 +22,7 @@ from torch import nn
 
 from autodist.dp.buckets import average_
 from autodist.runtime.position import waiting
+from autodist.runtime.held import Held
 from autodist.runtime.world import log
 
 Key = tuple[torch.dtype, torch.device]
@@ -57,6 +58,10 @@ class BufferSync:
                     seen.add(id(b))
                     found.append(b)
         return found
+
+    def held(self, held: Held) -> None:
+        """The snapshot of the buffers at the last sync (and what rode this sync), for ``autodist.memory``."""
+        held.add("autodist buffers", self.sent, *self.snapshot.flat.values(), *self.snapshot.segment.values())
 
     def forget(self) -> None:
         """Count every buffer as changed at the next sync (their state before is unknown)."""

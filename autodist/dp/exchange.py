@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.dp.own_part import OwnPart
+from autodist.runtime.held import Held
 from autodist.runtime.shared_slots import (PIECE_BYTES, Shared, part, part_pieces, shared_slots, sum_from_own,
                                            sum_into_every_slot)
 
@@ -93,6 +94,9 @@ class AllReduce:
             if work is not None:
                 work.wait()
         self.works = [None] * len(self.works)
+
+    def held(self, held: Held) -> None:
+        """Nothing of its own: the buckets are summed where they are."""
 
 
 class SharedSum:
@@ -150,6 +154,11 @@ class SharedSum:
     def abandon(self) -> None:
         """A backward failed midway: what it packed is packed again by the next sync."""
         self.mine = [None] * len(self.mine)
+
+    def held(self, held: Held) -> None:
+        """The file every rank of the group maps, and the scratch pieces, for ``autodist.memory``."""
+        held.share(self.mapping, len(self.slots[0]) if self.slots else 1)
+        held.add("autodist buffers", *self.scratch.values())
 
 
 Exchange = Union[AllReduce, SharedSum]

@@ -46,6 +46,7 @@ from autodist.dp.weak_hooks import on_grad_accumulated
 from autodist.dp.weights import Pack, Window
 from autodist.faults import watchdog
 from autodist.runtime import plain, provenance
+from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
 from autodist.runtime.world import log
 
@@ -356,6 +357,17 @@ class GradSync:
     def _raise_uncounted(self, mine: str | None) -> None:
         raise ValueError(mine or f"autodist cannot count the samples of this step on another rank (see that rank's "
                                  f"error); rank {dist.get_rank()} could count its own")
+
+    def held(self) -> Held:
+        """What this sync keeps beside the model (buckets, shared memory, the buffers' snapshot), for
+        ``autodist.memory``."""
+        held = Held()
+        for bucket in self.buckets:
+            bucket.held(held)
+        if self.exchange is not None:
+            self.exchange.held(held)
+        self.buffer_sync.held(held)
+        return held
 
     def forget_buffers(self) -> None:
         """Count every buffer as changed at the next sync (its state before is unknown)."""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
 from autodist.runtime.shared_slots import Shared, part_pieces, shared_slots, sum_into_every_slot
 
@@ -51,6 +52,9 @@ class SharedAllReduce:
         """Slots of ``capacity`` bytes, or None where the group cannot share memory. A collective over ``group``."""
         shared = shared_slots([torch.empty(capacity, dtype=torch.uint8)], group, "model-parallel all-reduces")
         return None if shared is None else cls(shared, group)
+
+    def held(self, held: Held) -> None:
+        held.share(self.mapping, self.size)
 
     def __call__(self, t: torch.Tensor) -> None:
         n, nbytes = t.numel(), t.numel() * t.element_size()
@@ -89,6 +93,12 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         dist.all_reduce(t, group=group)
     else:
         reducer(t)
+
+
+def reducer_of(group: dist.ProcessGroup | None) -> SharedAllReduce | None:
+    """The shared-memory all-reduce ``group``'s model-parallel layers use, once their first all-reduce chose it."""
+    found = _chosen.get(dist.group.WORLD if group is None else group)
+    return found or None
 
 
 def _shareable(t: torch.Tensor) -> bool:

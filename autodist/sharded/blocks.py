@@ -3,7 +3,8 @@
 A block's parameters are gathered whole for its forward, freed after it, gathered again for its backward
 and freed once its gradients are summed, so a rank holds its 1/N shard of everything plus the few blocks
 in use. Found automatically: the members of every ``nn.ModuleList`` / ``nn.Sequential`` whose members with
-trainable parameters are all of one type (transformer blocks, ResNet blocks, the Linear layers of an MLP),
+parameters are all of one type (transformer blocks, ResNet blocks, the Linear layers of an MLP; frozen ones
+too, which are gathered the same way and never reduced),
 the outermost such container on each path. Chosen by hand with ``blocks=``: a list of module names, or a
 callable ``(name, module) -> bool``. What no block holds (embeddings, the final norm, the head) is the
 *root*, gathered for the whole forward and backward.
@@ -22,13 +23,13 @@ from torch import nn
 Choice = Union[Sequence[str], Callable[[str, nn.Module], bool], None]
 
 
-def _trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _repeated(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
-        members = [(f"{prefix}{name}", child) for name, child in module.named_children() if _trainable(child)]
+        members = [(f"{prefix}{name}", child) for name, child in module.named_children() if _has_parameters(child)]
         if len(members) >= 2 and len({type(child) for _, child in members}) == 1:
             return members
     found: list[tuple[str, nn.Module]] = []
@@ -58,4 +59,4 @@ def find(model: nn.Module, chosen: Choice = None) -> list[tuple[str, nn.Module]]
         inner = next((name for name, _ in picked if name.startswith(outer + ".")), None)
         if inner is not None:
             raise ValueError(f"blocks {outer!r} and {inner!r}: one holds the other; name blocks that do not nest")
-    return [(name, m) for name, m in picked if _trainable(m)]
+    return [(name, m) for name, m in picked if _has_parameters(m)]

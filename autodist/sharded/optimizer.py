@@ -37,11 +37,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp import step_hooks
-from autodist.runtime.shared_slots import shared_slots
 from autodist.runtime import plain
+from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
+from autodist.runtime.shared_slots import shared_slots
+from autodist.sharded.gather import Windows, streams, through_windows
 from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.layout import Kind, Layout, Piece
+from autodist.sharded.scatter import ring_bytes
 
 ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                           torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
@@ -69,7 +72,7 @@ class OptimizerSharding:
     and the hooks around the steps of every optimizer that holds them."""
 
     def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None,
-                 at_rest: Any = None) -> None:
+                 at_rest: Any = None, bucket_bytes: int = 25 << 20) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
         self.params = [p for p in model.parameters() if p.requires_grad]
         # shard="parameters": the pieces are views of the blocks' shards, which nothing gathers after a step
@@ -89,11 +92,27 @@ class OptimizerSharding:
         self.store: dict[Piece, dict[str, Any]] = {}  # each piece's optimizer state between steps
         self.holds: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.swapped: dict[int, list[torch.Tensor]] = {}  # id(param group) -> its own params, during a step
-        # On one machine the updated chunks meet in shared memory: each rank writes its own, reads the others'.
-        self.shared = None if at_rest is not None else shared_slots(
-            [torch.empty(k.chunk, dtype=k.dtype, device=k.device) for k in self.layout.kinds], group,
-            "the sharded parameters")
+        # On one machine the updated pieces meet in shared memory, through two windows (autodist.sharded.gather)
+        self.streams = streams(self.layout.kinds, ranks)
+        self.mapping = None  # the windows' own file of shared memory (shard="optimizer" on one machine)
+        self.windows = None if at_rest is not None else self._windows(bucket_bytes)
         step_hooks.listen(self)
+
+    def _windows(self, bucket_bytes: int) -> list[Windows] | None:
+        """Two windows of shared memory per stream (shard="gradients": the gradient buckets' ring, free between
+        syncs), each as large as a ring buffer; None where the ranks cannot share memory. A collective."""
+        if self.sync is not None:
+            ring = getattr(self.sync.exchange, "windows", None)  # the ring in shared memory, or the backend's
+            return None if ring is None else [ring()]
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        sizes = [min(s.length, max(1, ring_bytes(total, self.ranks, bucket_bytes) // s.dtype.itemsize))
+                 for s in self.streams]
+        shared = shared_slots([torch.empty(n, dtype=s.dtype, device=s.device) for s, n in zip(self.streams, sizes)
+                               for _ in range(2)], self.group, "the sharded parameters")
+        if shared is None:
+            return None
+        self.mapping = shared.mapping
+        return [Windows(shared.slots[2 * i:2 * i + 2], shared.fence) for i in range(len(self.streams))]
 
     # -- which optimizers --------------------------------------------------------------------------
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -186,19 +205,19 @@ class OptimizerSharding:
         return self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
 
     def _gather_parameters(self) -> None:
-        """Every rank's updated elements into every rank's parameters: through the shared slots on one machine
-        (each rank writes its chunk, then reads the others'), else the backend's all-gather, a kind at a time."""
-        shared = self.shared
-        if shared is not None:
-            for kind, slots in zip(self.layout.kinds, shared.slots):
-                self._pack(kind, slots[self.rank], self._param_slice)
-            shared.fence.wait()  # every rank wrote its chunk
-        for k, kind in enumerate(self.layout.kinds):
-            theirs = shared.slots[k] if shared is not None else \
-                self._through_backend(kind, kind.dtype, self._param_slice)
-            self._unpack(kind, theirs, lambda piece, values: self._param_slice(piece).copy_(values), skip=self.rank)
-        if shared is not None:
-            shared.fence.wait()  # every rank read: the chunks may be written again
+        """Every rank's updated elements into every rank's parameters: through two windows of shared memory on
+        one machine (:mod:`autodist.sharded.gather`), else the backend's all-gather, a kind at a time."""
+        if self.windows is None:
+            for kind in self.layout.kinds:
+                theirs = self._through_backend(kind, kind.dtype, self._param_slice)
+                self._unpack(kind, theirs, lambda piece, values: self._param_slice(piece).copy_(values),
+                             skip=self.rank)
+            return
+        k = 0
+        for stream, windows in zip(self.streams, self.windows):
+            k = through_windows(stream, self.rank, windows, self._param_slice, k)
+        if k:
+            self.windows[0].fence.wait()  # every rank read every window: they may be written again
 
     def _pack(self, kind: Kind, chunk: torch.Tensor, value_of: Callable[[Piece], torch.Tensor | None]) -> None:
         """This rank's pieces of ``kind`` into its ``chunk`` (a piece whose value is None is left as it is)."""
@@ -297,6 +316,13 @@ class OptimizerSharding:
         """Bytes of optimizer state this rank holds between steps (its slices)."""
         return sum(v.numel() * v.element_size() for s in self.store.values() for v in s.values() if torch.is_tensor(v))
 
+    def held(self) -> Held:
+        """The slices of the optimizer state, and the windows' file, for ``autodist.memory``."""
+        held = Held()
+        held.add("optimizer state", *(v for s in self.store.values() for v in s.values() if torch.is_tensor(v)))
+        held.share(self.mapping, self.ranks)
+        return held
+
 
 def _slice(value: Any, param: torch.Tensor, piece: Piece) -> Any:
     """A dense state entry cut to ``piece``: per-element tensors sliced (a copy), the rest as they are."""
@@ -319,13 +345,14 @@ def _unplain(value: Any) -> Any:
 
 
 def setup(model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None,
-          at_rest: Any = None) -> OptimizerSharding:
+          at_rest: Any = None, bucket_bytes: int = 25 << 20) -> OptimizerSharding:
     """Shard the optimizer state of ``model`` over the ``ranks`` data-parallel ranks of ``group`` (this one is
     ``rank``); the model keeps the sharding alive. ``sync``: the gradient sync whose buckets' parts the ranks
     keep (``shard="gradients"``), whose cut the optimizer's pieces then follow; ``at_rest``: the
     :class:`~autodist.sharded.parameters.ParameterSharding` whose shards the pieces are
-    (``shard="parameters"``)."""
-    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync, at_rest)
+    (``shard="parameters"``); ``bucket_bytes``: the gradient buckets' size, which bounds the shared windows the
+    updated parameters are gathered through."""
+    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync, at_rest, bucket_bytes)
     return sharding
 
 

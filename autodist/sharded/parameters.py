@@ -43,19 +43,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
 from autodist.runtime.tree import tensor_leaves
 from autodist.runtime.world import log
 from autodist.sharded import blocks as blocks_mod
-from autodist.sharded.layout import Layout
+from autodist.sharded.block import Block
 from autodist.sharded.scatter import Scatter, ScatteredBucket
 
 
 @dataclass(frozen=True)
 class Saved:
-    """Where a tensor autograd saved sat in its block's gathered buffer."""
+    """Where a tensor autograd saved sat in its block's gathered buffers: which part, where in it."""
 
-    block: "Block"
+    block: Block
+    part: int
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
@@ -68,71 +70,13 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
-class Block:
-    """One block's trainable parameters: this rank's part of them, and the whole block while in use."""
-
-    def __init__(self, number: int, name: str, params: list[nn.Parameter], rank: int, ranks: int) -> None:
-        self.number, self.name, self.params, self.ranks = number, name, params, ranks
-        kind = Layout.of_groups(params, [list(range(len(params)))], ranks).kinds[0]
-        self.chunk, like = kind.chunk, params[0]
-        self.spans, offset = [], 0
-        flat = torch.zeros(self.chunk * ranks, dtype=like.dtype, device=like.device)
-        for p in params:
-            self.spans.append((offset, p.numel()))
-            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-            offset += p.numel()
-        self.shard = flat[rank * self.chunk:(rank + 1) * self.chunk].clone()
-        nan = torch.full((1,), float("nan"), dtype=like.dtype, device=like.device)
-        self.placeholders = [nan.expand(p.shape) for p in params]
-        self.full: torch.Tensor | None = None  # the whole block, while gathered
-        self.work: Any = None  # its all-gather, while in flight
-        self.live = False  # the parameters are views of ``full``
-        self.release()
-
-    def start(self, group: Any) -> bool:
-        """Begin gathering the block (nothing if it is gathered or on its way); True if a gather began."""
-        if self.full is not None:
-            return False
-        self.full = torch.empty(self.chunk * self.ranks, dtype=self.shard.dtype, device=self.shard.device)
-        self.work = dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
-        return True
-
-    def ready(self) -> None:
-        """Wait for the gather; the parameters become views of the whole block."""
-        if self.work is not None:
-            with waiting(f"the all-gather of the parameters of block {self.name!r} (shard='parameters')"):
-                self.work.wait()
-            self.work = None
-        if not self.live:
-            assert self.full is not None
-            for p, (offset, n) in zip(self.params, self.spans):
-                p.data = self.full[offset:offset + n].view(p.shape)
-            self.live = True
-
-    def release(self) -> None:
-        """The parameters back to placeholders; the whole block is dropped (autograd keeps none of it)."""
-        if self.work is not None:
-            self.work.wait()  # a collective in flight completes on every rank
-            self.work = None
-        for p, placeholder in zip(self.params, self.placeholders):
-            p.data = placeholder
-        self.full, self.live = None, False
-
-    def keep(self, rank: int) -> None:
-        """The whole block (gathered, then changed by ``load_state_dict``): this rank's part into the shard."""
-        assert self.full is not None
-        self.shard.copy_(self.full[rank * self.chunk:(rank + 1) * self.chunk])
-
-    def __repr__(self) -> str:
-        return f"Block({self.name!r}, {sum(n for _, n in self.spans)} parameters)"
-
-
 class ParameterSharding:
     """The blocks of one model, the hooks that gather and free them, and its dense state dict."""
 
     def __init__(self, model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        everything = list(model.parameters())
+        trainable = [p for p in everything if p.requires_grad]
         for p in trainable:
             if p.dtype != trainable[0].dtype or p.device != trainable[0].device:
                 raise NotImplementedError("shard='parameters' needs every trainable parameter of one dtype and "
@@ -145,7 +89,7 @@ class ParameterSharding:
                 owners.setdefault(id(p), []).append(b)
         members: list[list[nn.Parameter]] = [[] for _ in found]
         root: list[nn.Parameter] = []
-        for p in trainable:  # a parameter two blocks share (tied) belongs to the root
+        for p in everything:  # frozen ones too: sharded alike, never reduced; one two blocks share (tied): the root
             held = owners.get(id(p), [])
             (members[held[0]] if len(held) == 1 else root).append(p)
         named = [(name, module, ps) for (name, module), ps in zip(found, members) if ps]
@@ -177,7 +121,7 @@ class ParameterSharding:
             handles += [module.register_forward_pre_hook(self._block_begins),
                         module.register_forward_hook(self._block_ends, always_call=True)]
         if self.root is not None:
-            root = {id(p) for p in self.root.params}
+            root = {id(p) for p in self.root.all_params()}
             for module in model.modules():
                 if module is not model and any(id(p) in root for p in module._parameters.values()):
                     handles.append(module.register_forward_pre_hook(self._root_needed))
@@ -236,6 +180,10 @@ class ParameterSharding:
             for _, t in tensor_leaves(output):
                 if t.requires_grad:
                     t.register_hook(partial(self._backward_begins, block))
+            if not block.params:  # no bucket frees a frozen block: its backward is done when its inputs' is
+                for _, t in tensor_leaves(args):
+                    if t.requires_grad:
+                        t.register_hook(partial(self._frozen_done, block))
         block.release()
 
     # -- backward ----------------------------------------------------------------------------------
@@ -243,21 +191,28 @@ class ParameterSharding:
         """A tensor autograd saves while a block runs: one of a block's parameters (or a view of one) is kept
         as where it sits in the block, so the block can be freed until backward needs it."""
         block = self.hooking[-1][1] if self.hooking else None
-        if block is None or block.full is None or _storage(t) != block.full.untyped_storage().data_ptr():
-            return t
-        return Saved(block, t.size(), t.stride(), t.storage_offset())
+        where = _storage(t) if block is not None else None
+        for i, part in enumerate(block.parts if where is not None else ()):
+            if part.full is not None and where == part.full.untyped_storage().data_ptr():
+                return Saved(block, i, t.size(), t.stride(), t.storage_offset())
+        return t
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, Saved):
             return saved
         self._for_backward(saved.block)
-        assert saved.block.full is not None
-        return saved.block.full.as_strided(saved.size, saved.stride, saved.offset)
+        full = saved.block.parts[saved.part].full
+        assert full is not None
+        return full.as_strided(saved.size, saved.stride, saved.offset)
 
     def _backward_begins(self, block: Block, grad: torch.Tensor) -> None:
         """The gradient of one of ``block``'s outputs: its backward (or its recomputation, where its forward is
         checkpointed, as Hugging Face's gradient checkpointing does inside the module's hooks) comes next."""
         self._for_backward(block)
+
+    def _frozen_done(self, block: Block, grad: torch.Tensor) -> None:
+        """The gradient of an input of a block without trainable parameters: its backward is done."""
+        block.release()
 
     def _for_backward(self, block: Block) -> None:
         if block.full is None or block.work is not None or not block.live:
@@ -273,7 +228,7 @@ class ParameterSharding:
 
     def check(self) -> None:
         """One all-reduce: every rank gathered the same blocks in the same order since the last check."""
-        mine = torch.tensor([self.trace, -self.trace], dtype=torch.float64, device=self.blocks[0].shard.device)
+        mine = torch.tensor([self.trace, -self.trace], dtype=torch.float64, device=self.blocks[0].parts[0].shard.device)
         with waiting("the check that every rank gathered the same blocks (shard='parameters')"):
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)
         if mine.tolist() != [self.trace, -self.trace]:
@@ -299,10 +254,11 @@ class ParameterSharding:
             names.setdefault(id(p), []).append(prefix + name)
         with waiting("model.state_dict() of a model with shard='parameters' (a collective: call it on every rank)"):
             for block in self.blocks:
-                keys = [[k for k in names.get(id(p), ()) if k in state_dict] for p in block.params]
+                params = block.all_params()
+                keys = [[k for k in names.get(id(p), ()) if k in state_dict] for p in params]
                 was = block.full is not None
                 self._gather(block)
-                for p, ks in zip(block.params, keys):
+                for p, ks in zip(params, keys):
                     for k in ks:
                         state_dict[k] = p.detach().clone() if not isinstance(state_dict[k], nn.Parameter) else \
                             nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
@@ -322,10 +278,17 @@ class ParameterSharding:
             block.keep(self.rank)
             block.release()
 
+    def held(self) -> Held:
+        """This rank's shards and the blocks gathered now, for ``autodist.memory``."""
+        held = Held()
+        for b in self.blocks:
+            held.add("parameters", *b.held_tensors())
+        return held
+
     def held_bytes(self) -> int:
         """Bytes of parameters this rank holds now (its shards and what is gathered)."""
-        return sum(b.shard.numel() * b.shard.element_size() +
-                   (0 if b.full is None else b.full.numel() * b.full.element_size()) for b in self.blocks)
+        return sum(t.numel() * t.element_size() for b in self.blocks for part in b.parts
+                   for t in (part.shard, part.full) if t is not None)
 
 
 class BlockScatter(Scatter):
@@ -343,9 +306,9 @@ class BlockScatter(Scatter):
                                                                     blocks[id(p)].shard.device) for p in params):
             raise RuntimeError("the model's trainable parameters changed after parallelize(..., shard='parameters') "
                                "(requires_grad, dtype or device); make such changes before parallelize")
-        blocks = self.sharding.blocks
-        order = [b for b in reversed(blocks) if b is not self.sharding.root] + blocks[-1:] * (
-            self.sharding.root is not None)
+        blocks = [b for b in self.sharding.blocks if b.params]  # a frozen block has no gradients
+        root = self.sharding.root
+        order = [b for b in reversed(blocks) if b is not root] + [b for b in blocks if b is root]
         return [[index[id(p)] for p in block.params] for block in order]
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:

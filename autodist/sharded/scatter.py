@@ -41,9 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.runtime.shared_slots import Shared, shared_slots
 from autodist.dp.buckets import Bucket, assign_buckets
+from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
+from autodist.runtime.shared_slots import Shared, shared_slots
+from autodist.sharded.gather import Windows
 from autodist.sharded.grads import ShardedGrad
 from autodist.sharded.layout import Layout
 
@@ -112,6 +114,12 @@ class ScatteredBucket(Bucket):
     def abandon(self) -> None:
         self.carried.clear()
 
+    def held(self, held: Held) -> None:
+        """This rank's part of the sum (the gradients ``.grad`` holds a slice of each) and the meta; the ring
+        the bucket is packed into is the exchange's."""
+        held.add("gradients", self.part)
+        held.add("autodist buffers", self.meta, *self.carried.values())
+
 
 class ScatterSum:
     """The ring in shared memory: each rank sums its part of every rank's slot (see the module docstring)."""
@@ -121,6 +129,7 @@ class ScatterSum:
     def __init__(self, buckets: list[ScatteredBucket], shared: Shared, rank: int) -> None:
         self.buckets, self.rank = buckets, rank
         self.mapping, self.fence = shared.mapping, shared.fence  # the ring is views of the mapping
+        self.ring = shared.slots  # ring buffer k: a slot per rank
         # bucket k's slot of every rank: the first numbers of ring buffer k mod RING
         self.slots = [[slot[:b.flat.numel()] for slot in shared.slots[k % len(shared.slots)]]
                       for k, b in enumerate(buckets)]
@@ -149,6 +158,14 @@ class ScatterSum:
     def abandon(self) -> None:
         for bucket in self.buckets:
             bucket.abandon()
+
+    def held(self, held: Held) -> None:
+        held.share(self.mapping, len(self.ring[0]) if self.ring else 1)
+
+    def windows(self) -> Windows:
+        """The ring, free between syncs, as the windows the updated parameters are gathered through after a
+        step (:mod:`autodist.sharded.gather`)."""
+        return Windows(self.ring, self.fence)
 
 
 class ReduceScatter:
@@ -194,6 +211,9 @@ class ReduceScatter:
         for bucket in self.buckets:
             bucket.abandon()
 
+    def held(self, held: Held) -> None:
+        held.add("autodist buffers", *self.homes)  # views of the ring: each counts its whole buffer
+
 
 def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
     """``out`` = the sum of ``parts``, added in rank order (every rank adds the same numbers the same way)."""
@@ -203,6 +223,18 @@ def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
     torch.add(parts[0], parts[1], out=out)
     for part in parts[2:]:
         out.add_(part)
+
+
+def ring_bytes(total: int, ranks: int, cap: int) -> int:
+    """The most bytes a buffer of the ring holds, for ``total`` bytes of gradients over ``ranks`` ranks: 1/(8N) of
+    them (nor less than 256 KiB), at most ``cap`` (``bucket_mb``). The windows the updated parameters are
+    gathered through are as large (:mod:`autodist.sharded.gather`).
+
+    Example:
+        >>> ring_bytes(32 << 20, 2, 25 << 20) == 2 << 20
+        True
+    """
+    return min(cap, max(SMALLEST, total // (8 * ranks)))
 
 
 class Scatter:
@@ -217,8 +249,8 @@ class Scatter:
         but no larger than 1/(8N) of the gradients (nor than 256 KiB less), so that the ring of two holds
         at most 1/(4N) of them beside the 1/N a rank keeps (``bucket_mb`` is for the whole-gradient sync,
         where a bucket's memory is its gradients' own)."""
-        limit = max(SMALLEST, sum(p.numel() * p.element_size() for p in params) // (8 * self.ranks))
-        return assign_buckets(params, min(caps[0], limit), min(caps[1], limit))
+        total = sum(p.numel() * p.element_size() for p in params)
+        return assign_buckets(params, ring_bytes(total, self.ranks, caps[0]), ring_bytes(total, self.ranks, caps[1]))
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
         return ScatteredBucket(params, extra, self.rank, self.ranks, self.group)

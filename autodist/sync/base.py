@@ -11,6 +11,7 @@ from torch import nn
 
 from autodist.dp.shares import SampleCounter
 from autodist.runtime import comm, ending
+from autodist.runtime.held import Held
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class Strategy:
     def _counted(self, before: float) -> None:
         assert self._comm is not None
         self._sent += self._comm.bytes_sent - before
+
+    def held(self) -> Held:
+        """What the strategy keeps beside the model (copies, messages under way), for ``autodist.memory``; the
+        exact sync's buckets are the gradient sync's."""
+        return Held()
 
     def state_dict(self) -> dict[str, Any]:
         """What a restart needs besides the model and its optimizer (``autodist.save`` stores it).

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autodist.layers.shard import Shard
+from autodist.runtime.held import Held
 from autodist.runtime.world import log
 from autodist.sync.averaging import Done, Pending
 from autodist.sync.base import SyncContext, tensor_names
@@ -295,6 +296,15 @@ class DiLoCo(Periodic):
             for b, avg in zip(buffers, averaged[len(params):]):
                 b.copy_(avg)
         self.syncs += 1
+
+    def held(self) -> Held:
+        """The outer parameters and their momentum (the outer optimizer's), the averages under way."""
+        held = Held()
+        outers = [t for ts in self.outer_params for t in ts]
+        held.add("optimizer state", *outers, *(v for t in outers for v in self.outer.state.get(t, {}).values()
+                                               if torch.is_tensor(v)))
+        held.add("autodist buffers", *(f for average in self._pending.values() for f in getattr(average, "flats", ())))
+        return held
 
     def settle(self) -> None:
         """At the end of the script: the averages under way are waited for on every rank and not applied

@@ -243,3 +243,46 @@ def test_ranks_that_run_different_layers_are_refused_before_the_step(ranks):
     for message, unchanged in ranks(2, _different_layers):
         assert "gathered different blocks" in message and "shard='gradients'" in message, message
         assert unchanged
+
+
+def _frozen(stack: Stack) -> Stack:
+    """Fine-tuning: the input layer trains, the first three blocks are a frozen base (gradients flow through
+    them to the input layer), the last block trains one of its two tensors (an adapter's way), the head trains."""
+    for layer in stack.layers[:3]:
+        layer.requires_grad_(False)
+    stack.layers[3][0].bias.requires_grad_(False)
+    return stack
+
+
+@_float64
+def _fine_tuned():
+    """shard="parameters" with frozen parameters: the same training as one process, the frozen base sharded at
+    rest too (a rank holds 1/N of it), and never more than the blocks in use gathered in backward."""
+    x, y = w.digits_like(48, features=6, classes=3)
+    ref = _frozen(w.seeded(Stack, 0))
+    model, (xs, ys) = autodist.parallelize(_frozen(w.seeded(Stack, 100 * w.rank())), (x, y), shard="parameters")
+    at_rest = sharding_of(model)
+    gathered = []
+    for p in model.inp.parameters():  # the gradient of the input layer lands after every block's backward
+        p.register_post_accumulate_grad_hook(
+            lambda p: gathered.append(sum(b.full is not None for b in at_rest.blocks if b is not at_rest.root)))
+    n = torch.distributed.get_world_size()
+    for m, (xd, yd) in ((ref, (x, y)), (model, (xs, ys))):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        size = 12 if m is ref else 12 // n
+        for i in range(0, len(xd), size):
+            opt.zero_grad()
+            F.cross_entropy(m(xd[i:i + size]), yd[i:i + size]).backward()
+            opt.step()
+    frozen = sum(p.numel() * p.element_size() for p in ref.parameters() if not p.requires_grad)
+    held = sum(part.shard.numel() * part.shard.element_size() for b in at_rest.blocks for part in b.parts
+               if not part.params[0].requires_grad)
+    return w.state(ref), model.state_dict(), frozen, held, gathered, [len(b.parts) for b in at_rest.blocks]
+
+
+def test_frozen_parameters_are_sharded_gathered_for_use_and_never_reduced(ranks):
+    for ref, par, frozen, held, gathered, parts in ranks(2, _fine_tuned):
+        assert_close(par, ref, rtol=1e-12, atol=1e-14)  # frozen ones unchanged, the others trained alike
+        assert held <= frozen / 2 + 8 * 4, (held, frozen)  # 1/N of the frozen base (each part padded to N chunks)
+        assert parts == [1, 1, 1, 2, 1], parts  # frozen blocks; the last one trainable and frozen; the root
+        assert gathered and max(gathered) <= 1, gathered  # the frozen blocks were freed after their backward
