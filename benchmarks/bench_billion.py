@@ -10,8 +10,9 @@ What it shows
     (``RLIMIT_AS``), so that the run that cannot fit fails inside its own processes with an allocation
     error instead of driving the machine into swap or its OOM killer. Two runs, one after the other:
 
-    * ``shard="parameters"``: ``--steps`` steps; each rank prints its step times, the bytes of
-      parameters, gradients and optimizer state it holds between steps, and its peak resident memory;
+    * ``shard="parameters"``: ``--steps`` steps; each rank prints its step times, the bytes it holds
+      between steps by kind (``autodist.memory``: parameters, gradients, optimizer state, autodist's
+      buffers, its share of the shared memory), and its peak resident memory;
     * ``shard=None`` (replicated): the same model and loop; expected to fail allocating (the rank's
       error is printed), which is the point.
 
@@ -32,28 +33,10 @@ from bench_sharded import mlp  # benchmarks/bench_sharded.py: its MLP, wider her
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import autodist
-from autodist.dp.grad_sync import state_of
-from autodist.sharded.optimizer import sharding_of
-from autodist.sharded.parameters import sharding_of as at_rest_of
 
 GB = 1e9
-
-
-def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """GB of parameters, gradients and optimizer state this rank holds between steps."""
-    at_rest, sharding, sync = at_rest_of(model), sharding_of(model), state_of(model)
-    params = at_rest.held_bytes() if at_rest else sum(p.numel() * p.element_size() for p in model.parameters())
-    if sharding is not None:
-        grads = sum(b.part.numel() * b.part.element_size() for b in sync.buckets)
-        state = sharding.held_bytes()
-    else:
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-        state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                    if torch.is_tensor(v))
-    return {"parameters": params / GB, "gradients": grads / GB, "optimizer": state / GB}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -79,15 +62,15 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.step()
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
-        held = _held(model, optimizer)
+        held = autodist.memory(model, optimizer)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
         lines = [f"rank {rank}: shard={shard}, {total / 1e9:.2f} B parameters ({16 * total / GB:.1f} GB of "
                  f"replicated Adam training state per rank); built and parallelized in {ready:.0f} s",
                  f"rank {rank}: steps {', '.join(f'{s:.1f}' for s in times)} s; losses "
                  f"{', '.join(f'{v:.4f}' for v in losses)}",
-                 f"rank {rank}: held between steps: parameters {held['parameters']:.2f} GB, gradients "
-                 f"{held['gradients']:.2f} GB, optimizer state {held['optimizer']:.2f} GB; "
-                 f"peak resident memory {peak:.2f} GB (limit {limit / GB:.1f} GB)"]
+                 f"rank {rank}: held between steps (autodist.memory): " +
+                 ", ".join(f"{kind} {value / GB:.2f} GB" for kind, value in held.items()) +
+                 f"; total {held.total / GB:.2f} GB; peak resident memory {peak:.2f} GB (limit {limit / GB:.1f} GB)"]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, lines)
         if rank == 0:

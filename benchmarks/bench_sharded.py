@@ -1,8 +1,8 @@
-"""Sharded data parallelism: per-rank training-state bytes, peak memory and step time, autodist against torch.
+"""Sharded data parallelism: the bytes each rank holds, peak memory and step time, autodist against torch.
 
 What it measures
     An MLP of ``--layers`` Linear layers of ``--width`` (float32, Adam), ``--batch`` rows per rank, trained
-    on ``--ranks`` CPU ranks (gloo) by three contenders:
+    on ``--ranks`` CPU ranks (gloo) by six contenders:
 
     * ``dp``: autodist's data parallelism, every rank holding everything (``shard=None``);
     * ``shard=optimizer``: autodist with each rank keeping 1/N of the optimizer state (ZeRO stage 1);
@@ -12,19 +12,24 @@ What it measures
     * ``ZeRO-1 (torch)``: torch's ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (stage 1);
     * ``FSDP2 (torch)``: torch's ``fully_shard`` applied to each Linear layer, then to the model (full).
 
-    Each contender first runs alone on fresh processes (``--steps`` steps): the bytes of parameters,
-    gradients and optimizer state each rank holds between steps (parameters: this rank's shards where they
-    are sharded at rest, the local shards of FSDP2's DTensors; gradients: every distinct storage behind
-    ``.grad`` and autodist's gradient buckets, counting a rank's own slots of shared memory but not the
-    shared sum of ``shard=None`` and ``shard=optimizer`` on one machine, one bucket-set for all ranks;
-    DDP's own buckets are not counted; FSDP2's: its local shards), and the rank's peak resident memory
-    (``ru_maxrss``). Then all three run in one set of processes, in interleaved blocks, for the step times
-    (medians, and each one's ratio to ``dp``, and ``shard=parameters``'s to FSDP2's); the parameters are
-    checked equal after.
+    ``--frozen K`` freezes the first K layers (fine-tuning a frozen base).
+
+    Each contender first runs alone on fresh processes (``--steps`` steps): the *live* bytes a rank holds
+    between steps, every tensor storage alive in the process counted once through the garbage collector
+    (``benchmarks/live_bytes.py``; pages of shared memory every rank of the host maps count 1/N on each; a
+    DTensor its local part; DDP's buckets and everything else included), less the batch; against the
+    *ideal*, parameters + gradients + Adam's two moments, each divided by N where the contender shards it
+    (+ one block for the fully sharded ones); for autodist, ``autodist.memory``'s breakdown of the same bytes
+    by kind; and the peak resident memory during the steps (the process's, VmHWM, reset after the model is
+    built). Then all six run in one set of processes, in interleaved blocks, for the step times (medians,
+    and each one's ratio to ``dp``, and ``shard=parameters``'s to FSDP2's); the parameters are checked
+    equal after.
 
 How to run
-    python benchmarks/bench_sharded.py                  # 2 ranks, about a minute on 2 cores
+    python benchmarks/bench_sharded.py                  # 2 ranks, about three minutes on 2 cores
     python benchmarks/bench_sharded.py --ranks 4
+    python benchmarks/bench_sharded.py --layers 8 --width 2048
+    python benchmarks/bench_sharded.py --frozen 7       # the first 7 of 8 layers frozen
     python benchmarks/bench_sharded.py --quick          # smoke run: tiny model, a few steps
 """
 from __future__ import annotations
@@ -32,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -40,17 +44,14 @@ import time
 
 import harness  # benchmarks/harness.py, next to this file
 import timing  # benchmarks/timing.py
+from live_bytes import live_tensor_bytes  # benchmarks/live_bytes.py
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import autodist
-from autodist.dp.grad_sync import state_of
-from autodist.sharded.grads import ShardedGrad
-from autodist.sharded.optimizer import sharding_of
 from autodist.sharded.parameters import sharding_of as at_rest_of
-from autodist.sharded.scatter import ScatteredBucket
 
 CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "shard=parameters", "ZeRO-1 (torch)", "FSDP2 (torch)")
 
@@ -60,19 +61,25 @@ def mlp(args: argparse.Namespace) -> nn.Module:
     layers: list[nn.Module] = []
     for _ in range(args.layers):
         layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(args.width, 10))
+    model = nn.Sequential(*layers, nn.Linear(args.width, 10))
+    for layer in [m for m in model if isinstance(m, nn.Linear)][:getattr(args, "frozen", 0)]:
+        layer.requires_grad_(False)
+    return model
 
 
-def contender(name: str, args: argparse.Namespace):
-    """(model, optimizer, bytes of optimizer state this rank holds) for ``name``."""
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def contender(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """(model, optimizer) for ``name``."""
     if name == "ZeRO-1 (torch)":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
         autodist.init()
         model = DistributedDataParallel(mlp(args))
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
-        return model, optimizer, lambda: _state_bytes(optimizer.optim.state)
+        return model, ZeroRedundancyOptimizer(_trainable(model), optimizer_class=torch.optim.Adam, lr=1e-4)
     if name == "FSDP2 (torch)":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -84,30 +91,21 @@ def contender(name: str, args: argparse.Namespace):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-        return model, optimizer, lambda: _state_bytes(optimizer.state)
+        return model, torch.optim.Adam(_trainable(model), lr=1e-4)
     model, _ = autodist.parallelize(mlp(args), shard=name.removeprefix("shard=") if name.startswith("shard") else None)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    sharding = sharding_of(model)
-    return model, optimizer, (lambda: sharding.held_bytes()) if sharding else lambda: _state_bytes(optimizer.state)
+    return model, torch.optim.Adam(_trainable(model), lr=1e-4)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2's parameters, gradients and state); any other tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _state_bytes(state) -> int:
-    return sum(_local(v).numel() * v.element_size() for s in state.values() for v in s.values()
-               if torch.is_tensor(v))
-
-
-def _parameter_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds between steps."""
-    at_rest = at_rest_of(model)
-    if at_rest is not None:
-        return at_rest.held_bytes()
-    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+def ideal(name: str, args: argparse.Namespace, ranks: int) -> float:
+    """Parameters + gradients + Adam's two moments, each divided by N where ``name`` shards it (+ one block,
+    gathered, where the parameters are sharded)."""
+    model = mlp(args)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = sum(p.numel() * p.element_size() for p in _trainable(model))
+    shards = {"dp": (1, 1, 1), "shard=optimizer": (1, 1, ranks), "ZeRO-1 (torch)": (1, 1, ranks),
+              "shard=gradients": (1, ranks, ranks)}.get(name, (ranks, ranks, ranks))
+    block = args.width * (args.width + 1) * 4 if shards[0] > 1 else 0
+    return params / shards[0] + trained / shards[1] + 2 * trained / shards[2] + block
 
 
 def _dense(model: nn.Module) -> torch.Tensor:
@@ -119,24 +117,15 @@ def _dense(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def _gradient_bytes(model: nn.Module) -> int:
-    """Bytes of every distinct storage holding gradients on this rank (see the module docstring)."""
-    storages: dict[int, int] = {}
+def _resident(field: str) -> int:
+    """This process's resident memory (VmRSS) or its peak since the last reset (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
-    def add(t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
 
-    for p in model.parameters():
-        if p.grad is not None and not isinstance(p.grad, ShardedGrad):
-            add(_local(p.grad))
-    sync = state_of(model)
-    for bucket in sync.buckets if sync is not None else []:
-        add(bucket.flat)  # shard=gradients: its ring buffer
-        if isinstance(bucket, ScatteredBucket):
-            add(bucket.part)
-            add(bucket.meta)
-    return sum(storages.values())
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": the peak resident memory starts again from now
+        f.write("5")
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,14 +142,19 @@ def _step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> floa
 
 
 def alone(args: argparse.Namespace) -> None:
-    """One contender on fresh ranks: the bytes each rank holds, and its peak resident memory."""
-    model, optimizer, state_bytes = contender(args.contender, args)
+    """One contender on fresh ranks: the live bytes each rank holds between steps (and autodist's breakdown of
+    them), and its peak resident memory during the steps."""
+    ranks = autodist.init().size
+    before = live_tensor_bytes(ranks)
+    model, optimizer = contender(args.contender, args)
     x, y = _batch(args)
+    _reset_peak()
     for _ in range(args.steps):
         _step(model, optimizer, x, y)
-    held = {"parameters": _parameter_bytes(model),
-            "gradients": _gradient_bytes(model),
-            "optimizer": state_bytes(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    held = {"peak": _resident("VmHWM"),
+            "live": live_tensor_bytes(ranks) - before - x.numel() * x.element_size() - y.numel() * y.element_size()}
+    if args.contender.startswith(("dp", "shard=")):
+        held["kinds"] = dict(autodist.memory(model, optimizer))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
     if dist.get_rank() == 0:
@@ -172,11 +166,11 @@ def together(args: argparse.Namespace) -> None:
     """Every contender in these processes, interleaved blocks of steps; the medians, the parameters checked."""
     built = {name: contender(name, args) for name in CONTENDERS}
     x, y = _batch(args)
-    steps = {name: (lambda m=m, o=o: _step(m, o, x, y)) for name, (m, o, _) in built.items()}
+    steps = {name: (lambda m=m, o=o: _step(m, o, x, y)) for name, (m, o) in built.items()}
     times, _ = timing.interleave(steps, args.steps, args.rounds, args.warmup)
     names = list(CONTENDERS)
     # the same steps on the same data from the same weights: the same parameters
-    params = {name: _dense(m) for name, (m, _, _) in built.items()}
+    params = {name: _dense(m) for name, (m, _) in built.items()}
     gap = {n: (params[n] - params["dp"]).abs().max().item() for n in names[1:]}
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
@@ -207,18 +201,20 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
         timed = json.load(f)
     os.remove(result)
     total = sum(p.numel() for p in mlp(args).parameters())
-    print(f"\n{ranks} ranks, MLP of {args.layers} x {args.width} ({total / 1e6:.1f} M parameters, float32, Adam), "
+    frozen = f", the first {args.frozen} layers frozen" if args.frozen else ""
+    print(f"\n{ranks} ranks, MLP of {args.layers} x {args.width} ({total / 1e6:.1f} M parameters, float32, Adam{frozen}), "
           f"{args.batch} rows per rank\n")
-    print("| contender | parameters / rank (MB) | gradients / rank (MB) | optimizer state / rank (MB) | "
-          "state vs replicated | peak RSS, rank 0 (MB) | step (ms) | step vs dp |")
-    print("|---|---|---|---|---|---|---|---|")
-    full = max(h["optimizer"] for h in held["dp"])
+    print("| contender | live / rank (MB) | ideal (MB) | live / ideal | parameters | gradients | optimizer state | "
+          "autodist buffers | shared memory | peak RSS in steps (MB) | step (ms) | step vs dp |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in CONTENDERS:
-        worst = {k: max(h[k] for h in held[name]) for k in ("parameters", "gradients", "optimizer")}
-        median = timed["medians"][name]
-        print(f"| {name} | {worst['parameters'] / 1e6:.1f} | {worst['gradients'] / 1e6:.1f} | "
-              f"{worst['optimizer'] / 1e6:.1f} | {worst['optimizer'] / full:.3f} (1/N = {1 / ranks:.3f}) | "
-              f"{held[name][0]['peak_rss'] / 1e6:.0f} | {1e3 * median:.1f} | "
+        worst = max(held[name], key=lambda h: h["live"])
+        kinds = worst.get("kinds")
+        parts = ([f"{kinds[k] / 1e6:.1f}" for k in ("parameters", "gradients", "optimizer state", "autodist buffers",
+                                                   "shared memory")] if kinds else ["-"] * 5)
+        median, best = timed["medians"][name], ideal(name, args, ranks)
+        print(f"| {name} | {worst['live'] / 1e6:.1f} | {best / 1e6:.1f} | {worst['live'] / best:.3f} | "
+              f"{' | '.join(parts)} | {max(h['peak'] for h in held[name]) / 1e6:.0f} | {1e3 * median:.1f} | "
               f"{median / timed['medians']['dp']:.3f} |")
     fsdp = timed["medians"]["FSDP2 (torch)"]
     print(f"\nshard=parameters vs FSDP2 (torch): {timed['medians']['shard=parameters'] / fsdp:.3f} x its step; "
@@ -235,6 +231,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
+    parser.add_argument("--frozen", type=int, default=0, help="freeze the first FROZEN Linear layers")
     parser.add_argument("--steps", type=int, default=5, help="steps per block (and of each run alone)")
     parser.add_argument("--rounds", type=int, default=6, help="blocks of each contender")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")

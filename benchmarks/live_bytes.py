@@ -1,4 +1,4 @@
-"""Every floating-point tensor byte alive in this process, found through the garbage collector: how much
+"""Every tensor byte alive in this process, found through the garbage collector: how much
 memory a rank holds, counted the same way for autodist and for torch's peers. Not a benchmark itself.
 
 Each storage is counted once, however many tensors view it (a view of a parameter, a gradient that is a
@@ -37,14 +37,14 @@ def _mappings() -> list[tuple[int, int]]:
 
 
 def _storages(roots: list[Any]) -> dict[int, int]:
-    """{first byte: bytes} of every storage behind the floating-point tensors among ``roots``."""
+    """{first byte: bytes} of every storage behind the tensors among ``roots``."""
     found: dict[int, int] = {}
 
     def add(t: torch.Tensor) -> None:
         inner = getattr(t, "_local_tensor", None)  # a DTensor: its local part
         if torch.is_tensor(inner):
             return add(inner)
-        if not t.is_floating_point() or t.device.type == "meta":
+        if t.device.type == "meta":
             return
         try:
             storage = t.untyped_storage()
@@ -70,7 +70,7 @@ def _storages(roots: list[Any]) -> dict[int, int]:
 
 
 def live_tensor_bytes(sharers: int = 1) -> float:
-    """Bytes of every floating-point tensor storage alive in this process (see the module docstring); bytes
+    """Bytes of every tensor storage alive in this process (see the module docstring); bytes
     inside a shared mapping count 1/``sharers``."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
