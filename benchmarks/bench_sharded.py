@@ -2,13 +2,14 @@
 
 What it measures
     An MLP of ``--layers`` Linear layers of ``--width`` (float32, Adam), ``--batch`` rows per rank, trained
-    on ``--ranks`` CPU ranks (gloo) by six contenders:
+    on ``--ranks`` CPU ranks (gloo) by seven contenders:
 
     * ``dp``: autodist's data parallelism, every rank holding everything (``shard=None``);
     * ``shard=optimizer``: autodist with each rank keeping 1/N of the optimizer state (ZeRO stage 1);
     * ``shard=gradients``: also 1/N of the averaged gradients, each bucket reduce-scattered (ZeRO stage 2);
     * ``shard=parameters``: also 1/N of the parameters between uses, each Linear layer a block gathered for
       its forward and its backward (fully sharded, ZeRO stage 3);
+    * ``DDP (torch)``: torch's ``DistributedDataParallel``, every rank holding everything;
     * ``ZeRO-1 (torch)``: torch's ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (stage 1);
     * ``FSDP2 (torch)``: torch's ``fully_shard`` applied to each Linear layer, then to the model (full).
 
@@ -21,7 +22,7 @@ What it measures
     *ideal*, parameters + gradients + Adam's two moments, each divided by N where the contender shards it
     (+ one block for the fully sharded ones); for autodist, ``autodist.memory``'s breakdown of the same bytes
     by kind; and the peak resident memory during the steps (the process's, VmHWM, reset after the model is
-    built). Then all six run in one set of processes, in interleaved blocks, for the step times (medians,
+    built). Then all seven run in one set of processes, in interleaved blocks, for the step times (medians,
     and each one's ratio to ``dp``, and ``shard=parameters``'s to FSDP2's); the parameters are checked
     equal after.
 
@@ -53,7 +54,8 @@ from torch import nn
 import autodist
 from autodist.sharded.parameters import sharding_of as at_rest_of
 
-CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "shard=parameters", "ZeRO-1 (torch)", "FSDP2 (torch)")
+CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "shard=parameters", "DDP (torch)", "ZeRO-1 (torch)",
+              "FSDP2 (torch)")
 
 
 def mlp(args: argparse.Namespace) -> nn.Module:
@@ -73,6 +75,12 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 def contender(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
     """(model, optimizer) for ``name``."""
+    if name == "DDP (torch)":
+        from torch.nn.parallel import DistributedDataParallel
+
+        autodist.init()
+        model = DistributedDataParallel(mlp(args))
+        return model, torch.optim.Adam(_trainable(model), lr=1e-4)
     if name == "ZeRO-1 (torch)":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -102,7 +110,7 @@ def ideal(name: str, args: argparse.Namespace, ranks: int) -> float:
     model = mlp(args)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     trained = sum(p.numel() * p.element_size() for p in _trainable(model))
-    shards = {"dp": (1, 1, 1), "shard=optimizer": (1, 1, ranks), "ZeRO-1 (torch)": (1, 1, ranks),
+    shards = {"dp": (1, 1, 1), "DDP (torch)": (1, 1, 1), "shard=optimizer": (1, 1, ranks), "ZeRO-1 (torch)": (1, 1, ranks),
               "shard=gradients": (1, ranks, ranks)}.get(name, (ranks, ranks, ranks))
     block = args.width * (args.width + 1) * 4 if shards[0] > 1 else 0
     return params / shards[0] + trained / shards[1] + 2 * trained / shards[2] + block

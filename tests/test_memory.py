@@ -186,3 +186,38 @@ def test_fully_sharded_holds_what_fsdp2_holds_plus_the_exchange_also_with_a_froz
             block = params / LAYERS
             assert mine <= theirs + 3 * block, (rank, frozen, mine / 1e6, theirs / 1e6)
         assert held[LAYERS - 1, False][0] < 0.6 * held[0, False][0], (rank, held)  # the frozen base is sharded
+
+
+def _counted_beside(options: dict) -> tuple[dict, float, float]:
+    """autodist.memory and the live bytes after a few steps of nanoGPT (the outside fixture, tied embedding),
+    parallelized with ``options``."""
+    from outside.nanogpt import GPT, GPTConfig
+
+    sharers = autodist.init().size
+    before = live_tensor_bytes(sharers)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.0))
+    ids = torch.randint(0, 64, (4, 16))
+    model, _ = autodist.parallelize(model, example=(ids,) if "mp" in options else None, **options)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(4):  # DiLoCo(every=2): two outer steps
+        optimizer.zero_grad()
+        model(ids, ids)[1].backward()
+        optimizer.step()
+    held = autodist.memory(model, optimizer)
+    return dict(held), held.total, live_tensor_bytes(sharers) - before - ids.numel() * ids.element_size()
+
+
+def _beside() -> dict:
+    return {"mp2": _counted_beside({"mp": 2}), "diloco": _counted_beside({"sync": autodist.DiLoCo(every=2)}),
+            "parameters": _counted_beside({"shard": "parameters"})}
+
+
+def test_memory_counts_model_parallel_layers_a_strategy_and_an_outside_model(ranks):
+    """nanoGPT split over 2 ranks (the model-parallel all-reduce's shared memory), under DiLoCo (its outer
+    parameters and momentum) and fully sharded: autodist.memory is the live bytes, within 1%."""
+    for rank, counted in enumerate(ranks(2, _beside, timeout=240)):
+        for name, (held, total, live) in counted.items():
+            assert abs(total - live) <= 0.01 * live, (rank, name, held, live)
+        assert counted["mp2"][0]["shared memory"] > 0, counted["mp2"][0]
+        assert counted["diloco"][0]["optimizer state"] > 2 * counted["diloco"][0]["parameters"], counted["diloco"][0]

@@ -122,6 +122,10 @@ class InFlight:
         """More work under way (the finished work is let go)."""
         self.works = [w for w in self.works if not _completed(w)] + list(works)
 
+    def waited(self) -> None:
+        """The owner waited for some of its works: let the finished ones go (with the buffers they hold)."""
+        self.add([])
+
     def __iter__(self) -> Any:
         return iter(self.works)
 

@@ -280,6 +280,7 @@ class DiLoCo(Periodic):
         if f not in self._pending:  # loaded from a checkpoint that holds no average of f under way
             self._launch(f)
         averaged = self._pending.pop(f).wait()
+        self.in_flight.waited()
         params, buffers = self.parts[f]
         outers = self.outer_params[f]
         mix = self.mix if self.overlap else 0.0
@@ -303,7 +304,8 @@ class DiLoCo(Periodic):
         outers = [t for ts in self.outer_params for t in ts]
         held.add("optimizer state", *outers, *(v for t in outers for v in self.outer.state.get(t, {}).values()
                                                if torch.is_tensor(v)))
-        held.add("autodist buffers", *(f for average in self._pending.values() for f in getattr(average, "flats", ())))
+        held.add("autodist buffers", *(t for average in self._pending.values()
+                                       for t in [*getattr(average, "flats", ()), *(average._result or ())]))
         return held
 
     def settle(self) -> None:
@@ -311,6 +313,7 @@ class DiLoCo(Periodic):
         (every fragment always has one under way in streamed DiLoCo; ``autodist.save`` keeps them)."""
         for average in self._pending.values():
             average.abandon()
+        self.in_flight.waited()
         self._pending = {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -121,6 +121,7 @@ class Gossip(Strategy):
             for i, (s, r) in enumerate(zip(sent, received)):
                 sums[i] = sums[i] + (r - s) if i in sums else r - s
         self._pending = []
+        self.in_flight.waited()
         with torch.no_grad():
             for i, ts in enumerate(self.by_kind.values()):
                 for t, step in zip(ts, _unflatten_dense_tensors(sums[i] / (1 + k), ts)):

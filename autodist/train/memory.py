@@ -52,9 +52,9 @@ class Memory(dict):
     def __str__(self) -> str:
         width = max(len(k) for k in self)
         rows = [f"  {kind:<{width}}  {value / 1e6:10.1f} MB" for kind, value in self.items()]
-        shared = "; ".join(f"{n / 1e6:.1f} MB mapped by {k} rank(s)" for n, k in self.files)
-        if shared:
-            rows[-1] += f"  (this rank's share of: {shared})"
+        files = ", ".join(f"{n / 1e6:.1f} MB / {k} ranks" for n, k in self.files)
+        if files:
+            rows[-1] += f"  (its part of the files the ranks of this host map: {files}; less its gradients there)"
         return "\n".join([f"memory of rank {self.rank} of {self.size}:", *rows,
                           f"  {'total':<{width}}  {self.total / 1e6:10.1f} MB"])
 
