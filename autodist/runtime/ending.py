@@ -126,9 +126,6 @@ class InFlight:
         """The owner waited for some of its works: let the finished ones go (with the buffers they hold)."""
         self.add([])
 
-    def __iter__(self) -> Any:
-        return iter(self.works)
-
 
 def wait_at_exit(flight: InFlight) -> None:
     """Communication in flight that its owner (a strategy whose model the script dropped, or whose script

@@ -13,7 +13,10 @@ the last bucket); what changes is the bucket and how it is summed:
 * buckets are packed into a *ring* of two buffers the size of the largest bucket (bucket k into buffer
   k mod 2), not into buffers of their own, and autograd's full gradient of a parameter is dropped as soon
   as it is packed, so between steps a rank holds ``1/N`` of the gradients plus the ring. Buckets are
-  capped at ``1/(8N)`` of the gradients (:meth:`Scatter.caps`), so the ring is at most ``1/(4N)``;
+  capped at ``1/(8N)`` of the gradients, at least 256 KiB and at most ``bucket_mb`` (:func:`ring_bytes`;
+  a parameter larger than that is a bucket of its own), so the ring is at most ``1/(4N)`` of them or two
+  buckets. Between syncs the ring is free: the updated parameters are gathered through it after a step
+  (:mod:`autodist.sharded.gather`);
 * :class:`ScatterSum` (every rank on one machine, gloo, CPU): the ring lives in shared memory, one slot per
   rank. When bucket k is packed, a fence (:mod:`autodist.runtime.shared_fence`) says every rank has packed
   it; rank r adds up part r of every rank's slot, in rank order, into its ``part`` (the same bits as the
