@@ -306,6 +306,7 @@ class BlockScatter(Scatter):
                                                                     blocks[id(p)].shard.device) for p in params):
             raise RuntimeError("the model's trainable parameters changed after parallelize(..., shard='parameters') "
                                "(requires_grad, dtype or device); make such changes before parallelize")
+        self._set_cap(params, caps[1])  # a block larger than the ring's buffers is packed window by window
         blocks = [b for b in self.sharding.blocks if b.params]  # a frozen block has no gradients
         root = self.sharding.root
         order = [b for b in reversed(blocks) if b is not root] + [b for b in blocks if b is root]

@@ -74,15 +74,69 @@ class ScatteredBucket(Bucket):
             self.locals[piece.index] = piece.in_chunk(self.part)
         self.carried: dict[nn.Parameter, torch.Tensor] = {}
         self.after_pack: Callable[[], None] | None = None  # shard="parameters": the block's parameters freed
+        # Larger than the ring's buffers: packed window by window (numbers of each rank's part per window), the
+        # count, flags and buffers staged here meanwhile, the gradients and their scale held until then
+        self.window: int | None = None
+        self.staged: torch.Tensor | None = None
+        self.grads: list[torch.Tensor | None] | None = None
+        self.scale = 1.0
+
+    def windowed(self, numbers: int) -> None:
+        """Pack this bucket window by window, ``numbers`` of each rank's part at a time (the exchange's ring is
+        smaller than the bucket; see :class:`ScatterSum`)."""
+        self.window = numbers
+        self.staged = torch.zeros_like(self.meta)
+        self.extra = self.staged[1 + len(self.params):]  # the buffers that ride in the last bucket are packed here
+
+    def windows(self) -> list[tuple[int, int]]:
+        """The windows of each rank's part: numbers [lo, hi) of it."""
+        assert self.window is not None
+        return [(lo, min(self.chunk, lo + self.window)) for lo in range(0, self.chunk, self.window)]
 
     def gradients(self) -> torch.Tensor:
         """The region reduce-scattered: the gradients and their padding (``ranks x chunk`` numbers)."""
         return self.flat[:self.count_slot]
 
     def pack(self, count: float, scale: float, own: tuple[int, int] | None = None) -> None:
+        if self.window is not None:  # the exchange packs it window by window (pack_window), then packed()
+            grads = [p.grad for p in self.params]
+            if any(g is not None and g.is_sparse for g in grads):
+                raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported; "
+                                          "use dense gradients")
+            assert self.staged is not None
+            meta = [count, *(0.0 if g is None else 1.0 for g in grads)]
+            self.staged[:len(meta)].copy_(torch.tensor(meta, dtype=self.staged.dtype))
+            self.grads, self.scale = grads, scale
+            return
         super().pack(count, scale)  # every number: each rank's part is summed on its own, no part is left out
+        self.packed()
+
+    def pack_window(self, lo: int, hi: int, slot: torch.Tensor) -> None:
+        """Numbers [lo, hi) of every rank's part, scaled as :meth:`Bucket.pack` scales them (zeros for a missing
+        gradient and for the padding), into ``slot``: rank 0's, then rank 1's, ..."""
+        assert self.grads is not None
+        n, total = hi - lo, self.offsets[-1] + self.params[-1].numel()
+        for r in range(self.ranks):
+            a, b, out = r * self.chunk + lo, r * self.chunk + hi, slot[r * n:(r + 1) * n]
+            if b > total:
+                out[max(0, total - a):].zero_()  # the padding after the last gradient
+            for offset, p, g in zip(self.offsets, self.params, self.grads):
+                x, y = max(a, offset), min(b, offset + p.numel())
+                if x >= y:
+                    continue
+                into = out[x - a:y - a]
+                if g is None or self.scale == 0.0:
+                    into.zero_()
+                elif self.scale == 1.0:
+                    into.copy_(g.reshape(-1)[x - offset:y - offset])
+                else:
+                    torch.mul(g.reshape(-1)[x - offset:y - offset], self.scale, out=into)
+
+    def packed(self) -> None:
+        """Every number packed: autograd's whole gradients are freed now."""
+        self.grads = None
         for p in self.params:
-            p.grad = None  # autograd's whole gradient: packed, so freed now
+            p.grad = None
         if self.after_pack is not None:
             self.after_pack()
 
@@ -116,12 +170,13 @@ class ScatteredBucket(Bucket):
 
     def abandon(self) -> None:
         self.carried.clear()
+        self.grads = None
 
     def held(self, held: Held) -> None:
         """This rank's part of the sum (the gradients ``.grad`` holds a slice of each) and the meta; the ring
         the bucket is packed into is the exchange's."""
         held.add("gradients", self.part)
-        held.add("autodist buffers", self.meta, *self.carried.values())
+        held.add("autodist buffers", self.meta, self.staged, *self.carried.values())
 
 
 class ScatterSum:
@@ -133,27 +188,56 @@ class ScatterSum:
         self.buckets, self.rank = buckets, rank
         self.mapping, self.fence = shared.mapping, shared.fence  # the ring is views of the mapping
         self.ring = shared.slots  # ring buffer k: a slot per rank
-        # bucket k's slot of every rank: the first numbers of ring buffer k mod RING
-        self.slots = [[slot[:b.flat.numel()] for slot in shared.slots[k % len(shared.slots)]]
-                      for k, b in enumerate(buckets)]
+        # The ring's buffers are used in turn, a bucket once, a windowed bucket once per window: use u goes into
+        # buffer u mod RING. Bucket k's slot of every rank: the first numbers of the buffer of its (first) use.
+        self.first_use, uses = [], 0
+        for b in buckets:
+            self.first_use.append(uses)
+            uses += 1 if b.window is None else len(b.windows())
+        self.slots = [[slot[:b.flat.numel()] for slot in shared.slots[u % len(shared.slots)]]
+                      if b.window is None else [] for u, b in zip(self.first_use, buckets)]
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        return self.slots[index][self.rank]
+        """This rank's slot for bucket ``index`` (a windowed bucket stays where it is: it is packed in send)."""
+        return self.slots[index][self.rank] if self.slots[index] else flat
 
     def claim(self, index: int) -> None:
-        """Nothing to wait for: the all-reduce of bucket k-1 said every rank had read bucket k-2's buffer."""
+        """Nothing to wait for: every rank passed the fence of the ring's last use after reading the use
+        before, which was in the buffer this one packs into."""
 
     def own(self, index: int) -> None:
         """Every number of a bucket is packed: the whole gradient is freed after packing."""
         return None
 
     def send(self, index: int, flat: torch.Tensor, own: None = None) -> None:
+        bucket = self.buckets[index]
+        if bucket.window is not None:
+            return self._send_windows(index, bucket)
         with waiting("exchange"):  # a rank that never packs it is named as in any gradient sync
             self.fence.wait()  # every rank has packed bucket ``index``
-        bucket, slots = self.buckets[index], self.slots[index]
+        slots = self.slots[index]
         lo, hi, meta = self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk, bucket.count_slot
         _sum_into(bucket.part, [s[lo:hi] for s in slots])
         _sum_into(bucket.meta, [s[meta:] for s in slots])
+
+    def _send_windows(self, index: int, bucket: ScatteredBucket) -> None:
+        """A bucket larger than the ring's buffers, window by window: each rank packs numbers [lo, hi) of every
+        rank's part into its slot of the next buffer (the count, flags and buffers after the last window's),
+        a fence, and each rank sums its own numbers of every slot into its part."""
+        meta, size = bucket.meta.numel(), bucket.ranks
+        for w, (lo, hi) in enumerate(bucket.windows()):
+            slots, n = self.ring[(self.first_use[index] + w) % len(self.ring)], hi - lo
+            bucket.pack_window(lo, hi, slots[self.rank])
+            last = hi == bucket.chunk
+            if last:
+                assert bucket.staged is not None
+                slots[self.rank][size * n:size * n + meta].copy_(bucket.staged)
+            with waiting("exchange"):
+                self.fence.wait()  # every rank has packed this window
+            _sum_into(bucket.part[lo:hi], [s[self.rank * n:(self.rank + 1) * n] for s in slots])
+            if last:
+                _sum_into(bucket.meta, [s[size * n:size * n + meta] for s in slots])
+        bucket.packed()
 
     def finish(self) -> None:
         self.fence.wait()  # every rank has read the ring: it may be packed again
@@ -246,14 +330,19 @@ class Scatter:
 
     def __init__(self, group: Any, rank: int, ranks: int) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
+        self.cap = SMALLEST  # bytes a buffer of the ring holds in shared memory (set by assign)
+
+    def _set_cap(self, params: list[nn.Parameter], bucket_bytes: int) -> int:
+        self.cap = ring_bytes(sum(p.numel() * p.element_size() for p in params), self.ranks, bucket_bytes)
+        return self.cap
 
     def assign(self, params: list[nn.Parameter], caps: tuple[int, int]) -> list[list[int]]:
         """The buckets (indices into ``params``, in the order they are sent): as for the whole-gradient sync,
         but no larger than 1/(8N) of the gradients (nor than 256 KiB less), so that the ring of two holds
         at most 1/(4N) of them beside the 1/N a rank keeps (``bucket_mb`` is for the whole-gradient sync,
         where a bucket's memory is its gradients' own)."""
-        total = sum(p.numel() * p.element_size() for p in params)
-        return assign_buckets(params, ring_bytes(total, self.ranks, caps[0]), ring_bytes(total, self.ranks, caps[1]))
+        cap = self._set_cap(params, caps[1])
+        return assign_buckets(params, min(caps[0], cap), cap)
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
         return ScatteredBucket(params, extra, self.rank, self.ranks, self.group)
@@ -263,19 +352,34 @@ class Scatter:
         A collective over ``group``."""
         scattered = [b for b in buckets if isinstance(b, ScatteredBucket)]
         assert len(scattered) == len(buckets), "shard='gradients' builds its own buckets"
-        ring = _ring(scattered)
-        shared = shared_slots(ring, group, "the sharded gradient buckets")
-        return ReduceScatter(scattered, ring, group) if shared is None else ScatterSum(scattered, shared, self.rank)
+        shared = shared_slots(_ring(scattered, self._windowed(scattered)), group, "the sharded gradient buckets")
+        if shared is not None:
+            return ScatterSum(scattered, shared, self.rank)
+        for bucket in scattered:  # the backend reduce-scatters whole buckets, out of buffers of their size
+            bucket.window, bucket.staged = None, None
+            bucket.extra = bucket.flat[bucket.count_slot + 1 + len(bucket.params):]
+        return ReduceScatter(scattered, _ring(scattered, 0), group)
+
+    def _windowed(self, buckets: list[ScatteredBucket]) -> int:
+        """The numbers a buffer of the ring in shared memory holds: a cap's worth (and any bucket that fits
+        it); a bucket larger than that (a parameter, a block larger than the cap) is packed window by window."""
+        like = buckets[0].part if buckets else torch.zeros(0)
+        size = max(self.cap // like.element_size(), max((b.meta.numel() for b in buckets), default=0) + self.ranks)
+        for bucket in buckets:
+            if bucket.flat.numel() > size:
+                bucket.windowed((size - bucket.meta.numel()) // self.ranks)
+        return size if any(b.window is not None for b in buckets) else 0  # 0: each buffer as its largest bucket
 
     def backward_ended(self) -> None:
         """Nothing to do at the end of a backward (``shard="parameters"`` frees its blocks there)."""
 
 
-def _ring(buckets: list[ScatteredBucket]) -> list[torch.Tensor]:
-    """RING buffers (fewer if there are fewer buckets) as large as the largest bucket packed into each."""
+def _ring(buckets: list[ScatteredBucket], size: int) -> list[torch.Tensor]:
+    """RING buffers (fewer if there are fewer buckets) of ``size`` numbers, or (``size`` 0) each as large as the
+    largest bucket packed into it."""
     sizes = [0] * min(RING, len(buckets))
     for k, b in enumerate(buckets):
-        sizes[k % RING] = max(sizes[k % RING], b.flat.numel())
+        sizes[k % RING] = size or max(sizes[k % RING], b.flat.numel())
     first = buckets[0].part if buckets else torch.zeros(0)
     if any(b.part.dtype != first.dtype or b.part.device != first.device for b in buckets):
         raise NotImplementedError("shard='gradients' needs every trainable parameter of one dtype and device: "

@@ -181,3 +181,52 @@ def test_a_rank_holds_one_nth_of_the_gradients_after_backward(ranks):
         assert parts <= whole / 2 + 4 * buckets, (parts, whole)
         assert slices * 4 <= parts
 
+
+
+class _Counting(torch.nn.Module):
+    """Linear layers and a float buffer that every forward changes alike on every rank (it rides in the last
+    bucket, as BatchNorm's statistics do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 40), torch.nn.Linear(40, 40), torch.nn.Linear(40, 3)])
+        self.register_buffer("calls", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.layers[2](torch.tanh(self.layers[1](torch.tanh(self.layers[0](x)))))
+
+
+@_float64
+def _windowed(shard: str):
+    """Every bucket larger than the ring's buffers (bucket_mb: 630 bytes), so each is packed and summed window
+    by window, the last window partly full and carrying the count, the flags and a buffer; two micro-batches
+    of uneven sizes per step through no_sync: one process's parameters and buffers."""
+    x, y = w.digits_like(48, features=6, classes=3)
+    ref = w.seeded(_Counting, 0)
+    model, (xs, ys) = autodist.parallelize(w.seeded(_Counting, 100 * w.rank()), (x, y), shard=shard,
+                                           first_bucket_mb=0.0003, bucket_mb=0.0006)
+    n = torch.distributed.get_world_size()
+    buckets = state_of(model).buckets
+    for m, (xd, yd) in ((ref, (x, y)), (model, (xs, ys))):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        size = 12 if m is ref else 12 // n
+        for i in range(0, len(xd), size):
+            xb, yb = xd[i:i + size], yd[i:i + size]
+            half = len(xb) // 4  # micro-batches of 3 and 9 global rows (each rank's strided share: 1 and 3)
+            opt.zero_grad()
+            with autodist.no_sync(m):
+                F.cross_entropy(m(xb[:half]), yb[:half]).backward()
+            F.cross_entropy(m(xb[half:]), yb[half:]).backward()
+            opt.step()
+    windows = [len(b.windows()) for b in buckets if b.window is not None]
+    ring = [slot.numel() for slot in state_of(model).exchange.ring[0]]
+    return w.state(ref), model.state_dict(), windows, ring, len(buckets)
+
+
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_buckets_larger_than_the_ring_are_summed_window_by_window(ranks, shard):
+    for ref, par, windows, ring, count in ranks(3, _windowed, shard):
+        assert_close(par, ref, rtol=1e-12, atol=1e-14)
+        assert windows and max(windows) >= 3, windows  # several windows to a bucket
+        assert max(ring) <= 0.0006 * 2**20 / 8 + 8, ring  # a buffer of the ring holds a bucket's cap, no more
