@@ -17,6 +17,11 @@ the last bucket); what changes is the bucket and how it is summed:
   a parameter larger than that is a bucket of its own), so the ring is at most ``1/(4N)`` of them or two
   buckets. Between syncs the ring is free: the updated parameters are gathered through it after a step
   (:mod:`autodist.sharded.gather`);
+* a bucket larger than a buffer of the ring (one parameter larger than the cap, or under
+  ``shard="parameters"`` a block, which is one bucket) is packed and summed *window by window* through the
+  ring in shared memory: each window holds the same numbers of every rank's part, the count and flags
+  ride in the last one; across machines the backend reduce-scatters whole buckets, out of buffers of
+  their size;
 * :class:`ScatterSum` (every rank on one machine, gloo, CPU): the ring lives in shared memory, one slot per
   rank. When bucket k is packed, a fence (:mod:`autodist.runtime.shared_fence`) says every rank has packed
   it; rank r adds up part r of every rank's slot, in rank order, into its ``part`` (the same bits as the
