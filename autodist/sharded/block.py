@@ -86,10 +86,6 @@ class Block:
         """The first part whole (the trainable one where there is one), while gathered; None otherwise."""
         return self.parts[0].full
 
-    def fulls(self) -> list[torch.Tensor]:
-        """Every part whole, while gathered."""
-        return [part.full for part in self.parts if part.full is not None]
-
     def start(self, group: Any) -> bool:
         """Begin gathering the block (nothing if it is gathered or on its way); True if a gather began."""
         if self.parts[0].full is not None:

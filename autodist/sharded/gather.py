@@ -16,8 +16,10 @@ free between syncs, so the gather costs no memory of its own. Elsewhere the back
 kind's chunk.
 
 Example:
-    >>> gather = Gather(layout.kinds, rank, params_slice, windows)   # windows: ([slot per rank], [...]), fence
-    >>> gather()                                                     # after the step, on every rank
+    >>> k = 0
+    >>> for stream, win in zip(streams(layout.kinds, ranks), windows):   # after the step, on every rank
+    ...     k = through_windows(stream, rank, win, param_slice, k)
+    >>> windows[0].fence.wait()                                          # the windows are free again
 """
 from __future__ import annotations
 

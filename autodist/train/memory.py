@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from autodist.dp.grad_sync import registration_of
 from autodist.layers.shared_reduce import reducer_of
 from autodist.mp.rewrite import mp_modules
 from autodist.runtime.held import KINDS, Held
+from autodist.runtime.tree import tensor_leaves
 from autodist.runtime.world import init
 from autodist.sharded import optimizer as sharded_optimizer
 from autodist.sharded import parameters as sharded_parameters
@@ -99,7 +99,7 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Held:
     held.add("model buffers", *inner.buffers())
     held.add("gradients", *(p.grad for p in params))
     if optimizer is not None:
-        held.add("optimizer state", *(v for state in optimizer.state.values() for v in _tensors(state)))
+        held.add("optimizer state", *(t for _, t in tensor_leaves(list(optimizer.state.values()))))
     registration = registration_of(inner)
     parts = [sharded_parameters.sharding_of(inner), sharded_optimizer.sharding_of(inner), strategy_of(inner),
              registration.sync if registration is not None else None]
@@ -111,16 +111,6 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Held:
         if reducer is not None:
             reducer.held(held)
     return held
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _span(t: torch.Tensor) -> Span | None:
