@@ -55,8 +55,20 @@ class RankPool:
         self._results = _CTX.Queue()
         self._procs = [_CTX.Process(target=_worker, args=(r, size, init_file, self._tasks[r], self._results),
                                     daemon=True) for r in range(size)]
-        for p in self._procs:
-            p.start()
+        # glibc gives each new thread a malloc arena of its own up to 8 per core, read at process start: a rank
+        # that starts threads (a parameter server's, one per model) would grow its resident memory by a few MB
+        # a thread until that cap, depending on what the pool ran before. Two arenas: what grows is what is
+        # held (tests/test_memory.py measures it).
+        before = os.environ.get("MALLOC_ARENA_MAX")
+        os.environ["MALLOC_ARENA_MAX"] = "2"
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            if before is None:
+                del os.environ["MALLOC_ARENA_MAX"]
+            else:
+                os.environ["MALLOC_ARENA_MAX"] = before
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
         """fn(*args) on every rank; returns the per-rank results, or raises with their tracebacks.

@@ -26,14 +26,19 @@ from live_bytes import live_tensor_bytes  # noqa: E402
 ROUNDS = 10
 
 
-def _resident_mb() -> float:
-    """Resident memory, after the allocator gave back what it caches of freed memory (glibc keeps it per thread
-    arena: a parameter server's thread, new every round, grew rank 0's by 10-19 MB over a fresh process's first
-    ten rounds and then stayed flat): what is held, not what was once held."""
+def _libc() -> ctypes.CDLL | None:
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: resident memory as it is
-        pass
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: resident memory as it is
+        return None
+
+
+def _resident_mb() -> float:
+    """Resident memory, after the allocator gave back what it caches of freed memory: what is held, not what
+    was once held (the pool's ranks run with two malloc arenas: tests/ranks.py)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
