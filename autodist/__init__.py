@@ -18,6 +18,7 @@ from autodist.mp.rewrite import Plan, explain
 from autodist.ps import EASGD, Downpour
 from autodist.runtime import comm
 from autodist.runtime.world import World, init, rank, world_size
+from autodist.sharded.parameters import full_parameters
 from autodist.sync import DiLoCo, Gossip, Hierarchical, LocalSGD
 from autodist.train import checkpoint, engine
 from autodist.train.checkpoint import load, resume, save
@@ -31,5 +32,5 @@ del _public
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
-           "rank", "world_size", "engine", "ModelChanged", "memory"]
+           "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters"]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from autodist.faults import watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
 from autodist.runtime.environment import hang_timeout
-from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
+from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group, second_world_group
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
@@ -27,6 +27,7 @@ from autodist.sharded import optimizer as sharded_optimizer
 from autodist.sharded import parameters as sharded_parameters
 from autodist.sharded.parameters import BlockScatter, ParameterSharding
 from autodist.sharded.scatter import Scatter
+from autodist.train import copies
 
 
 def _check_model(model: nn.Module) -> None:
@@ -316,7 +317,9 @@ def parallelize(
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)
+    split = None
     if dims.mp > 1 and not rewrite.mp_modules(model):
+        split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
         _split_layers(model, dims, groups, mp_layers, world.rank,
                       observe.example_of(data) if example is None else example)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
@@ -326,7 +329,8 @@ def parallelize(
         dp_rank = dims.dp_rank(world.rank)
         scatter = None
         if shard == "parameters":
-            at_rest = sharded_parameters.setup(model, blocks, second_dp_group(dims, world.rank), dp_rank, dims.dp)
+            at_rest = sharded_parameters.setup(model, blocks, second_dp_group(dims, world.rank), dp_rank, dims.dp,
+                                               second_dp_group(dims, world.rank, "reads"))
             scatter = BlockScatter(at_rest, groups.dp, dp_rank, dims.dp)
         elif shard == "gradients":
             scatter = Scatter(groups.dp, dp_rank, dims.dp)
@@ -338,6 +342,7 @@ def parallelize(
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
+    copies.make_copyable(model, split, second_world_group(world.size) if split is not None else None)
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,

@@ -5,7 +5,8 @@ A block's parameters form *parts*, each one flat vector of one dtype and device 
 optimizer's pieces use too), and its frozen ones (a fine-tuned base: gathered for forward and backward like
 the others, reduced and stepped never). Rank r keeps chunk r of each part; gathering all-gathers every part
 into a buffer of the whole and makes the parameters views of it; releasing drops those buffers and gives
-every parameter a placeholder of its shape (NaN, one number of memory).
+every parameter a placeholder of its shape (one number of memory), which refuses to be read
+(:mod:`autodist.sharded.at_rest`).
 
 Example:
     >>> block = Block(0, "layers.0", list(layer.parameters()), rank, ranks)
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.runtime.position import waiting
+from autodist.sharded.at_rest import rest, wake
 from autodist.sharded.layout import Layout
 
 
@@ -49,7 +51,7 @@ class Part:
         """The parameters become views of the whole part."""
         assert self.full is not None
         for p, (offset, n) in zip(self.params, self.spans):
-            p.data = self.full[offset:offset + n].view(p.shape)
+            wake(p, self.full[offset:offset + n].view(p.shape))
 
     def keep(self, rank: int) -> None:
         """The whole part (gathered, then changed by ``load_state_dict``): this rank's chunk into the shard."""
@@ -73,6 +75,7 @@ class Block:
         self.placeholders = [(p, torch.full((1,), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape))
                              for part in self.parts for p in part.params]
         self.live = False  # the parameters are views of the gathered parts
+        self.pinned = False  # held whole by autodist.full_parameters: releasing waits for its end
         self.release()
 
     @property
@@ -99,11 +102,12 @@ class Block:
         """A gather in flight, if any."""
         return next((part.work for part in self.parts if part.work is not None), None)
 
-    def ready(self) -> None:
-        """Wait for the gather; the parameters become views of the whole block."""
+    def ready(self, what: str | None = None) -> None:
+        """Wait for the gather (``what``: what the wait is for, the watchdog's words); the parameters become
+        views of the whole block."""
         for part in self.parts:
             if part.work is not None:
-                with waiting(f"the all-gather of the parameters of block {self.name!r} (shard='parameters')"):
+                with waiting(what or f"the all-gather of the parameters of block {self.name!r} (shard='parameters')"):
                     part.work.wait()
                 part.work = None
         if not self.live:
@@ -113,13 +117,15 @@ class Block:
 
     def release(self) -> None:
         """The parameters back to placeholders; the whole block is dropped (autograd keeps none of it)."""
+        if self.pinned:
+            return
         for part in self.parts:
             if part.work is not None:
                 part.work.wait()  # a collective in flight completes on every rank
                 part.work = None
             part.full = None
         for p, placeholder in self.placeholders:
-            p.data = placeholder
+            rest(p, placeholder)
         self.live = False
 
     def keep(self, rank: int) -> None:

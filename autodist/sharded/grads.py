@@ -44,16 +44,17 @@ class ShardedGrad(torch.Tensor):
 
     local: torch.Tensor
     group: Any
+    level: str  # the shard= level: "gradients" or "parameters"
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, local: torch.Tensor, group: Any) -> "ShardedGrad":
+    def __new__(cls, like: torch.Tensor, local: torch.Tensor, group: Any, level: str = "gradients") -> "ShardedGrad":
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
-        t.local, t.group = local, group
+        t.local, t.group, t.level = local, group, level
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"ShardedGrad(shape={tuple(self.shape)}, {self.local.numel()} of its elements on this rank; "
-                f"parallelize(..., shard='gradients'))")
+                f"parallelize(..., shard={self.level!r}))")
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -67,16 +68,25 @@ class ShardedGrad(torch.Tensor):
         elementwise = _ELEMENTWISE.get(func)
         if elementwise is not None:
             return elementwise(*args, **kwargs)
-        raise RuntimeError(_refusal(func))
+        raise RuntimeError(_refusal(func, _level(args)))
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        raise RuntimeError(_refusal(func))
+        raise RuntimeError(_refusal(func, _level(args)))
 
 
-def _refusal(func: Any) -> str:
+def _level(args: Any) -> str:
+    """The shard= level of the first sharded gradient among ``args`` (lists of them too)."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, ShardedGrad):
+                return t.level
+    return "gradients"
+
+
+def _refusal(func: Any, level: str = "gradients") -> str:
     name = getattr(func, "__name__", str(func))
-    return (f"{name} on a gradient of a model parallelized with shard='gradients': each rank holds only its slice "
+    return (f"{name} on a gradient of a model parallelized with shard={level!r}: each rank holds only its slice "
             f"of every synchronized gradient, so {name} would see 1/N of it. torch.nn.utils.clip_grad_norm_, "
             f"get_total_norm, clip_grad_value_ and optimizer.zero_grad work on it as in one process; to read whole "
             f"gradients, use shard='optimizer' (whole gradients, the optimizer state still split)")
@@ -86,13 +96,13 @@ def _ord(args: tuple, kwargs: dict) -> float:
     """The order of a norm over all of a gradient's elements; anything else (over some dims) is refused."""
     value = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
     if len(args) > 2 or kwargs.get("dim") is not None or kwargs.get("keepdim") or kwargs.get("dtype") is not None:
-        raise RuntimeError(f"the norm of a gradient sharded over the ranks (shard='gradients') is taken over all its "
-                           f"elements only (torch.linalg.vector_norm(g, ord)), got args {args[1:]} {kwargs}")
+        raise RuntimeError(f"the norm of a gradient sharded over the ranks (shard='gradients' or 'parameters') is "
+                           f"taken over all its elements only (torch.linalg.vector_norm(g, ord)), got args {args[1:]} {kwargs}")
     if value is None or value == "fro":
         return 2.0
     if not isinstance(value, (int, float)) or not (value > 0 or value == -math.inf):
-        raise RuntimeError(f"a norm of order {value} over gradients sharded across the ranks (shard='gradients') is "
-                           f"not their norm in one process; autodist gives norms of order > 0, inf and -inf")
+        raise RuntimeError(f"a norm of order {value} over gradients sharded across the ranks (shard='gradients' or "
+                           f"'parameters') is not their norm in one process; autodist gives norms of order > 0, inf and -inf")
     return float(value)
 
 
@@ -166,7 +176,7 @@ class PartialNorm(torch.Tensor):
             return _whole_norm(args[0])
         raise RuntimeError(
             f"{getattr(func, '__name__', func)} on the norm of a gradient sharded over the ranks "
-            f"(parallelize(..., shard='gradients')): each rank holds only its part of that norm. "
+            f"(parallelize(..., shard='gradients' or 'parameters')): each rank holds only its part of that norm. "
             f"torch.nn.utils.clip_grad_norm_ / get_total_norm over the model's parameters give the global norm on "
             f"every rank; use shard='optimizer' to keep whole gradients")
 

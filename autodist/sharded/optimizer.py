@@ -140,11 +140,17 @@ class OptimizerSharding:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
             return
+        if self.at_rest is not None and self.at_rest.pins:
+            raise RuntimeError("optimizer.step() inside autodist.full_parameters(model): the step updates each "
+                               "rank's part of the parameters (shard='parameters'), which the whole ones gathered "
+                               "for the block would then overwrite at its end; step outside the block")
         if self.sync is not None and self.sync.buckets is not self.buckets:
+            level = "gradients" if self.at_rest is None else "parameters"
             raise RuntimeError(
-                "the model's trainable parameters changed after parallelize(..., shard='gradients') (requires_grad, "
-                "dtype or device), so its gradient buckets and the ranks' parts of them changed under the optimizer "
-                "state; make such changes before parallelize, or use shard='optimizer'")
+                f"the model's trainable parameters changed after parallelize(..., shard={level!r}) (requires_grad, "
+                f"dtype or device), so its gradient buckets and the ranks' parts of them changed under the optimizer "
+                f"state; freeze or unfreeze before parallelize (docs/sharded.md, 'Frozen parameters'), or use "
+                f"shard='optimizer'")
         self._restore(optimizer)  # a step that raised never reached after_step
         self._cut(optimizer)
         for group in optimizer.param_groups:
@@ -303,7 +309,7 @@ class OptimizerSharding:
                 whole = self._gather_key(kind, key, getattr(torch, dtype))
                 for i, flat in whole.items():
                     if i in dense:
-                        dense[i][key] = flat.view_as(self.params[i])
+                        dense[i][key] = flat.view(self.params[i].shape)
         return dense
 
     def _gather_key(self, kind: Kind, key: str, dtype: torch.dtype) -> dict[int, torch.Tensor]:

@@ -3,8 +3,9 @@
 The trainable parameters of each block (:mod:`autodist.sharded.blocks`; the rest form the *root*) are one
 flat vector cut in N even parts (:class:`~autodist.sharded.layout.Layout`, the cut the gradient buckets and
 the optimizer's pieces use): rank r keeps part r, its ``shard``. A parameter at rest holds a placeholder
-of its shape (NaN, one number of memory), so ``model.parameters()``, shapes and the optimizer's param
-groups are as always. Then:
+of its shape (one number of memory) and refuses to be read (:mod:`autodist.sharded.at_rest`), so
+``model.parameters()``, shapes and the optimizer's param groups are as always and no value read is
+silently wrong; :func:`full_parameters` gathers every block to read or write the whole weights. Then:
 
 * forward: before a block runs, its parts are all-gathered into a buffer of the whole block and its
   parameters become views of it; after it runs they are placeholders again. The block after it (in the
@@ -26,7 +27,9 @@ and after each forward without gradients, one all-reduce checks it, and a differ
 exit, a branch on the data) raises before anything is stepped.
 
 ``model.state_dict()`` gathers the blocks one at a time into dense tensors (a collective: call it on every
-rank); ``model.load_state_dict`` takes a dense one and keeps this rank's part.
+rank); ``model.load_state_dict`` takes a dense one and keeps this rank's part. These reads gather on a process
+group of their own, so a rank that calls one alone waits there, named, and never meets another rank's
+forward gathers.
 
 Example:
     >>> model, loader = autodist.parallelize(model, loader, shard="parameters")
@@ -35,9 +38,10 @@ Example:
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,8 +77,12 @@ def _storage(t: torch.Tensor) -> int | None:
 class ParameterSharding:
     """The blocks of one model, the hooks that gather and free them, and its dense state dict."""
 
-    def __init__(self, model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int) -> None:
+    def __init__(self, model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int,
+                 reading_group: Any = None) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
+        # the gathers that read the whole model (state_dict, full_parameters, copies) go on a group of their own
+        self.reading_group = group if reading_group is None else reading_group
+        self.pins = 0  # autodist.full_parameters blocks open
         everything = list(model.parameters())
         trainable = [p for p in everything if p.requires_grad]
         for p in trainable:
@@ -247,36 +255,57 @@ class ParameterSharding:
             block.release()
 
     # -- state -------------------------------------------------------------------------------------
+    def _read(self, block: Block, what: str) -> None:
+        """Gather ``block`` to read it whole, on the reading group (nothing in flight on the other is met);
+        ``what``: the collective read, as the watchdog names it."""
+        block.start(self.reading_group)
+        block.ready(f"{what}, a collective: call it on every rank (shard='parameters' gathers every block)")
+
     def _dense_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         """Each block gathered in turn and its parameters' entries made dense copies (a collective)."""
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(prefix + name)
-        with waiting("model.state_dict() of a model with shard='parameters' (a collective: call it on every rank)"):
-            for block in self.blocks:
-                params = block.all_params()
-                keys = [[k for k in names.get(id(p), ()) if k in state_dict] for p in params]
-                was = block.full is not None
-                self._gather(block)
-                for p, ks in zip(params, keys):
-                    for k in ks:
-                        state_dict[k] = p.detach().clone() if not isinstance(state_dict[k], nn.Parameter) else \
-                            nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-                if not was:
-                    block.release()
-        self.trace = 0  # every rank gathers every block here: nothing to compare
+        for block in self.blocks:
+            params = block.all_params()
+            keys = [[k for k in names.get(id(p), ()) if k in state_dict] for p in params]
+            was = block.full is not None
+            self._read(block, "model.state_dict()")
+            for p, ks in zip(params, keys):
+                for k in ks:
+                    state_dict[k] = p.detach().clone() if not isinstance(state_dict[k], nn.Parameter) else \
+                        nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            if not was:
+                block.release()
 
     def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
         """Every block whole, so that loading writes into real parameters."""
-        with waiting("model.load_state_dict() of a model with shard='parameters' (a collective)"):
-            for block in self.blocks:
-                self._gather(block)
-        self.trace = 0
+        for block in self.blocks:
+            self._read(block, "model.load_state_dict()")
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
         for block in self.blocks:
             block.keep(self.rank)
             block.release()
+
+    def pin(self, what: str) -> None:
+        """Every block gathered and held whole until :meth:`unpin` (a collective: every rank calls it)."""
+        if self.pins == 0:
+            for block in self.blocks:
+                self._read(block, what)
+            for block in self.blocks:
+                block.pinned = True
+        self.pins += 1
+
+    def unpin(self) -> None:
+        """The end of a :meth:`pin`: at the last one each rank keeps its chunk of the (maybe changed) whole
+        parameters, and every block is freed."""
+        self.pins -= 1
+        if self.pins == 0:
+            for block in self.blocks:
+                block.pinned = False
+                block.keep(self.rank)
+                block.release()
 
     def held(self) -> Held:
         """This rank's shards and the blocks gathered now, for ``autodist.memory``."""
@@ -295,6 +324,8 @@ class BlockScatter(Scatter):
     """The gradient buckets of ``shard="parameters"``: one per block, sent last block first (the root last),
     each freeing its block's parameters once packed."""
 
+    level = "parameters"
+
     def __init__(self, sharding: ParameterSharding, group: Any, rank: int, ranks: int) -> None:
         super().__init__(group, rank, ranks)
         self.sharding = sharding
@@ -305,7 +336,9 @@ class BlockScatter(Scatter):
         if set(index) != set(blocks) or any((p.dtype, p.device) != (blocks[id(p)].shard.dtype,
                                                                     blocks[id(p)].shard.device) for p in params):
             raise RuntimeError("the model's trainable parameters changed after parallelize(..., shard='parameters') "
-                               "(requires_grad, dtype or device); make such changes before parallelize")
+                               "(requires_grad, dtype or device): its blocks were cut into trainable and frozen "
+                               "parts then. Freeze or unfreeze before parallelize (docs/sharded.md, 'Frozen "
+                               "parameters'), or use shard=None, which follows such changes")
         self._set_cap(params, caps[1])  # a block larger than the ring's buffers is packed window by window
         blocks = [b for b in self.sharding.blocks if b.params]  # a frozen block has no gradients
         root = self.sharding.root
@@ -325,13 +358,43 @@ class BlockScatter(Scatter):
 _by_model: "weakref.WeakKeyDictionary[nn.Module, ParameterSharding]" = weakref.WeakKeyDictionary()
 
 
-def setup(model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int) -> ParameterSharding:
+def setup(model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int,
+          reading_group: Any = None) -> ParameterSharding:
     """Shard ``model``'s trainable parameters over the ``ranks`` ranks of ``group`` (its own process group for
-    the gathers, so that they never interleave with the gradient sync's collectives), block by block."""
-    sharding = _by_model[model] = ParameterSharding(model, chosen, group, rank, ranks)
+    the gathers, so that they never interleave with the gradient sync's collectives), block by block;
+    ``reading_group``: another such group, for the gathers that read the whole model."""
+    sharding = _by_model[model] = ParameterSharding(model, chosen, group, rank, ranks, reading_group)
     return sharding
 
 
 def sharding_of(model: nn.Module) -> ParameterSharding | None:
     """The parameter sharding ``parallelize(..., shard="parameters")`` set up for ``model``, if any."""
     return _by_model.get(model)
+
+
+@contextmanager
+def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
+    """The model's whole parameters, readable and writable, inside the block; each rank's part after it.
+
+    Under ``shard="parameters"`` each rank holds 1/N of every parameter between uses, and reading one
+    raises. Inside this block every block of the model is gathered (a collective: every data-parallel rank
+    enters it; one that enters alone waits there, named by the watchdog, never meeting another rank's
+    forward), so the parameters hold their true values: log their norms, update an EMA, copy them. What is
+    written into them is kept (each rank keeps its part) when the block ends, and the memory is freed. A
+    forward inside it uses the gathered blocks; ``optimizer.step()`` inside it raises. At every other level
+    (and in one process) the parameters are whole already and this does nothing. Nested blocks gather once.
+
+    Example:
+        >>> with autodist.full_parameters(model):
+        ...     ema.update_parameters(model)
+        ...     norm = sum(p.norm() ** 2 for p in model.parameters()) ** 0.5
+    """
+    sharding = sharding_of(getattr(model, "_orig_mod", model))
+    if sharding is None:
+        yield model
+        return
+    sharding.pin("autodist.full_parameters(model)")
+    try:
+        yield model
+    finally:
+        sharding.unpin()

@@ -64,6 +64,8 @@ SMALLEST = 256 << 10  # bytes: the smallest bucket cap (each bucket costs a coll
 class ScatteredBucket(Bucket):
     """A bucket whose sum each rank keeps only its part of (see the module docstring)."""
 
+    level = "gradients"  # the shard= level, which the gradients' errors name (set by the Scatter)
+
     def __init__(self, params: list[nn.Parameter], extra: int, rank: int, ranks: int, group: Any) -> None:
         self.rank, self.ranks, self.group = rank, ranks, group
         cut = Layout.of_groups(params, [list(range(len(params)))], ranks).kinds[0]  # the optimizer's cut, too
@@ -171,7 +173,7 @@ class ScatteredBucket(Bucket):
                 continue
             if carried is not None:
                 local.copy_(carried) if flag <= 0.0 else local.add_(carried)
-            p.grad = ShardedGrad(p, local, self.group)
+            p.grad = ShardedGrad(p, local, self.group, self.level)
 
     def abandon(self) -> None:
         self.carried.clear()
@@ -333,6 +335,8 @@ class Scatter:
     """What :class:`~autodist.dp.grad_sync.GradSync` uses under ``shard="gradients"``: its buckets and how they
     are summed. ``rank`` of ``ranks``: this rank's place in the data-parallel ``group``."""
 
+    level = "gradients"  # the shard= level it serves
+
     def __init__(self, group: Any, rank: int, ranks: int) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
         self.cap = SMALLEST  # bytes a buffer of the ring holds in shared memory (set by assign)
@@ -350,7 +354,9 @@ class Scatter:
         return assign_buckets(params, min(caps[0], cap), cap)
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
-        return ScatteredBucket(params, extra, self.rank, self.ranks, self.group)
+        bucket = ScatteredBucket(params, extra, self.rank, self.ranks, self.group)
+        bucket.level = self.level
+        return bucket
 
     def choose(self, buckets: list[Bucket], group: Any) -> ScatterSum | ReduceScatter:
         """The shared-memory ring where the group is on one machine, the backend's reduce-scatter otherwise.
