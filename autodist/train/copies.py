@@ -137,13 +137,16 @@ def _dense(model: nn.Module, memo: dict, split: nn.Module | str, everyone: Any) 
         state = gather_state_dict(model, all_ranks=True)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dense = copy.deepcopy(split).to_empty(device=device)
-    live = dict(model.named_buffers())
-    for name, b in dense.named_buffers():  # those not in the state dict (non-persistent): the model's own
-        if name not in state:
+    live, persistent = dict(model.named_buffers()), set(dense.state_dict())
+    with torch.no_grad():
+        for name, b in dense.named_buffers():  # those the state dict leaves out (non-persistent): the model's own
+            if name in persistent:
+                continue
             if name not in live or live[name].shape != b.shape:
-                raise RuntimeError(f"copy.deepcopy of a model split by mp: its buffer {name!r} is neither in the "
-                                   f"state dict nor in the split model; take autodist.gather_state_dict(model)")
-            state[name] = live[name]
+                raise RuntimeError(f"copy.deepcopy of a model split by mp: its non-persistent buffer {name!r} is "
+                                   f"not in the split model; take autodist.gather_state_dict(model) and load it "
+                                   f"into a model you build instead")
+            b.copy_(live[name])
     dense.load_state_dict(state, strict=True)
     return dense
 
