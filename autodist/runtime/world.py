@@ -175,8 +175,17 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
         return _world
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = pin_device(launch.local_rank, gpus)
-    if launch.size == 1:
+    if launch.size == 1 and launch.launcher == "none":
         _world = World(0, 1, 0, 1, device, None, launch.launcher)
+        return _world
+    if launch.size == 1:
+        # launched as one rank (`autodist run -n 1`, torchrun --nproc-per-node 1): a process group of one, on an
+        # in-process store, so that what a DDP script does with torch.distributed (get_rank, barrier,
+        # destroy_process_group at its end) works as it would under the launcher it was written for
+        chosen, why = choose_backend(backend, gpus, 1)
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        atexit.register(ending.shutdown)
+        _world = World(0, 1, 0, 1, device, chosen, launch.launcher, why)
         return _world
     chosen, why = choose_backend(backend, gpus, launch.local_size)
     host, port = rendezvous_address(launch)

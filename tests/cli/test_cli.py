@@ -376,3 +376,25 @@ def test_the_launchers_children_put_the_folder_holding_autodist_first_on_their_p
     code = python_command("_rank")[-2]
     root = re.search(r"sys\.path\[0\] = '([^']+)'", code).group(1)
     assert os.path.samefile(os.path.join(root, "autodist"), os.path.dirname(autodist.__file__))
+
+
+DDP_HABITS = """
+import torch, torch.distributed as dist, autodist
+model, data = autodist.parallelize(torch.nn.Linear(3, 2), torch.randn(8, 3))
+print("rank", dist.get_rank(), "of", dist.get_world_size(), tuple(data.shape))
+dist.barrier()
+dist.destroy_process_group()   # the last line of a DDP script
+"""
+
+
+def test_a_ddp_scripts_torch_distributed_calls_work_under_run_n_1(tmp_path):
+    """Launched as one rank, autodist starts a process group of one (an in-process store), so get_rank,
+    barrier and destroy_process_group at the end of a converted DDP script work; plain python has none."""
+    script = tmp_path / "habits.py"
+    script.write_text(DDP_HABITS)
+    out = subprocess.run([*AUTODIST, "run", "-n", "1", str(script)], capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 0 of 1 (8, 3)" in out.stdout
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env())
+    assert plain.returncode != 0 and "Default process group has not been initialized" in plain.stderr
