@@ -239,8 +239,11 @@ def parallelize(
         bucket_mb / first_bucket_mb: bucket sizes for the gradient all-reduce.
         sync_buffers: average floating-point buffers (BatchNorm running stats)
             over data-parallel ranks, weighted by samples, at every gradient sync.
-        batch_dim: for forwards on data autodist did not shard, the dimension
-            of the input tensors that indexes samples (1 for (seq, batch) inputs).
+        batch_dim: the dimension that indexes samples: tensors passed as
+            ``data`` are split along it (1 for word_language_model's
+            (time, batch) data: each rank keeps its columns of every time
+            step), and forwards on data autodist did not shard are counted
+            along it (1 for (seq, batch) inputs).
         samples: ``fn(*args, **kwargs) -> int``, called with each forward's
             arguments, returning this rank's count; it overrides every other
             way of counting (count tokens for a loss that is a mean over tokens).
@@ -305,7 +308,7 @@ def parallelize(
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
-        data_mod.check(data, 1)
+        data_mod.check(data, 1, batch_dim)
         return model, data
     watchdog.start(world.rank, world.size, hang_timeout())  # from here on a hang becomes a named error
     mp = _hand_placed_mp(model, mp, world)
@@ -313,7 +316,8 @@ def parallelize(
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
-                                                     partial(data_mod.broadcast_order, device=world.device))
+                                                     partial(data_mod.broadcast_order, device=world.device),
+                                                     dim=batch_dim)
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)

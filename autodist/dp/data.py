@@ -4,7 +4,8 @@ Two rules make a parallel run see the same global batches as one process:
 
 * tensors, arrays and Datasets are split *strided* (rank r keeps samples
   r, r+P, r+2P, ...), so batch i of size b on every rank together is exactly
-  the single-process batch i of size P*b, in order;
+  the single-process batch i of size P*b, in order; a tensor's samples run
+  along ``batch_dim`` (columns of (time, batch) language-model data);
 * a DataLoader keeps its own sampler: every rank draws the same global batch
   and keeps its contiguous slice of it, so the epoch's batches, their order and
   the per-epoch reshuffling are the single-process loader's (a sampler on the
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler, Subset
 
 from autodist.faults import watchdog
 from autodist.runtime import position, provenance
@@ -41,11 +42,15 @@ def slice_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
-def _length(x: Any, where: str) -> int:
+def _length(x: Any, where: str, dim: int = 0) -> int:
     if isinstance(x, (torch.Tensor, np.ndarray)):
         if x.ndim == 0:
             raise ValueError(f"{where} is a 0-dimensional {type(x).__name__}; data needs a first (sample) dimension")
-        return x.shape[0]
+        if x.ndim <= dim:
+            raise ValueError(f"{where} has shape {tuple(x.shape)} but batch_dim={dim} says its samples run along "
+                             f"dimension {dim}; pass the batch_dim of the data (0 for (batch, ...) data, 1 for "
+                             f"(time, batch) language-model data)")
+        return x.shape[dim]
     raise TypeError(f"{where} is a {type(x).__name__}; autodist shards torch.Tensor and numpy.ndarray "
                     f"(or a Dataset / DataLoader)")
 
@@ -68,28 +73,29 @@ def _warn_uneven(n: int, rank: int, size: int, what: str) -> None:
                     what, n, size, n // size + 1, n // size)
 
 
-def _strided(x: torch.Tensor | np.ndarray, rank: int, size: int) -> torch.Tensor | np.ndarray:
-    part = x[rank::size]
+def _strided(x: torch.Tensor | np.ndarray, rank: int, size: int, dim: int = 0) -> torch.Tensor | np.ndarray:
+    part = x[(slice(None),) * dim + (slice(rank, None, size),)]
     shard = np.ascontiguousarray(part) if isinstance(x, np.ndarray) else part.contiguous()
-    provenance.register_shard(shard)  # a slice of it then counts the rows it covers
+    provenance.register_shard(shard, dim)  # a slice of it then counts the samples it covers
     return shard
 
 
-def shard_arrays(data: Any, rank: int, size: int) -> Any:
-    """Rank's strided shard of a tensor / array, or of a tuple or list of them sharing dim 0."""
+def shard_arrays(data: Any, rank: int, size: int, dim: int = 0) -> Any:
+    """Rank's strided shard of a tensor / array, or of a tuple or list of them sharing their sample dimension
+    ``dim`` (1 for (time, batch) data: rank r keeps columns r, r+P, ...)."""
     if isinstance(data, (tuple, list)):
         if not data:
             raise ValueError("data is an empty tuple/list; pass the tensors or arrays to shard")
-        lengths = [_length(x, f"data[{i}]") for i, x in enumerate(data)]
+        lengths = [_length(x, f"data[{i}]", dim) for i, x in enumerate(data)]
         if len(set(lengths)) > 1:
-            raise ValueError(f"the tensors/arrays in data have different lengths {lengths}; "
-                             f"they must share their first (sample) dimension")
+            raise ValueError(f"the tensors/arrays in data have different lengths {lengths} along dimension {dim}; "
+                             f"they must share their sample dimension (batch_dim={dim})")
         _check_enough(lengths[0], size, "data")
         _warn_uneven(lengths[0], rank, size, "data")
-        return type(data)(_strided(x, rank, size) for x in data)
-    _check_enough(_length(data, "data"), size, "data")
-    _warn_uneven(_length(data, "data"), rank, size, "data")
-    return _strided(data, rank, size)
+        return type(data)(_strided(x, rank, size, dim) for x in data)
+    _check_enough(_length(data, "data", dim), size, "data")
+    _warn_uneven(_length(data, "data", dim), rank, size, "data")
+    return _strided(data, rank, size, dim)
 
 
 def shard_dataset(dataset: Dataset, rank: int, size: int) -> Subset:
@@ -289,10 +295,34 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder) ->
     sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
                             collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
     sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
+    # what DDP code reaches for (loader.sampler.set_epoch(epoch)); the batches come from batch_sampler
+    object.__setattr__(sharded, "sampler", EpochSampler(loader.dataset, getattr(loader.batch_sampler, "sampler",
+                                                                               None)))
     return sharded
 
 
-def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> DataLike:
+class EpochSampler(SequentialSampler):
+    """``loader.sampler`` of the DataLoader ``parallelize`` returns. Its batches come from the batch sampler
+    (your loader's own sampler, sliced per rank), so this one only answers what DDP code asks of a
+    ``DistributedSampler``: ``set_epoch(epoch)`` passes the epoch on to your sampler if it takes one, and is
+    otherwise accepted as it is: the loader already reshuffles every epoch as your single-process loader does
+    (rank 0's draw, shared), which a DistributedSampler needs ``set_epoch`` for.
+
+    Example:
+        >>> for epoch in range(epochs):
+        ...     loader.sampler.set_epoch(epoch)   # as in a DDP script: harmless
+    """
+
+    def __init__(self, dataset: Any, inner: Any) -> None:
+        super().__init__(dataset)
+        self.inner = inner
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)
+
+
+def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: int = 0) -> DataLike:
     """Rank's shard of ``data``, of the same kind as ``data``.
 
     Args:
@@ -301,6 +331,8 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> Dat
         share: for a DataLoader whose sampler draws from the global RNG, gives every
             rank rank 0's order of an epoch (:func:`broadcast_order`); the default,
             ``list``, is right in a single process only.
+        dim: the dimension of tensors and arrays that indexes samples (``batch_dim``); a Dataset and a
+            DataLoader index samples themselves.
 
     Example:
         >>> shard(torch.arange(5), rank=1, size=2)
@@ -311,12 +343,12 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list) -> Dat
     if isinstance(data, Dataset):
         return shard_dataset(data, rank, size)
     if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
-        return shard_arrays(data, rank, size)
+        return shard_arrays(data, rank, size, dim)
     raise TypeError(f"autodist cannot shard data of type {type(data).__name__}; pass a tensor, a numpy array, "
                     f"a tuple/list of them, a torch Dataset or a DataLoader")
 
 
-def check(data: DataLike, size: int) -> None:
+def check(data: DataLike, size: int, dim: int = 0) -> None:
     """Validate ``data`` without sharding it (a world of one returns data as it is)."""
     if data is not None:
-        shard(data, 0, size)
+        shard(data, 0, size, dim=dim)

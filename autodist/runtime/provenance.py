@@ -10,7 +10,9 @@ its arguments:
   so the batch tensor itself and any view of it (a slice ``x[:, :-1]``, a
   transpose to seq-first) are recognised;
 * every sharded tensor is registered the same way with its row stride, so a
-  slice ``shard[i:i+b]`` (or its transpose) counts the rows it covers;
+  slice ``shard[i:i+b]`` (or its transpose) counts the rows it covers (for a
+  tensor split along a later dimension, (time, batch) data, the columns a time
+  window ``shard[i:i+seq]`` covers);
 * the batch a sharded DataLoader handed to this thread last is the *current*
   one, for a forward whose inputs were copied (``x.to("cuda")``).
 
@@ -51,6 +53,7 @@ class _Region:
     end: int  # one past the last byte
     row_bytes: int  # a shard's sample stride; 0 for a loader batch
     share: BatchShare | None  # a loader batch's share; None for a shard
+    across: tuple[int, ...] = ()  # a shard split along a later dimension: the other dimensions' strides (bytes)
 
 
 _regions: dict[int, _Region] = {}
@@ -69,13 +72,14 @@ def _span(t: torch.Tensor | np.ndarray) -> tuple[torch.device, int, int]:
     return t.device, start, start + (size if t.numel() else 0)
 
 
-def _register(obj: torch.Tensor | np.ndarray, row_bytes: int, share: BatchShare | None) -> None:
+def _register(obj: torch.Tensor | np.ndarray, row_bytes: int, share: BatchShare | None,
+              across: tuple[int, ...] = ()) -> None:
     device, start, end = _span(obj)
     if end <= start:
         return
     key = next(_batch_ids)
     with _lock:
-        _regions[key] = _Region(device, start, end, row_bytes, share)
+        _regions[key] = _Region(device, start, end, row_bytes, share, across)
     weakref.finalize(obj, _forget, key)
 
 
@@ -98,11 +102,13 @@ def register_batch(batch: Any, share: BatchShare) -> None:
             _register(t, 0, share)
 
 
-def register_shard(shard: torch.Tensor | np.ndarray) -> None:
-    """Remember a sharded tensor or array: its rows are this rank's samples."""
-    if shard.ndim > 0 and shard.shape[0] > 0:
-        _register(shard, shard.strides[0] if isinstance(shard, np.ndarray) else
-                  shard.stride(0) * shard.element_size(), None)
+def register_shard(shard: torch.Tensor | np.ndarray, dim: int = 0) -> None:
+    """Remember a sharded tensor or array: its entries along ``dim`` (its rows, or the columns of (time,
+    batch) data) are this rank's samples."""
+    if shard.ndim > dim and shard.shape[dim] > 0:
+        strides = shard.strides if isinstance(shard, np.ndarray) else \
+            tuple(s * shard.element_size() for s in shard.stride())
+        _register(shard, strides[dim], None, tuple(s for d, s in enumerate(strides) if d != dim) if dim else ())
 
 
 def _lookup(t: torch.Tensor) -> _Region | None:
@@ -129,6 +135,23 @@ def _rows(t: torch.Tensor, row_bytes: int) -> int | None:
     return rows if within < row_bytes else None
 
 
+def _across(t: torch.Tensor, region: _Region) -> int | None:
+    """How many samples of a shard split along a later dimension the view ``t`` covers: the entries along its
+    dimension that steps from sample to sample (by the sample stride, or a multiple: every k-th sample); None
+    if ``t`` is not such a slice (a flattened view, say)."""
+    if t.ndim != len(region.across) + 1:
+        return None
+    samples = 1
+    for size, stride in zip(t.shape, t.stride()):
+        step = stride * t.element_size()
+        if size <= 1 or step in region.across:
+            continue
+        if step % region.row_bytes:
+            return None
+        samples *= size
+    return samples
+
+
 def known_share(t: torch.Tensor) -> BatchShare | int | None:
     """What the data pipeline knows of ``t``: a loader batch's share, the rows of a shard it covers, or None."""
     for candidate in (t, t._base):
@@ -141,7 +164,7 @@ def known_share(t: torch.Tensor) -> BatchShare | int | None:
         return None
     if region.share is not None:
         return region.share
-    return _rows(t, region.row_bytes)
+    return _across(t, region) if region.across else _rows(t, region.row_bytes)
 
 
 def announce(share: BatchShare | None) -> None:

@@ -103,6 +103,39 @@ def test_loader_options_are_kept():
     assert [b[0].tolist() for b in out] == [[0.0, 1.0], [4.0, 5.0], [8.0, 9.0]]
 
 
+class EpochSeeded(torch.utils.data.Sampler):
+    """A sampler whose order the epoch picks, as a DistributedSampler's does (set_epoch before each epoch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_set_epoch_on_the_returned_loaders_sampler_is_a_ddp_habit_that_works():
+    """DDP scripts call loader.sampler.set_epoch(epoch): on autodist's loader it reaches a sampler that takes the
+    epoch, and is harmless otherwise (the loader reshuffles every epoch as the single-process one does)."""
+    seeded = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, sampler=EpochSeeded(8))
+    out = shard(seeded, 0, 2, NO_ORDER)
+    epochs = []
+    for epoch in (0, 1, 0):
+        out.sampler.set_epoch(epoch)
+        epochs.append([b[0].tolist() for b in out])
+        seeded.sampler.set_epoch(epoch)
+        assert epochs[-1] == [batch[0].tolist()[:2] for batch in seeded]  # rank 0's half of each global batch
+    assert epochs[0] == epochs[2] != epochs[1]
+    plain = shard(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), 0, 2, NO_ORDER)
+    plain.sampler.set_epoch(5)  # nothing to pass it to: accepted
+    assert [b[0].tolist() for b in plain] == [[0, 1], [4, 5]]
+
+
 def test_a_global_rng_loader_takes_rank_zeros_order_once_an_epoch():
     calls = []
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True)
@@ -191,3 +224,63 @@ def test_uneven_tensor_shards_are_announced(caplog):
     finally:
         logger.removeHandler(caplog.handler)
     assert "5 samples, which do not split evenly over 2 ranks" in caplog.text
+
+
+# -- (time, batch) data: word_language_model's loop ----------------------------------------------------------
+
+def _batchify(ids: torch.Tensor, bsz: int) -> torch.Tensor:
+    """word_language_model's batchify: the token stream cut into bsz columns, (time, batch)."""
+    n = ids.size(0) // bsz
+    return ids[:n * bsz].view(bsz, -1).t().contiguous()
+
+
+def _train_lm(model, train_data: torch.Tensor, bptt: int = 5, lr: float = 0.5) -> list[float]:
+    """word_language_model's train(): time windows of the columns, the hidden state carried (detached) from
+    window to window, NLL over every token, clipping, and its hand-written SGD on p.data."""
+    hidden = model.init_hidden(train_data.size(1))
+    losses = []
+    for i in range(0, train_data.size(0) - 1, bptt):
+        seq_len = min(bptt, len(train_data) - 1 - i)
+        data, targets = train_data[i:i + seq_len], train_data[i + 1:i + 1 + seq_len].reshape(-1)
+        hidden = tuple(h.detach() for h in hidden)
+        model.zero_grad()
+        output, hidden = model(data, hidden)
+        loss = torch.nn.functional.nll_loss(output, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    return losses
+
+
+def _time_batch():
+    from outside.word_language_model import RNNModel
+    torch.set_default_dtype(torch.float64)
+    try:
+        ids = torch.randint(0, 30, (8 * 23,), generator=torch.Generator().manual_seed(5))
+        train_data = _batchify(ids, 8)  # (23, 8): 23 time steps of 8 columns
+        build = lambda: w.seeded(lambda: RNNModel("LSTM", 30, 12, 16, 2, dropout=0.0), 0)  # noqa: E731
+        reference = build()
+        _train_lm(reference, train_data)
+        model, mine = autodist.parallelize(build(), train_data, batch_dim=1)
+        _train_lm(model, mine)
+        return w.state(reference), w.state(model), tuple(mine.shape)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_time_batch_language_model_data_is_split_by_columns_and_trains_as_one_process(ranks, n):
+    """parallelize(model, train_data, batch_dim=1): each rank keeps columns r, r+n, ... of every time step
+    (8 columns: 4 + 4, or 3 + 3 + 2), slices the same time windows, and the training is one process's."""
+    for rank, (ref, got, shape) in enumerate(ranks(n, _time_batch)):
+        assert shape == (23, len(range(rank, 8, n)))
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_dim_beyond_the_datas_dimensions_names_both():
+    with pytest.raises(ValueError, match=r"shape \(5,\) but batch_dim=1"):
+        shard(torch.arange(5), 0, 2, dim=1)
+    with pytest.raises(ValueError, match="different lengths"):
+        shard((torch.zeros(4, 6), torch.zeros(4, 5)), 0, 2, dim=1)
