@@ -27,7 +27,7 @@ from autodist.sharded import optimizer as sharded_optimizer
 from autodist.sharded import parameters as sharded_parameters
 from autodist.sharded.parameters import BlockScatter, ParameterSharding
 from autodist.sharded.scatter import Scatter
-from autodist.train import copies
+from autodist.train import copies, habits
 
 
 def _check_model(model: nn.Module) -> None:
@@ -347,6 +347,7 @@ def parallelize(
                                     at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     copies.make_copyable(model, split, second_world_group(world.size) if split is not None else None)
+    habits.adopt(model)  # model.module (DDP's) says what to write instead
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,

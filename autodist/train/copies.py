@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import copyreg
 import functools
 import weakref
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from torch import nn
 from autodist.mp.gather import gather_state_dict
 from autodist.runtime.position import waiting
 from autodist.sharded import parameters as sharded_parameters
+from autodist.train import habits
 
 _HOOKS = ("_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
@@ -77,7 +79,12 @@ class _Entry:
         if self.kind == "copy":
             return plain(model, arg, self.split, self.everyone, clone=True)
         _check_picklable(model, self.split)
-        return plain(model, {}, None, None, clone=False).__reduce_ex__(arg)
+        reduced = plain(model, {}, None, None, clone=False).__reduce_ex__(arg)
+        if reduced[0] is copyreg.__newobj__ and len(reduced[1]) == 1:
+            # the same object rebuilt, through a function pickle does not check against type(model) (the
+            # subclass habits.adopt gave it): the pickle holds only the user's class and torch's
+            reduced = (copyreg._reconstructor, (reduced[1][0], object, None), *reduced[2:])
+        return reduced
 
     def __deepcopy__(self, memo: dict) -> None:  # never copied along: the copy is an ordinary module
         return None
@@ -153,9 +160,11 @@ def _dense(model: nn.Module, memo: dict, split: nn.Module | str, everyone: Any) 
 
 @contextmanager
 def _aside(model: nn.Module) -> Iterator[None]:
-    """autodist's hooks and the two entries set aside for the duration (every module's hook dicts filtered)."""
+    """autodist's hooks and the two entries set aside for the duration (every module's hook dicts filtered),
+    and the model's own class back."""
     entries = {k: model.__dict__.pop(k) for k in _ENTRIES if k in model.__dict__}
     saved: list[tuple[nn.Module, str, Any]] = []
+    adopted, model.__class__ = model.__class__, habits.own_class(model)  # the copy is of the user's class
     try:
         for module in model.modules():
             gone: set[int] = set()
@@ -178,6 +187,7 @@ def _aside(model: nn.Module) -> Iterator[None]:
         for module, attr, hooks in reversed(saved):
             module.__dict__[attr] = hooks
         model.__dict__.update(entries)
+        model.__class__ = adopted
 
 
 def _ours(hook: Any) -> bool:

@@ -312,3 +312,40 @@ def test_a_copy_on_one_rank_alone_is_a_named_error_not_a_hang(tmp_path, what):
                          capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0
     assert "copy.deepcopy(model)" in run.stderr and "call it on every rank" in run.stderr, run.stderr[-3000:]
+
+
+class HasModule(nn.Module):
+    """A model with a real submodule called `module`: it stays reachable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """Hugging Face's unwrap_model: recursive over `.module`."""
+    return _unwrap(model.module) if hasattr(model, "module") else model
+
+
+def _module_habit():
+    model, _ = autodist.parallelize(w.seeded(Scaled, 0))
+    with pytest.raises(AttributeError) as err:
+        model.module
+    wrapped, _ = autodist.parallelize(w.seeded(HasModule, 0))
+    return {"name": type(model).__name__, "isinstance": isinstance(model, Scaled), "hasattr": hasattr(model, "module"),
+            "unwrapped": _unwrap(model) is model, "message": str(err.value),
+            "real": type(wrapped.module).__name__, "copied": type(copy.deepcopy(model)) is Scaled,
+            "pickled": type(pickle.loads(pickle.dumps(model))) is Scaled}
+
+
+def test_model_module_from_ddp_code_says_the_model_itself_is_returned(ranks):
+    """DDP code reaches the model as model.module: here that raises, saying to use the model; hasattr stays
+    False (unwrapping helpers keep the model), a real submodule called module is found, copies are the class."""
+    for out in ranks(2, _module_habit):
+        assert out["message"].startswith("'Scaled' object has no attribute 'module': autodist.parallelize returns "
+                                         "your model itself"), out["message"]
+        assert out["name"] == "Scaled" and out["isinstance"] and not out["hasattr"] and out["unwrapped"]
+        assert out["real"] == "Linear" and out["copied"] and out["pickled"]
