@@ -134,9 +134,10 @@ class Watchdog:
                 self.collective = None
                 st.wait, st.wait_s = None, 0.0
             else:
-                if self.collective is None or self.collective[0] is not found[0]:
-                    self.collective = (found[0], found[1], now)  # holding the frame keeps its identity unique
-                st.wait, st.wait_s = found[1], now - self.collective[2]
+                held = self.collective  # read once: another thread may observe (and drop it) meanwhile
+                if held is None or held[0] is not found[0]:
+                    held = self.collective = (found[0], found[1], now)  # holding the frame keeps its identity
+                st.wait, st.wait_s = found[1], now - held[2]
         st.stack = _stack(frame) if frame is not None and (st.stuck_s >= 2 * self.tick or st.wait) else None
 
     def publish(self) -> None:
@@ -192,10 +193,10 @@ class Watchdog:
         identity, and with it the locals of every caller (a model the script has since dropped, a buffer made
         for the call): it is let go as soon as the main thread has left it, looked for every HELD_FRAME_LOOK_S."""
         end = time.monotonic() + self.tick
-        while self.collective is not None:
+        while (held := self.collective) is not None:  # read once: the main thread may drop it meanwhile
             if self.stop.wait(min(HELD_FRAME_LOOK_S, max(0.0, end - time.monotonic()))):
                 return True
-            if not self._still_in(self.collective[0]):
+            if self.collective is held and not self._still_in(held[0]):
                 self.collective = None
             if time.monotonic() >= end:
                 return False
