@@ -1,6 +1,7 @@
 """Tiny models and training loops shared by the multi-rank tests (run inside the ranks)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -110,3 +111,16 @@ def reference_and_parallel(build: Callable[[], nn.Module], make_data: Callable[[
     model = seeded(build, 0 if rank() == 0 else 100 + rank())
     model, data = autodist.parallelize(model, make_data(), **options)
     return state(ref), state(train(model, data, opt_name, epochs))
+
+
+def float64(fn: Callable) -> Callable:
+    """Run ``fn`` (a rank's test function) with float64 as the default dtype: where Adam would turn rounding
+    noise into a difference, the comparison with one process is exact to ~1e-12."""
+    @functools.wraps(fn)  # the ranks find it by its name
+    def run(*args):
+        torch.set_default_dtype(torch.float64)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return run

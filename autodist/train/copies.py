@@ -111,7 +111,7 @@ def plain(model: nn.Module, memo: dict, split: nn.Module | str | None, everyone:
     """The ordinary module (see the module docstring): its tensors copies (``clone``) or, for pickling, the
     model's own."""
     if split is not None:
-        return _dense(model, memo, split, everyone)
+        return _dense(model, split, everyone)
     with _whole(model), _aside(model):
         if not clone:  # the weights as they are: a Parameter without autodist's hooks around the same tensor
             for p in model.parameters():
@@ -133,7 +133,7 @@ def _whole(model: nn.Module) -> Iterator[None]:
         sharding.unpin()
 
 
-def _dense(model: nn.Module, memo: dict, split: nn.Module | str, everyone: Any) -> nn.Module:
+def _dense(model: nn.Module, split: nn.Module | str, everyone: Any) -> nn.Module:
     """The model as passed to ``parallelize``, holding the gathered weights of its split layers."""
     if isinstance(split, str):
         raise RuntimeError(f"copy.deepcopy of a model split by mp: {split}; take autodist.gather_state_dict(model) "

@@ -3,7 +3,6 @@ what one process would do - clipping by the global norm, clipping by value, zero
 second backward adding to the gradients - or a clear error; never a silent per-rank answer."""
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -18,17 +17,6 @@ from autodist.dp.grad_sync import state_of
 from autodist.sharded.scatter import RING, ScatteredBucket
 
 
-def _float64(fn):
-    @functools.wraps(fn)  # the ranks find it by its name
-    def run(*args):
-        torch.set_default_dtype(torch.float64)
-        try:
-            return fn(*args)
-        finally:
-            torch.set_default_dtype(torch.float32)
-    return run
-
-
 def _pair(**options):
     """The single-process model and the parallelized one (from another seed on ranks > 0), this rank's rows."""
     x, y = w.digits_like(36, features=6, classes=3)
@@ -40,7 +28,7 @@ def _pair(**options):
     return ref, model, global_batches, mine
 
 
-@_float64
+@w.float64
 def _many_buckets(shared_memory: str):
     os.environ["AUTODIST_SHARED_MEMORY"] = shared_memory
     try:
@@ -66,7 +54,7 @@ def test_many_buckets_through_the_ring_train_as_one_process(ranks, shared_memory
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
-@_float64
+@w.float64
 def _clipping(shard: str):
     ref, model, batches, mine = _pair(shard=shard, bucket_mb=0.002, first_bucket_mb=0.001)
     norms = {}
@@ -92,7 +80,7 @@ def test_clip_grad_norm_sees_the_global_norm_of_every_order_and_clip_grad_value_
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
-@_float64
+@w.float64
 def _adding(set_to_none: bool, shard: str):
     """Two backwards per step, each synced (no no_sync), with zero_grad(set_to_none) between steps: the second
     adds to the first's sharded gradient, as autograd adds in one process."""
@@ -115,7 +103,7 @@ def test_a_second_backward_adds_to_the_sharded_gradient(ranks, set_to_none, shar
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
-@_float64
+@w.float64
 def _manual(shard: str):
     ref, model, batches, mine = _pair(shard=shard, sync="manual")
     for m, data in ((ref, batches), (model, mine)):
@@ -197,7 +185,7 @@ class _Counting(torch.nn.Module):
         return self.layers[2](torch.tanh(self.layers[1](torch.tanh(self.layers[0](x)))))
 
 
-@_float64
+@w.float64
 def _windowed(shard: str):
     """Every bucket larger than the ring's buffers (bucket_mb: 630 bytes), so each is packed and summed window
     by window, the last window partly full and carrying the count, the flags and a buffer; two micro-batches

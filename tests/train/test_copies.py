@@ -5,7 +5,6 @@ its true value inside autodist.full_parameters or one clear error, never NaN."""
 from __future__ import annotations
 
 import copy
-import functools
 import io
 import os
 import pickle
@@ -26,17 +25,6 @@ import workloads as w
 LEVELS = [None, "optimizer", "gradients", "parameters"]
 HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-
-
-def _float64(fn):
-    @functools.wraps(fn)  # the ranks find it by its name
-    def run(*args):
-        torch.set_default_dtype(torch.float64)
-        try:
-            return fn(*args)
-        finally:
-            torch.set_default_dtype(torch.float32)
-    return run
 
 
 class Scaled(nn.Module):
@@ -85,7 +73,7 @@ def _train_with_emas(model: nn.Module, data):
             {k: v.clone() for k, v in buffers.module.state_dict().items()}, ema)
 
 
-@_float64
+@w.float64
 def _emas(level):
     n, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     x, y = w.digits_like(36, features=6, classes=3)
@@ -108,7 +96,7 @@ def _hooks(module: nn.Module) -> int:
     return sum(len(getattr(m, attr)) for m in module.modules() for attr in HOOKS)
 
 
-@_float64
+@w.float64
 def _copies(options):
     n, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     if options.get("sync") == "local":
