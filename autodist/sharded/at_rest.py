@@ -22,7 +22,7 @@ from torch import nn
 _GETTERS = {"shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "layout", "ndim", "is_cuda",
             "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mps", "is_xpu", "is_nested", "names", "name",
             "_backward_hooks", "_post_accumulate_grad_hooks", "output_nr", "_version", "itemsize", "retains_grad",
-            "_base", "_cdata", "_grad", "_grad_fn", "is_mkldnn", "is_vulkan", "is_ipu", "is_hpu", "is_maia",
+            "_cdata", "_grad", "_grad_fn", "is_mkldnn", "is_vulkan", "is_ipu", "is_hpu", "is_maia",
             "nbytes"}
 _SETTERS = {"grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "_grad", "retains_grad"}
 _METHODS = {torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.element_size,

@@ -16,7 +16,6 @@ from autodist.sharded import blocks
 from autodist.sharded.parameters import sharding_of
 from outside.nanogpt import GPT, GPTConfig
 from outside.word_language_model import RNNModel
-from test_shard_gradients import _float64
 from test_sharded_training import _outside
 
 
@@ -118,7 +117,7 @@ def test_a_rank_holds_its_shard_and_the_blocks_in_use_and_the_next_block_is_gath
         assert placeholders  # parameters hold one-number placeholders at rest
 
 
-@_float64
+@w.float64
 def _evaluating():
     """Training steps with an evaluation under no_grad and a validation forward with gradients enabled (and no
     backward) between them: the same parameters and the same evaluations as one process."""
@@ -147,7 +146,7 @@ def test_evaluation_and_validation_without_no_grad_between_steps(ranks):
         assert_close(evals, ref_evals, rtol=1e-12, atol=1e-14)
 
 
-@_float64
+@w.float64
 def _rnn():
     """The word_language_model LSTM ((seq, batch) inputs), its blocks named by hand."""
     torch.manual_seed(0)
@@ -188,7 +187,7 @@ class Checkpointed(Stack):
         return self.out(h)
 
 
-@_float64
+@w.float64
 def _checkpointing(kind: str):
     """Activation checkpointing: Hugging Face's (inside each block's hooks: the recomputation in backward must
     find the block gathered) and torch's around each block's call (the recomputation gathers it again)."""
@@ -254,7 +253,7 @@ def _frozen(stack: Stack) -> Stack:
     return stack
 
 
-@_float64
+@w.float64
 def _fine_tuned():
     """shard="parameters" with frozen parameters: the same training as one process, the frozen base sharded at
     rest too (a rank holds 1/N of it), and never more than the blocks in use gathered in backward."""
