@@ -19,7 +19,7 @@ from autodist.faults import watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
 from autodist.runtime.environment import hang_timeout
-from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group, second_world_group
+from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
@@ -346,7 +346,9 @@ def parallelize(
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
-    copies.make_copyable(model, split, second_world_group(world.size) if split is not None else None)
+    # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
+    everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
+    copies.make_copyable(model, split, everyone)
     habits.adopt(model)  # model.module (DDP's) says what to write instead
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "

@@ -100,8 +100,8 @@ def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> 
     ordered against the ones on the data-parallel group (``shard="parameters"`` gathers its blocks on it
     while the gradient sync reduce-scatters on the other); one per ``purpose`` ("reads": the gathers of
     ``state_dict``, ``full_parameters`` and copies, which a rank may enter alone by mistake: it then waits
-    there, named, instead of meeting another rank's forward). Collective over the world; made once per
-    layout and purpose."""
+    there, named, instead of meeting another rank's forward; for the layout with ``mp=1`` that is a group
+    over the whole world). Collective over the world; made once per layout and purpose."""
     key = (dims, purpose)
     if key not in _second_cache:
         _second_cache[key] = _new_dp_group(dims, rank)
@@ -110,15 +110,3 @@ def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> 
 
 _second_cache: dict[tuple[ParallelDims, str], object] = {}
 
-
-def second_world_group(size: int) -> object:
-    """A process group over the whole world of its own, where every rank meets before a collective a rank
-    may enter alone by mistake (copying a model split by ``mp``). Collective over the world; made once."""
-    import torch.distributed as dist
-
-    if size not in _world_cache:
-        _world_cache[size] = dist.new_group(list(range(size)))
-    return _world_cache[size]
-
-
-_world_cache: dict[int, object] = {}

@@ -152,9 +152,7 @@ def rest(p: nn.Parameter, placeholder: torch.Tensor) -> None:
             p.data = placeholder
         return
     p.data = placeholder
-    cls = type(p)
-    resting = AtRest if cls is nn.Parameter else _at_rest_class(cls)
-    p.__class__ = resting
+    p.__class__ = _at_rest_class(type(p))
 
 
 def wake(p: nn.Parameter, data: torch.Tensor) -> None:
@@ -162,7 +160,3 @@ def wake(p: nn.Parameter, data: torch.Tensor) -> None:
     if isinstance(p, AtRest):
         p.__class__ = _awake[type(p)]
     p.data = data
-
-
-def is_at_rest(p: torch.Tensor) -> bool:
-    return isinstance(p, AtRest)

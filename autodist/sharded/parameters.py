@@ -41,7 +41,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -372,8 +372,7 @@ def sharding_of(model: nn.Module) -> ParameterSharding | None:
     return _by_model.get(model)
 
 
-@contextmanager
-def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
+def full_parameters(model: nn.Module) -> ContextManager[nn.Module]:
     """The model's whole parameters, readable and writable, inside the block; each rank's part after it.
 
     Under ``shard="parameters"`` each rank holds 1/N of every parameter between uses, and reading one
@@ -389,11 +388,19 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
         ...     ema.update_parameters(model)
         ...     norm = sum(p.norm() ** 2 for p in model.parameters()) ** 0.5
     """
+    return gathered(model, "autodist.full_parameters(model)")
+
+
+@contextmanager
+def gathered(model: nn.Module, what: str) -> Iterator[nn.Module]:
+    """Every block of ``model`` gathered and held whole for ``what`` (the watchdog's words for it), then each
+    rank's part kept and the blocks freed: :func:`full_parameters`, and the copies of the model. Nothing
+    without ``shard="parameters"``."""
     sharding = sharding_of(getattr(model, "_orig_mod", model))
     if sharding is None:
         yield model
         return
-    sharding.pin("autodist.full_parameters(model)")
+    sharding.pin(what)
     try:
         yield model
     finally:

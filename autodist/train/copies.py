@@ -112,25 +112,11 @@ def plain(model: nn.Module, memo: dict, split: nn.Module | str | None, everyone:
     model's own."""
     if split is not None:
         return _dense(model, split, everyone)
-    with _whole(model), _aside(model):
+    with sharded_parameters.gathered(model, "copy.deepcopy(model)"), _aside(model):
         if not clone:  # the weights as they are: a Parameter without autodist's hooks around the same tensor
             for p in model.parameters():
                 memo.setdefault(id(p), nn.Parameter(p.detach(), requires_grad=p.requires_grad))
         return copy.deepcopy(model, memo)
-
-
-@contextmanager
-def _whole(model: nn.Module) -> Iterator[None]:
-    """Under ``shard="parameters"``, every block gathered for the copy (a collective), freed after it."""
-    sharding = sharded_parameters.sharding_of(model)
-    if sharding is None:
-        yield
-        return
-    sharding.pin("copy.deepcopy(model)")
-    try:
-        yield
-    finally:
-        sharding.unpin()
 
 
 def _dense(model: nn.Module, split: nn.Module | str, everyone: Any) -> nn.Module:
