@@ -2,7 +2,8 @@
 
 Usage: python faulty_train.py FAULT [checkpoint path]. Each fault happens on rank 1 at step 3
 (unless it is about the data): "none", "sleep", "raise", "kill", "uneven_loader", "uneven_shards",
-"save_on_rank0".
+"save_on_rank0"; "evaluate": rank 0 evaluates alone at step 3 for EVALUATE_S seconds (nanoGPT's
+estimate_loss on rank 0 only).
 """
 import os
 import signal
@@ -32,7 +33,24 @@ def _step(model, opt, x, y) -> None:
     opt.step()
 
 
-def _inject(fault: str, rank: int, step: int) -> None:
+def estimate_loss(model: torch.nn.Module, seconds: float) -> float:
+    """An evaluation on held-out data that lasts ``seconds``, as nanoGPT's estimate_loss runs on rank 0 only:
+    forwards in eval mode without gradients (a forward of plain data parallelism talks to no other rank)."""
+    x, y = _data(64)
+    model.eval()
+    losses, end = [], time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            losses.append(F.cross_entropy(model(x), y).item())
+            time.sleep(0.02)
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _inject(fault: str, rank: int, step: int, model: torch.nn.Module) -> None:
+    if fault == "evaluate" and rank == 0 and step == 3:
+        print(f"fault at {time.time():.3f}", flush=True)
+        estimate_loss(model, float(os.environ["EVALUATE_S"]))
     if rank != 1 or step != 3 or fault not in ("sleep", "raise", "kill"):
         return
     print(f"fault at {time.time():.3f}", flush=True)
@@ -59,7 +77,7 @@ def main(fault: str, path: str | None) -> None:
         batches = loader
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step, (x, y) in enumerate(batches, 1):
-        _inject(fault, world.rank, step)
+        _inject(fault, world.rank, step, model)
         _step(model, opt, x, y)
     print(f"loop done at {time.time():.3f}", flush=True)
     if fault == "save_on_rank0" and world.rank == 0:

@@ -4,7 +4,9 @@ Usage: python matrix_train.py MODE FAULT CHECKPOINT, under a launcher on 2 ranks
 localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, shard-optimizer, shard-gradients, shard-parameters
 (and comm: no parallelize).
 FAULT, on rank 1 at step 4: none (the script ends without any flush or close call), raise, kill (SIGKILL),
-stall (sleeps). A checkpoint is written with autodist.save after step 2 (none at the end: saving would
+stall (sleeps); or on rank 0 at step 4: evaluate (rank 0 evaluates alone for 3 x AUTODIST_TIMEOUT, as
+nanoGPT's estimate_loss does; at mp=2 and shard="parameters", where a forward needs every rank, it computes
+held-out statistics of its own instead). A checkpoint is written with autodist.save after step 2 (none at the end: saving would
 settle what the end must settle by itself).
 """
 import os
@@ -44,6 +46,19 @@ def without_parallelize(fault: str) -> None:
         time.sleep(1000)
 
 
+def evaluate(model: torch.nn.Module, mode: str, seconds: float) -> None:
+    """Rank 0 alone, ``seconds`` long: eval-mode forwards on held-out data without gradients where a forward
+    talks to no other rank, else statistics of the held-out data (its own code all the same)."""
+    held_out = torch.randn(64, 6, generator=torch.Generator().manual_seed(2))
+    model.eval()
+    end = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            (held_out.std(0) if mode in ("mp2", "shard-parameters") else model(held_out)).sum().item()
+            time.sleep(0.02)
+    model.train()
+
+
 def main(mode: str, fault: str, path: str) -> None:
     if mode == "comm":
         return without_parallelize(fault)
@@ -54,7 +69,10 @@ def main(mode: str, fault: str, path: str) -> None:
     model, loader = autodist.parallelize(model, DataLoader(data, batch_size=16), **strategy(mode))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # state to shard and to checkpoint
     for step, (x, y) in enumerate(loader, 1):
-        if autodist.rank() == 1 and step == FAULT_STEP and fault != "none":
+        if autodist.rank() == 0 and step == FAULT_STEP and fault == "evaluate":
+            print(f"fault at {time.time():.3f}", flush=True)
+            evaluate(model, mode, 3 * float(os.environ["AUTODIST_TIMEOUT"]))
+        if autodist.rank() == 1 and step == FAULT_STEP and fault not in ("none", "evaluate"):
             print(f"fault at {time.time():.3f}", flush=True)
             if fault == "raise":
                 raise ValueError("boom in rank 1's loss")

@@ -522,11 +522,11 @@ def _unparallelized_registration(model: nn.Module, world: Any) -> Registration:
     """A model synchronized without parallelize: the user keeps it identical on all ranks, which is checked
     once (a model that differs would make the ranks' messages differ, and gloo abort). Kept apart from
     _registry, so that parallelize(model) later is still allowed."""
-    from autodist.runtime.environment import hang_timeout
+    from autodist.runtime.environment import busy_timeout, hang_timeout
 
     registration = _unparallelized.get(model)
     if registration is None:
-        watchdog.start(world.rank, world.size, hang_timeout())
+        watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())
         mine = signature(model_tensors(model))
         with waiting("autodist.synchronize_model's check that the ranks hold the same model"):
             gathered = plain.all_gather(mine)

@@ -32,20 +32,22 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 import weakref
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
-from autodist.faults.verdicts import Status, judge
+from autodist.faults.verdicts import Status, in_own_code, judge, still_waiting
 from autodist.faults.verdicts import where as where_is
 from autodist.runtime import ending, position
 from autodist.runtime.position import record, wait_words, waiting
 from autodist.runtime.shared_fence import PeerGone
-from autodist.runtime.world import log
+from autodist.runtime.world import collective_timeout, log
 
 _PREFIX = "autodist/faults/watchdog/"
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
@@ -94,12 +96,37 @@ def _stack(frame: Any, limit: int = 12) -> str:
     return "".join(traceback.format_stack(frame)[-limit:])
 
 
+_LIBRARIES = tuple(os.path.join(d, "") for d in {
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)),
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+
+
+def _script_lines(frame: Any, count: int = 2) -> str | None:
+    """The innermost lines of the script's own code on a stack (not torch's, autodist's or Python's), in
+    words: where a rank that runs its own code is, e.g. ``model.py:54 in forward <- train.py:120 in
+    estimate_loss``."""
+    lines = []
+    while frame is not None and len(lines) < count:
+        name = frame.f_code.co_filename
+        if not name.startswith(_LIBRARIES) and not name.startswith("<"):
+            lines.append(f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(lines) or None
+
+
 class Watchdog:
     """The heartbeat thread of one rank, and the decisions that stop every rank."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: float, ident: int) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: float, ident: int, busy: float | None = None,
+                 busy_words: str | None = None) -> None:
         self.store, self.rank, self.size, self.timeout, self.ident = store, rank, size, timeout, ident
+        self.busy = max(timeout, busy if busy is not None else timeout)  # a rank alive in its own code: waited for
+        self.busy_words = busy_words or f"AUTODIST_BUSY_TIMEOUT={self.busy:g} s"
         self.tick = min(1.0, timeout / 5)
+        self.line_every = min(60.0, timeout)  # the progress line while waiting for a busy rank
+        self.next_line: tuple[float, float] | None = None  # (the wait's start, its wait_s of the next line)
+        self.wait_since = 0.0  # when the wait the main thread is in began (monotonic)
+        self.leaving = False  # a verdict stops this rank: nothing more goes to the store but its acknowledgement
         self.status = Status(rank=rank, host=socket.gethostname(), pid=os.getpid())
         self.heard: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it last changed)
         self.last_peers: dict[int, Status | None] = {}
@@ -124,20 +151,20 @@ class Watchdog:
         st.state, st.note, st.syncs = record.state, record.note, record.syncs
         st.position = list(record.position) if record.position else None
         st.data_end = list(record.data_end) if record.data_end else None
-        wait = record.wait
+        wait, st.at = record.wait, None
         if wait is not None:
-            st.wait, st.wait_s = wait_words(*wait), now - record.wait_since
+            st.wait, st.wait_s, self.wait_since = wait_words(*wait), now - record.wait_since, record.wait_since
             self.collective = None
         else:
             found = _main_frame_in_collective(frame)
             if found is None:
                 self.collective = None
-                st.wait, st.wait_s = None, 0.0
+                st.wait, st.wait_s, st.at = None, 0.0, _script_lines(frame)
             else:
                 held = self.collective  # read once: another thread may observe (and drop it) meanwhile
                 if held is None or held[0] is not found[0]:
                     held = self.collective = (found[0], found[1], now)  # holding the frame keeps its identity
-                st.wait, st.wait_s = found[1], now - held[2]
+                st.wait, st.wait_s, self.wait_since = found[1], now - held[2], held[2]
         st.stack = _stack(frame) if frame is not None and (st.stuck_s >= 2 * self.tick or st.wait) else None
 
     def publish(self) -> None:
@@ -216,9 +243,25 @@ class Watchdog:
         if self.store.check(["verdict"]):
             self.obey(self.store.get("verdict").decode())
         if self._in_collective() and self.status.wait_s >= self.tick:
-            verdict = judge(self.status, self.peers(), self.silent_s(), self.timeout, self.tick)
+            me, peers, silent = self.status, self.peers(), self.silent_s()
+            verdict = judge(me, peers, silent, self.timeout, self.tick, self.busy, self.busy_words)
             if verdict is not None:
                 self.decide(verdict)
+            elif me.wait_s >= self.timeout and (busy := in_own_code(me, peers, silent, self.timeout)):
+                self._progress(me, peers, busy)
+
+    def _progress(self, me: Status, peers: dict[int, Status | None], busy: list[int]) -> None:
+        """Waiting for ranks alive in their own code: one line when AUTODIST_TIMEOUT has passed, then one every
+        ``line_every`` seconds, from the lowest rank waiting in this collective only."""
+        if any(s is not None and s.wait == me.wait for r, s in peers.items() if r < self.rank):
+            return
+        start, due = self.next_line if self.next_line is not None else (None, 0.0)
+        if start != self.wait_since:
+            due = self.timeout
+        if me.wait_s >= due:
+            log.warning("%s", still_waiting(me, peers, busy, self.busy_words))
+            due += self.line_every * max(1, (me.wait_s - due) // self.line_every + 1)
+        self.next_line = (self.wait_since, due)
 
     def _in_collective(self) -> bool:
         """The main thread waits for the other ranks (not merely at the end of its script)."""
@@ -269,40 +312,63 @@ class Watchdog:
         return True
 
     def decide(self, message: str) -> None:
-        """This rank found the error: make it everyone's, print it, wait for the others to see it, exit."""
+        """This rank found the error: make it everyone's, print it, leave (:meth:`leave`)."""
         first = self.store.compare_set("verdict", "", f"{self.rank}\n{message}").decode()
         if first != f"{self.rank}\n{message}":
             self.obey(first)
+        self.leaving = True
         ending.record_error(message.splitlines()[0], verdict=True)  # now: the launcher may stop this rank soon
         self.report(message)
         record.state = "stopped"
         self._observe(time.monotonic())
         self.publish()
-        deadline = time.monotonic() + 3 * self.tick
-        silent = self.silent_s()
-        alive = {r for r, s in self.last_peers.items()
-                 if s is not None and s.state in ("running", "exited") and silent.get(r, 0.0) < 2 * self.tick}
-        others = [f"ack/{r}" for r in sorted(alive)]
-        while others and time.monotonic() < deadline:  # the store lives in rank 0: let the others read first
-            others = [key for key in others if not self.store.check([key])]
-            time.sleep(0.05)
-        _exit()
+        self.leave(decided=True)
 
     def obey(self, verdict: str) -> None:
-        """Another rank found the error: one line here, tell it we saw it, exit."""
+        """Another rank found the error: one line here, then leave (:meth:`leave`)."""
         decider, _, message = verdict.partition("\n")
         if decider == str(self.rank):
             return  # this rank's own verdict: the thread that wrote it prints it and leaves
+        self.leaving = True
         line = f"stopped because rank {decider} found: {message.splitlines()[0]}"
         self.report(line)
+        self.leave(line)
+
+    def leave(self, line: str | None = None, decided: bool = False) -> None:
+        """Stopped by a verdict: acknowledge it and exit. The store lives in rank 0's process, and a rank that
+        uses it after rank 0 left would print torch's socket warnings; so each other rank's last use is a
+        goodbye, which rank 0 waits for before it exits (a few ticks at most). The rank that ``decided``
+        waits for the others' acknowledgements first, so that each prints its line before the launcher stops it."""
+        self.leaving = True
         try:
             self.store.set(f"ack/{self.rank}", "1")
-        finally:
-            _exit(line)
+            if self.rank == 0:
+                self._wait_for("bye", 6 * self.tick)
+            else:
+                if decided:
+                    self._wait_for("ack", 3 * self.tick)
+                self.store.set(f"bye/{self.rank}", "1")
+        except Exception as exc:  # noqa: BLE001 - the store went with its host: leave all the same
+            log.debug("watchdog: leaving: %s", exc)
+        _exit(line)
+
+    def _wait_for(self, word: str, seconds: float) -> None:
+        """Until every other rank still alive has set its key ``word`` (``seconds`` at most)."""
+        self.peers()
+        silent = self.silent_s()
+        alive = [r for r, s in self.last_peers.items() if s is not None
+                 and s.state in ("running", "exited", "stopped") and silent.get(r, 0.0) < 2 * self.tick]
+        keys, deadline = [f"{word}/{r}" for r in sorted(alive)], time.monotonic() + seconds
+        while keys and time.monotonic() < deadline:
+            keys = [key for key in keys if not self.store.check([key])]
+            time.sleep(0.05)
 
     # -- a collective that failed ------------------------------------------------------------------
     def failed_wait(self, where: str, exc: BaseException) -> None:
-        """A collective marked :class:`~autodist.runtime.position.waiting` failed: a lost peer is named."""
+        """A collective marked :class:`~autodist.runtime.position.waiting` failed: a lost peer is named. Where a
+        verdict already stops this rank (the peer left on it), the thread that acts on it ends the process."""
+        if self.leaving:
+            time.sleep(10 * self.tick + 5)  # the watchdog thread exits meanwhile; touching the store would warn
         if is_peer_lost(exc) and not isinstance(exc, PeerFailure):
             raise PeerFailure(self.explain_lost_peer(where, exc)) from None
 
@@ -346,6 +412,11 @@ class Watchdog:
         record.state, record.note = "failed", _first_line(exc, exc_type)
         self._publish_quietly()
         previous(exc_type, exc, tb)
+        if self.rank == 0 and self.store_lost is None:  # the store lives here: the others stop through it first
+            try:
+                self._wait_for("bye", 6 * self.tick)
+            except Exception:  # noqa: BLE001 - nothing more to do if the store is gone
+                pass
 
     def _publish_quietly(self) -> None:
         if self.store_lost is not None:
@@ -380,6 +451,19 @@ class Watchdog:
             self.stop.set()
             if self.thread.is_alive() and threading.current_thread() is not self.thread:
                 self.thread.join(timeout=5)
+
+    def busy_line(self, waited: float) -> str | None:
+        """At the end of the script, ``waited`` seconds after this rank arrived: where the ranks still running
+        are, if every one is alive in its own code and ``busy`` has not passed (the end then waits on), else None;
+        "" where every rank has arrived meanwhile (the meeting ends by itself)."""
+        peers = {r: s for r, s in self.peers().items() if s is None or s.state != "exited"}
+        if not peers:
+            return ""
+        if waited >= self.busy:
+            return None
+        me = Status(rank=self.rank, wait="the meeting at the end of its script", wait_s=waited)
+        busy = in_own_code(me, peers, self.silent_s(), self.timeout)
+        return still_waiting(me, peers, busy, self.busy_words) if busy else None
 
     def missing(self) -> str:
         """The ranks still running, and where each is."""
@@ -417,12 +501,14 @@ def _exit(verdict: str | None = None) -> None:
 _watchdog: Watchdog | None = None
 
 
-def start(rank: int, size: int, timeout: float) -> Watchdog | None:
+def start(rank: int, size: int, timeout: float, busy: float | None = None) -> Watchdog | None:
     """Start this rank's watchdog (idempotent); every rank of the default process group must start it.
 
     Args:
         rank / size: this rank and the world size of the default process group.
         timeout: seconds a rank may wait in a collective for the others before every rank stops.
+        busy: seconds it waits for ranks that are alive and in their own code (None: ``timeout``); kept
+            inside the process group's own timeout, which would otherwise end the wait first.
 
     Returns:
         The watchdog, or None in a world of one (nothing can hang).
@@ -432,8 +518,9 @@ def start(rank: int, size: int, timeout: float) -> Watchdog | None:
         return _watchdog
     if not timeout > 0:
         raise ValueError(f"the watchdog's timeout must be a positive number of seconds, got {timeout!r}")
+    busy, words = _busy_limit(float(timeout), busy)
     store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
-    _watchdog = dog = Watchdog(store, rank, size, float(timeout), threading.get_ident())
+    _watchdog = dog = Watchdog(store, rank, size, float(timeout), threading.get_ident(), busy, words)
     previous = sys.excepthook
     sys.excepthook = lambda *args: dog.excepthook(previous, *args)
     ending.use_meeting(dog)  # at exit the ranks meet through the watchdog, which also sees failed ranks
@@ -442,6 +529,21 @@ def start(rank: int, size: int, timeout: float) -> Watchdog | None:
     dog.publish()
     dog.thread.start()
     return dog
+
+
+def _busy_limit(timeout: float, busy: float | None) -> tuple[float, str]:
+    """How long ranks alive in their own code are waited for, and that in words: ``busy``, or less where the
+    default process group's timeout (torch.distributed.init_process_group's, 10 minutes for NCCL by
+    default) would end the collective before; then the words say why."""
+    busy = timeout if busy is None else busy
+    words = f"AUTODIST_BUSY_TIMEOUT={busy:g} s"
+    group = collective_timeout()
+    if group is not None and busy > group - timeout:
+        allowed = max(timeout, group - timeout)
+        words = (f"{allowed:g} s (AUTODIST_BUSY_TIMEOUT={busy:g} s, cut to the process group's timeout of "
+                 f"{group:g} s less AUTODIST_TIMEOUT: give init_process_group a longer timeout to wait longer)")
+        busy = allowed
+    return busy, words
 
 
 def running() -> Watchdog | None:

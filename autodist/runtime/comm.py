@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.runtime.position import waiting
-from autodist.runtime.world import World, init
+from autodist.runtime.world import World, init, new_group
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 Reduce = Literal["sum", "mean"]
@@ -116,7 +116,7 @@ def _group_for(ranks: tuple[int, ...], world: World) -> Any:
     if ranks == tuple(range(world.size)):
         return None
     if ranks not in _cache:
-        _cache[ranks] = dist.new_group(list(ranks))
+        _cache[ranks] = new_group(list(ranks))
     return _cache[ranks]
 
 

@@ -44,6 +44,8 @@ _STORE_PREFIX = "autodist/runtime/ending/"
 class Meeting(Protocol):
     """How the ranks meet at the end of their scripts."""
 
+    busy_words: str  # how long a missing rank alive in its own code is waited for, in words
+
     def arrive(self) -> None:
         """Say this rank arrived; return once every rank has (or can no longer)."""
 
@@ -53,9 +55,15 @@ class Meeting(Protocol):
     def give_up(self, message: str) -> None:
         """Print ``message``, stop every rank that can be reached, and leave with status 1 (never returns)."""
 
+    def busy_line(self, waited: float) -> str | None:
+        """``waited`` seconds after this rank arrived: a progress line while the missing ranks are alive in
+        their own code and are still waited for, "" where every rank arrived meanwhile, or None to give up now."""
+
 
 class StoreMeeting:
     """The ranks meet through the rendezvous store: a key per rank that arrived."""
+
+    busy_words = ""
 
     def __init__(self, store: Any, rank: int, size: int) -> None:
         self.store, self.rank, self.size = store, rank, size
@@ -76,6 +84,9 @@ class StoreMeeting:
     def give_up(self, message: str) -> None:
         log.error("%s", message)
         leave(1, message)
+
+    def busy_line(self, waited: float) -> str | None:
+        return None  # no heartbeats: a missing rank cannot be told busy from hung
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -222,19 +233,50 @@ class _Bound:
     """The deadline of the end: past it, the meeting gives up, naming who is missing."""
 
     def __init__(self, meeting: Meeting | None, seconds: float) -> None:
-        self.meeting, self.seconds = meeting, seconds
+        self.meeting, self.seconds, self.started = meeting, seconds, time.monotonic()
+        self.busy = False  # past the bound, the missing ranks were found alive in their own code: waited for
+        self.over = threading.Event()  # the meeting ended: no timer is armed again
+        self.timer = self._arm(seconds)
+
+    def _arm(self, seconds: float) -> threading.Timer:
         self.timer = threading.Timer(seconds, self._expired)
         self.timer.daemon = True
         self.timer.name = "autodist-exit-bound"
+        return self.timer
+
+    def start(self) -> None:
+        self.timer.start()
+
+    def cancel(self) -> None:
+        self.over.set()
+        self.timer.cancel()
 
     def _expired(self) -> None:
+        waited, line = time.monotonic() - self.started, None
+        try:
+            line = self.meeting.busy_line(waited) if self.meeting is not None else None
+        except Exception as exc:  # noqa: BLE001 - the store is gone: give up below
+            log.debug("at exit: %s", exc)
+        if self.over.is_set():
+            return
+        if line is not None:  # the missing ranks are alive in their own code (or arrived meanwhile): wait on
+            if line:
+                log.warning("%s", line)
+                self.busy = True
+            self._arm(min(60.0, self.seconds)).start()
+            if self.over.is_set():
+                self.timer.cancel()
+            return
         try:
             who = self.meeting.missing() if self.meeting is not None else "the other ranks did not arrive"
         except Exception as exc:  # noqa: BLE001
             who = f"the other ranks cannot be asked ({exc})"
-        message = (f"rank {dist.get_rank()} reached the end of its script and waited {self.seconds:g} s for the "
-                   f"others: {who} (AUTODIST_EXIT_TIMEOUT={self.seconds:g} s; raise it if a rank legitimately "
-                   f"finishes this much later)")
+        limit = (f"AUTODIST_EXIT_TIMEOUT={self.seconds:g} s; raise it if a rank legitimately finishes this much "
+                 f"later") if not self.busy else \
+            f"{self.meeting.busy_words}: how long a rank alive in its own " \
+            f"code is waited for; raise it if a rank is legitimately busy this long"
+        message = (f"rank {dist.get_rank()} reached the end of its script and waited {waited:.0f} s for the "
+                   f"others: {who} ({limit})")
         if self.meeting is not None:
             try:
                 self.meeting.give_up(message)  # prints it, stops the others, leaves
@@ -279,7 +321,7 @@ def shutdown(destroy: bool = True) -> None:
     if getattr(sys, "last_value", None) is None:
         meeting = _meeting or _store_meeting()
         bound = _Bound(meeting, exit_timeout())
-        bound.timer.start()
+        bound.start()
         try:
             fine = _settle()
             with waiting("exit"):
@@ -290,7 +332,7 @@ def shutdown(destroy: bool = True) -> None:
         except Exception as exc:  # noqa: BLE001 - a peer that died already: tear down what is left anyway
             log.debug("at exit: %s", exc)
         finally:
-            bound.timer.cancel()
+            bound.cancel()
     if destroy:
         dist.destroy_process_group()
         gc.collect()

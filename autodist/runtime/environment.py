@@ -136,6 +136,19 @@ def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
     return _seconds(env, "AUTODIST_TIMEOUT", "60")
 
 
+def busy_timeout(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a rank waiting in a collective waits for a rank that is alive and in its own code (evaluating,
+    saving or logging alone; its heartbeat goes on) before the watchdog stops every rank:
+    ``AUTODIST_BUSY_TIMEOUT``, 1800 (30 minutes, torch's process-group timeout for gloo) by default. A rank
+    that is silent or waits in another collective is named after ``AUTODIST_TIMEOUT`` all the same.
+
+    Example:
+        >>> busy_timeout({"AUTODIST_BUSY_TIMEOUT": "600"})
+        600.0
+    """
+    return _seconds(env, "AUTODIST_BUSY_TIMEOUT", "1800")
+
+
 def exit_timeout(env: Mapping[str, str] = os.environ) -> float:
     """Seconds a rank that reached the end of its script waits for the others to reach theirs before it
     names the missing ranks and leaves with status 1: ``AUTODIST_EXIT_TIMEOUT``, 60 by default.

@@ -65,7 +65,7 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
     rank creates every group, in the same order; the groups are made once per
     layout and reused.
     """
-    import torch.distributed as dist
+    from autodist.runtime.world import new_group
 
     if dims in _groups_cache:
         return _groups_cache[dims]
@@ -74,7 +74,7 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
     else:
         dp_group, mp_group = _new_dp_group(dims, rank), None
         for d in range(dims.dp):  # model-parallel groups: consecutive ranks
-            g = dist.new_group([d * dims.mp + m for m in range(dims.mp)])
+            g = new_group([d * dims.mp + m for m in range(dims.mp)])
             if dims.dp_rank(rank) == d:
                 mp_group = g
         groups = Groups(dp=dp_group, mp=mp_group)
@@ -85,11 +85,11 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
 def _new_dp_group(dims: ParallelDims, rank: int) -> object:
     """Every data-parallel group (ranks with the same position in their MP group), made in the same order on
     every rank as new_group requires; ``rank``'s."""
-    import torch.distributed as dist
+    from autodist.runtime.world import new_group
 
     mine = None
     for m in range(dims.mp):
-        g = dist.new_group([d * dims.mp + m for d in range(dims.dp)])
+        g = new_group([d * dims.mp + m for d in range(dims.dp)])
         if dims.mp_rank(rank) == m:
             mine = g
     return mine

@@ -18,7 +18,30 @@ from autodist.runtime.environment import Launch, rendezvous_address, shared_memo
 
 log = logging.getLogger("autodist")
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def default_timeout() -> timedelta:
+    """How long :func:`init` lets torch.distributed wait in a collective: longer than the watchdog's limits
+    (``AUTODIST_BUSY_TIMEOUT`` + ``AUTODIST_TIMEOUT`` + a minute), so that a wait is always named by autodist
+    first, never ended by torch's bare timeout."""
+    return timedelta(seconds=environment.busy_timeout() + environment.hang_timeout() + 60)
+
+
+def collective_timeout() -> float | None:
+    """Seconds the default process group lets a collective wait before it fails (None: no group, or the
+    backend does not say)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return min(group._get_backend(d).options._timeout.total_seconds() for d in group._device_types)
+    except Exception:  # noqa: BLE001 - private API of torch's: unknown where it changed
+        return None
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks)`` with the default group's timeout (new_group's own default, 30
+    minutes, could end a wait the watchdog still allows); collective over the world, like new_group."""
+    seconds = collective_timeout()
+    return dist.new_group(ranks, timeout=None if seconds is None else timedelta(seconds=seconds))
 
 
 @dataclass(frozen=True)
@@ -133,13 +156,15 @@ def world_size() -> int:
     return _place()[1]
 
 
-def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> World:
+def init(backend: str | None = None, timeout: timedelta | None = None) -> World:
     """Join the ranks started by torchrun, mpirun or srun; idempotent.
 
     Args:
         backend: "nccl", "gloo" or None to choose (NCCL when every rank has a
             GPU of its own, gloo otherwise).
-        timeout: how long a collective may wait for the other ranks before failing.
+        timeout: how long torch.distributed lets a collective wait for the other ranks before it fails;
+            None: :func:`default_timeout` (``AUTODIST_BUSY_TIMEOUT`` + ``AUTODIST_TIMEOUT`` + 60 s, 32 min
+            by default), so that the watchdog names every wait first.
 
     Returns:
         The :class:`World`: rank, size, local rank / size, pinned device, backend.
@@ -158,8 +183,9 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None (chosen for you: NCCL when every rank has a "
                          f"GPU of its own, gloo otherwise), got {backend!r}")
-    if not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=10), got {timeout!r}")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=40), or None (longer "
+                        f"than the watchdog's limits), got {timeout!r}")
     if _world is not None:
         if backend is not None and backend != _world.backend:
             raise ValueError(f"autodist is already initialised with backend {_world.backend!r}; "
@@ -169,6 +195,7 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> Wo
     _setup_logging(launch.rank)
     shared_memory_allowed()  # a bad value raises here, before any rank waits for this one
     environment.exit_timeout()  # and this one before the end of the script, where it is read
+    timeout = timeout if timeout is not None else default_timeout()  # reads AUTODIST_BUSY_TIMEOUT / _TIMEOUT
     if dist.is_available() and dist.is_initialized():
         _world = _adopt_existing_group(launch)
         atexit.register(ending.shutdown, destroy=False)  # settle and meet; the group is its starter's to end

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_watchdog import TIMEOUT, child_env
+from test_watchdog import BUSY, TIMEOUT, child_env
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts
 SCRIPT = os.path.join(HERE, "matrix_train.py")
 MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2",
          "shard-optimizer", "shard-gradients", "shard-parameters"]
-FAULTS = ["none", "raise", "kill", "stall"]
+FAULTS = ["none", "raise", "kill", "stall", "evaluate"]
 LIMIT = 60  # every process of a cell must be gone by then
 
 
@@ -46,6 +46,8 @@ def _run(mode: str, fault: str, folder: str, ranks: int = 2) -> Cell:
     os.makedirs(folder, exist_ok=True)
     checkpoint = os.path.join(folder, "ckpt.pt")
     env = child_env()
+    if fault == "evaluate":  # rank 0 busy for 3 x TIMEOUT: longer than BUSY, within the default busy limit
+        del env["AUTODIST_BUSY_TIMEOUT"]
     start = time.time()
     try:
         proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", str(ranks), SCRIPT, mode, fault,
@@ -108,11 +110,21 @@ def test_cell(cells, mode, fault):
     elif fault == "kill":
         assert cell.code == 137, cell.output
         assert cell.last == "autodist run: rank 1 of 2 failed (killed by SIGKILL)", cell.output
-    else:
+    elif fault == "stall":  # rank 1 asleep in its own code: waited for up to BUSY, with a line after TIMEOUT
         assert cell.code == 1, cell.output
+        assert re.search(r"\[autodist rank 0\] rank 0 has waited \d s in .* for rank 1, which is in its own code "
+                         r"after step 4 of epoch 0 .* so it is waited for up to AUTODIST_BUSY_TIMEOUT", cell.output), \
+            cell.output
         assert cell.last.startswith("autodist run: the ranks were stopped: rank 0 "), cell.output
         assert "rank 1 is in its own code after step 4 of epoch 0" in cell.last, cell.output
-        assert cell.after_fault < 2 * TIMEOUT + 5, cell.output
+        assert f"(AUTODIST_BUSY_TIMEOUT={BUSY} s: how long a rank alive" in cell.last, cell.output
+        assert BUSY <= cell.after_fault < BUSY + 6, cell.output
+    else:  # rank 0 evaluating alone for 3 x TIMEOUT: rank 1 says whom it waits for, and the job finishes
+        assert cell.code == 0, cell.output
+        assert cell.output.count(" done at ") == 2, cell.output
+        assert re.search(r"\[autodist rank 1\] rank 1 has waited \d+ s in .* for rank 0, which is in its own code "
+                         r"after step 4 of epoch 0", cell.output), cell.output
+        assert 3 * TIMEOUT <= cell.after_fault, cell.output
     _checkpoint_intact(cell, fault)
 
 

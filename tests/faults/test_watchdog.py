@@ -18,28 +18,53 @@ import torch
 from torch import nn
 
 import autodist
-from autodist.faults.verdicts import Status, judge, where
+from autodist.faults.verdicts import Status, in_own_code, judge, still_waiting, where
 from autodist.runtime.position import wait_words
 from autodist.runtime.environment import hang_timeout
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 SCRIPT = os.path.join(HERE, "faulty_train.py")
 TIMEOUT = 5  # AUTODIST_TIMEOUT (and AUTODIST_EXIT_TIMEOUT) in these runs
+BUSY = 2 * TIMEOUT  # AUTODIST_BUSY_TIMEOUT in these runs: how long a rank alive in its own code is waited for
 
 
 # -- pure: what the messages say ---------------------------------------------------------------------
 
-def test_timeout_names_the_rank_that_did_not_arrive_and_its_stack():
+def test_a_rank_in_its_own_code_is_waited_for_up_to_the_busy_limit_then_named_with_its_stack():
     me = Status(rank=0, wait=wait_words("sync", 411, (2, 412, 500)), wait_s=61.0)
-    stalled = Status(rank=1, syncs=411, position=[2, 412, 500], stuck_s=60.0,
+    stalled = Status(rank=1, syncs=411, position=[2, 412, 500], stuck_s=60.0, at="train.py:9 in main",
                      stack='  File "train.py", line 9, in main\n    time.sleep(1000)\n')
-    assert judge(me, {1: stalled}, {1: 0.5}, timeout=60, settle=1) == (
-        "rank 0 has waited 61 s in the gradient sync of step 412 of epoch 2 for the other ranks: rank 1 is in its "
-        "own code after step 412 of epoch 2 (411 gradient syncs done), at the same Python line for 60 s "
-        "(AUTODIST_TIMEOUT=60 s; raise it if a rank is legitimately busy this long)\n"
+    assert judge(me, {1: stalled}, {1: 0.5}, timeout=60, settle=1, busy=1800) is None  # alive: waited for
+    assert still_waiting(me, {1: stalled}, [1], "AUTODIST_BUSY_TIMEOUT=1800 s") == (
+        "rank 0 has waited 61 s in the gradient sync of step 412 of epoch 2 for rank 1, which is in its own code "
+        "after step 412 of epoch 2 (411 gradient syncs done) at train.py:9 in main, at the same Python line for 60 s: "
+        "its heartbeat goes on, so it is waited for up to AUTODIST_BUSY_TIMEOUT=1800 s")
+    me.wait_s = 1801.0
+    assert judge(me, {1: stalled}, {1: 0.5}, timeout=60, settle=1, busy=1800) == (
+        "rank 0 has waited 1801 s in the gradient sync of step 412 of epoch 2 for the other ranks: rank 1 is in its "
+        "own code after step 412 of epoch 2 (411 gradient syncs done) at train.py:9 in main, at the same Python "
+        "line for 60 s (AUTODIST_BUSY_TIMEOUT=1800 s: how long a rank alive in its own code is waited for; raise it "
+        "if a rank is legitimately busy this long)\n"
         "rank 1's Python stack (most recent call last):\n"
         '  File "train.py", line 9, in main\n    time.sleep(1000)')
     assert judge(Status(rank=0, wait="x", wait_s=59.0), {1: stalled}, {1: 0.5}, timeout=60, settle=1) is None
+
+
+def test_a_silent_rank_or_one_in_another_collective_is_named_within_the_timeout_though_another_is_busy():
+    me = Status(rank=0, wait="gradient sync #5", wait_s=61.0)
+    busy = Status(rank=1, syncs=4, at="train.py:88 in estimate_loss")
+    elsewhere = Status(rank=2, syncs=4, wait="torch.distributed.barrier called at train.py:90 in main", wait_s=61.0)
+    same = Status(rank=3, syncs=4, wait="gradient sync #5", wait_s=61.0)
+    assert in_own_code(me, {1: busy, 3: same}, {}, 60) == [1]
+    assert judge(me, {1: busy, 3: same}, {}, timeout=60, settle=1, busy=1800) is None
+    assert in_own_code(me, {1: busy, 2: elsewhere}, {}, 60) == []
+    assert "rank 2 waits in torch.distributed.barrier called at train.py:90 in main for 61 s" in \
+        judge(me, {1: busy, 2: elsewhere}, {}, timeout=60, settle=1, busy=1800)
+    silent = judge(me, {1: busy, 3: same}, {3: 61.0}, timeout=60, settle=1, busy=1800)
+    assert "rank 3 sent no heartbeat for 61 s" in silent and silent.endswith("(AUTODIST_TIMEOUT=60 s)")
+    assert in_own_code(me, {1: busy, 3: None}, {}, 60) == []  # never heard of
+    assert in_own_code(me, {3: same}, {}, 60) == []  # every rank waits in it: the collective is stuck
+    assert "every rank waits in it" in judge(me, {3: same}, {}, timeout=60, settle=1, busy=1800)
 
 
 def test_a_failed_or_ended_rank_is_an_error_at_once():
@@ -120,12 +145,14 @@ def _free_port() -> int:
 
 def child_env() -> dict:
     """The environment of a launched job: no launch of the caller's, tests/ importable, AUTODIST_TIMEOUT and
-    AUTODIST_EXIT_TIMEOUT of TIMEOUT seconds (tests/faults/test_fault_matrix.py uses it too)."""
+    AUTODIST_EXIT_TIMEOUT of TIMEOUT seconds, AUTODIST_BUSY_TIMEOUT of BUSY (tests/faults/test_fault_matrix.py
+    uses it too)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "OMPI_",
                                                                       "LOCAL_", "AUTODIST_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env["AUTODIST_TIMEOUT"] = env["AUTODIST_EXIT_TIMEOUT"] = str(TIMEOUT)
+    env["AUTODIST_BUSY_TIMEOUT"] = str(BUSY)
     return env
 
 
@@ -143,11 +170,11 @@ class Job:
                 and "parallelized" not in line and "do not split evenly" not in line]
 
 
-def _run(fault: str, tmp_path) -> Job:
+def _run(fault: str, tmp_path, **extra: str) -> Job:
     for _ in range(3):  # the free port may be taken before rank 0 binds it: try another
         port, procs, logs = _free_port(), [], []
         for rank in range(2):
-            env = child_env() | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+            env = child_env() | extra | {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
                                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                                   "MASTER_PORT": str(port)}
             logs.append(open(tmp_path / f"rank{rank}.txt", "w+"))
@@ -185,16 +212,56 @@ def test_a_normal_end_says_nothing(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_rank_stalled_in_user_code_is_named_with_its_stack(tmp_path):
+def test_a_rank_stalled_in_user_code_is_waited_for_then_named_with_its_stack(tmp_path):
+    """Rank 1 asleep in its own code, its heartbeat going on: rank 0 says whom it waits for after
+    AUTODIST_TIMEOUT, and stops every rank at AUTODIST_BUSY_TIMEOUT naming rank 1's line and stack."""
     job = _run("sleep", tmp_path)
     print(f"sleep in rank 1: all ranks exited {job.seconds:.1f} s after it fell asleep")
     assert job.codes == [1, 1], job.outputs
-    first = job.lines(0)[0]
+    *progress, last = job.lines(0)
+    assert progress and all(re.fullmatch(
+        r"\[autodist rank 0\] rank 0 has waited \d+ s in the gradient sync of step 3 of epoch 0 for rank 1, which is "
+        r"in its own code after step 3 of epoch 0 \(2 gradient syncs done\) at faulty_train.py:\d+ in _inject <- "
+        r"faulty_train.py:\d+ in main(, at the same Python line for \d+ s)?: its heartbeat goes on, so it is "
+        rf"waited for up to AUTODIST_BUSY_TIMEOUT={BUSY} s", line) for line in progress), progress
     assert re.search(r"rank 0 has waited \d+ s in the gradient sync of step 3 of epoch 0 for the other ranks: "
-                     r"rank 1 is in its own code after step 3 of epoch 0 \(2 gradient syncs done\)", first), first
+                     r"rank 1 is in its own code after step 3 of epoch 0 \(2 gradient syncs done\) at faulty_train.py",
+                     last), last
+    assert last.endswith(f"(AUTODIST_BUSY_TIMEOUT={BUSY} s: how long a rank alive in its own code is waited for; "
+                         f"raise it if a rank is legitimately busy this long)"), last
     assert "time.sleep(1000)" in job.outputs[0]  # rank 1's Python stack
-    assert job.lines(1) == [f"[autodist rank 1] stopped because rank 0 found: {first[len('[autodist rank 0] '):]}"]
-    assert TIMEOUT <= job.seconds <= TIMEOUT + 6
+    assert job.lines(1) == [f"[autodist rank 1] stopped because rank 0 found: {last[len('[autodist rank 0] '):]}"]
+    assert "TCPStore" not in "".join(job.outputs), job.outputs
+    assert BUSY <= job.seconds <= BUSY + 6
+
+
+@pytest.mark.e2e
+def test_rank_0_evaluating_alone_is_waited_for(tmp_path):
+    """nanoGPT's pattern: rank 0 evaluates alone (here for 3 x AUTODIST_TIMEOUT) while rank 1 waits in the next
+    gradient sync. With the default busy limit the job finishes, rank 1 saying once per interval whom it waits
+    for; with a busy limit shorter than the evaluation every rank stops with the named error, and no socket
+    warning or C++ backtrace of torch's follows (rank 0, which holds the store, leaves last)."""
+    job = _run("evaluate", tmp_path, AUTODIST_BUSY_TIMEOUT="1800", EVALUATE_S=str(3 * TIMEOUT))
+    print(f"rank 0 evaluating for {3 * TIMEOUT} s: the job ended {job.seconds:.1f} s after it began")
+    assert job.codes == [0, 0], job.outputs
+    assert job.lines(0) == [], job.outputs[0]
+    lines = job.lines(1)
+    assert 2 <= len(lines) <= 3, lines  # at TIMEOUT, then every TIMEOUT (min(60 s, AUTODIST_TIMEOUT))
+    for line in lines:
+        assert re.fullmatch(r"\[autodist rank 1\] rank 1 has waited \d+ s in the gradient sync of step 3 of epoch 0 "
+                            r"for rank 0, which is in its own code after step 3 of epoch 0 \(2 gradient syncs done\) "
+                            r"at faulty_train.py:\d+ in estimate_loss <- faulty_train.py:\d+ in _inject"
+                            r"(, at the same Python line for \d+ s)?: its heartbeat goes on, so it is waited for up "
+                            r"to AUTODIST_BUSY_TIMEOUT=1800 s", line), line
+    assert all(f"rank {r} done" in job.outputs[r] for r in range(2))
+
+    job = _run("evaluate", tmp_path, EVALUATE_S="1000")
+    assert job.codes == [1, 1], job.outputs
+    assert job.lines(1)[-1].endswith(f"(AUTODIST_BUSY_TIMEOUT={BUSY} s: how long a rank alive in its own code is "
+                                     f"waited for; raise it if a rank is legitimately busy this long)"), job.outputs[1]
+    assert job.lines(0)[-1].startswith("[autodist rank 0] stopped because rank 1 found: rank 1 has waited")
+    for output in job.outputs:
+        assert "TCPStore" not in output and "frame #" not in output and "Traceback" not in output, output
 
 
 @pytest.mark.e2e
