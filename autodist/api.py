@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from autodist import sync as sync_mod
+from autodist.dp import batch_layout
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
@@ -18,7 +19,7 @@ from autodist.dp.shares import SampleCounter, SampleFn
 from autodist.faults import watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
-from autodist.runtime.environment import hang_timeout
+from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
@@ -52,8 +53,8 @@ def _check_model(model: nn.Module) -> None:
                          f"checkpoint, then call parallelize")
 
 
-def _check_counting(batch_dim: int, samples: SampleFn | None) -> None:
-    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+def _check_counting(batch_dim: int | None, samples: SampleFn | None) -> None:
+    if batch_dim is not None and (not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0):
         raise ValueError(f"batch_dim must be a non-negative int (the dimension of the forward's input tensors that "
                          f"indexes samples), got {batch_dim!r}")
     if samples is not None and not callable(samples):
@@ -206,7 +207,7 @@ def parallelize(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     sync_buffers: bool = True,
-    batch_dim: int = 0,
+    batch_dim: int | None = None,
     samples: SampleFn | None = None,
     example: observe.Example | None = None,
     backend: str | None = None,
@@ -243,7 +244,11 @@ def parallelize(
             ``data`` are split along it (1 for word_language_model's
             (time, batch) data: each rank keeps its columns of every time
             step), and forwards on data autodist did not shard are counted
-            along it (1 for (seq, batch) inputs).
+            along it (1 for (seq, batch) inputs). None (the default): 0,
+            checked at the first forward against the model's recurrent and
+            attention layers with ``batch_first=False``, which batch along
+            dimension 1 (a mismatch raises, naming the fix); give 0 to skip
+            the check.
         samples: ``fn(*args, **kwargs) -> int``, called with each forward's
             arguments, returning this rank's count; it overrides every other
             way of counting (count tokens for a loss that is a mean over tokens).
@@ -307,17 +312,18 @@ def parallelize(
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
+    dim = 0 if batch_dim is None else batch_dim
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
-        data_mod.check(data, 1, batch_dim)
+        data_mod.check(data, 1, dim)
         return model, data
-    watchdog.start(world.rank, world.size, hang_timeout())  # from here on a hang becomes a named error
+    watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp)
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
                                                      partial(data_mod.broadcast_order, device=world.device),
-                                                     dim=batch_dim)
+                                                     dim=dim)
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)
@@ -340,12 +346,14 @@ def parallelize(
             scatter = Scatter(groups.dp, dp_rank, dims.dp)
         dp_ranks = tuple(d * dims.mp + dims.mp_rank(world.rank) for d in range(dims.dp))
         sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
-            groups.dp, dp_ranks, dp_rank, SampleCounter(batch_dim, samples), bucket_mb, first_bucket_mb,
+            groups.dp, dp_ranks, dp_rank, SampleCounter(dim, samples), bucket_mb, first_bucket_mb,
             sync_buffers, scatter=scatter))
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
+    if dims.dp > 1 and batch_dim is None and samples is None:
+        batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
     everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
     copies.make_copyable(model, split, everyone)

@@ -279,6 +279,76 @@ def test_time_batch_language_model_data_is_split_by_columns_and_trains_as_one_pr
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
+def _time_batch_left_at_default():
+    """word_language_model converted without batch_dim: (time, batch) data would be split along the time."""
+    from outside.word_language_model import RNNModel
+    ids = torch.randint(0, 30, (8 * 23,), generator=torch.Generator().manual_seed(5))
+    model, mine = autodist.parallelize(w.seeded(lambda: RNNModel("LSTM", 30, 12, 16, 2, dropout=0.0), 0),
+                                       _batchify(ids, 8))
+    try:
+        _train_lm(model, mine)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_time_batch_data_left_at_the_default_batch_dim_raises_naming_batch_dim_1(ranks):
+    """The silent case of word_language_model: the default batch_dim splits the time; the LSTM (batch_first=
+    False) sees all 8 columns while autodist counts 5 time steps as samples: the first forward raises on every
+    rank, naming batch_dim=1 (and batch_dim=0 to insist)."""
+    for message in ranks(2, _time_batch_left_at_default):
+        assert message.startswith("autodist counts this forward as 5 samples, along dimension 0 of the data "
+                                  "(batch_dim=0: parallelize splits tensors passed as data along it"), message
+        assert "the model's LSTM 'rnn' (batch_first=False) batches along dimension 1 of its input and sees a batch " \
+               "of 8" in message and "parallelize(model, data, batch_dim=1)" in message, message
+        assert message.endswith("pass batch_dim=0 explicitly to say so"), message
+
+
+class _SeqFirst(torch.nn.Module):
+    """A (seq, batch) model: an LSTM and an nn.TransformerEncoder, both with batch_first=False."""
+
+    def __init__(self, batch_first: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(30, 8)
+        self.rnn = torch.nn.LSTM(8, 8, batch_first=batch_first)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(8, 30)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.rnn(self.embed(x))[0]))
+
+
+def _layouts_that_agree():
+    """Loops whose batch is where autodist counts it: no error, every step trained."""
+    ids = torch.randint(0, 30, (24, 6), generator=torch.Generator().manual_seed(1))  # 24 sequences of 6 tokens
+    steps = 0
+    # (N, T) data, transposed to (T, b) in the loop for a seq-first model: split along the samples, counted right
+    model, mine = autodist.parallelize(w.seeded(_SeqFirst, 0), ids)
+    for i in range(0, len(mine), 4):
+        model(mine[i:i + 4].t()).sum().backward()
+        steps += 1
+    # a DataLoader of sequences collated (T, b) for a seq-first model: its batches' shares count
+    loader = DataLoader(TensorDataset(ids), batch_size=8, collate_fn=lambda b: torch.stack([s[0] for s in b]).t())
+    model, loader = autodist.parallelize(w.seeded(_SeqFirst, 0), loader)
+    for x in loader:
+        model(x).sum().backward()
+        steps += 1
+    # batch_first=True layers on (N, T) data
+    model, mine = autodist.parallelize(w.seeded(lambda: _SeqFirst(batch_first=True), 0), ids)
+    model(mine[:4]).sum().backward()
+    # (time, batch) data split by columns, and the default insisted on explicitly
+    model, mine = autodist.parallelize(w.seeded(_SeqFirst, 0), ids.t().contiguous(), batch_dim=1)
+    model(mine[:3]).sum().backward()
+    model, mine = autodist.parallelize(w.seeded(_SeqFirst, 0), ids.t().contiguous(), batch_dim=0)
+    model(mine[:3]).sum().backward()
+    return steps + 3
+
+
+def test_layouts_where_the_batch_is_where_autodist_counts_it_pass_the_check(ranks):
+    assert ranks(2, _layouts_that_agree) == [3 + 3 + 3] * 2
+
+
 def test_batch_dim_beyond_the_datas_dimensions_names_both():
     with pytest.raises(ValueError, match=r"shape \(5,\) but batch_dim=1"):
         shard(torch.arange(5), 0, 2, dim=1)
