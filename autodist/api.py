@@ -314,8 +314,7 @@ def parallelize(
     world = init(backend)
     dim = 0 if batch_dim is None else batch_dim
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
-        data_mod.check(data, 1, dim)
-        return model, data
+        return model, data_mod.in_one_process(data, dim)
     watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp)

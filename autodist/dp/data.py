@@ -352,3 +352,25 @@ def check(data: DataLike, size: int, dim: int = 0) -> None:
     """Validate ``data`` without sharding it (a world of one returns data as it is)."""
     if data is not None:
         shard(data, 0, size, dim=dim)
+
+
+def in_one_process(data: DataLike, dim: int = 0) -> DataLike:
+    """``data`` in a world of one: validated and returned as it is, except that a DataLoader's sampler without
+    ``set_epoch`` is given one that does nothing, so that DDP code calling ``loader.sampler.set_epoch(epoch)``
+    runs in one process too (the loader reshuffles every epoch by itself, as on more ranks).
+
+    Example:
+        >>> loader = in_one_process(DataLoader(range(4), shuffle=True))
+        >>> loader.sampler.set_epoch(1)
+    """
+    check(data, 1, dim)
+    if isinstance(data, DataLoader) and not hasattr(data.sampler, "set_epoch"):
+        try:
+            data.sampler.set_epoch = _epoch_is_the_loaders
+        except AttributeError:  # a sampler with __slots__: left as it is
+            pass
+    return data
+
+
+def _epoch_is_the_loaders(epoch: int) -> None:
+    """``set_epoch`` of a sampler that draws a new order every epoch by itself: nothing to do."""

@@ -455,15 +455,20 @@ class Watchdog:
     def busy_line(self, waited: float) -> str | None:
         """At the end of the script, ``waited`` seconds after this rank arrived: where the ranks still running
         are, if every one is alive in its own code and ``busy`` has not passed (the end then waits on), else None;
-        "" where every rank has arrived meanwhile (the meeting ends by itself)."""
-        peers = {r: s for r, s in self.peers().items() if s is None or s.state != "exited"}
+        "" to wait on without a line: where every rank has arrived meanwhile (the meeting ends by itself), or
+        where a lower rank that arrived prints the line."""
+        everyone = self.peers()
+        peers = {r: s for r, s in everyone.items() if s is None or s.state != "exited"}
         if not peers:
             return ""
         if waited >= self.busy:
             return None
         me = Status(rank=self.rank, wait="the meeting at the end of its script", wait_s=waited)
         busy = in_own_code(me, peers, self.silent_s(), self.timeout)
-        return still_waiting(me, peers, busy, self.busy_words) if busy else None
+        if not busy:
+            return None
+        lower = any(s is not None and s.state == "exited" for r, s in everyone.items() if r < self.rank)
+        return "" if lower else still_waiting(me, peers, busy, self.busy_words)  # the lowest arrived rank says it
 
     def missing(self) -> str:
         """The ranks still running, and where each is."""

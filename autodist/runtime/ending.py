@@ -57,7 +57,7 @@ class Meeting(Protocol):
 
     def busy_line(self, waited: float) -> str | None:
         """``waited`` seconds after this rank arrived: a progress line while the missing ranks are alive in
-        their own code and are still waited for, "" where every rank arrived meanwhile, or None to give up now."""
+        their own code and are still waited for ("" to wait on without a line), or None to give up now."""
 
 
 class StoreMeeting:
@@ -262,7 +262,7 @@ class _Bound:
         if line is not None:  # the missing ranks are alive in their own code (or arrived meanwhile): wait on
             if line:
                 log.warning("%s", line)
-                self.busy = True
+            self.busy = True
             self._arm(min(60.0, self.seconds)).start()
             if self.over.is_set():
                 self.timer.cancel()

@@ -136,6 +136,22 @@ def test_set_epoch_on_the_returned_loaders_sampler_is_a_ddp_habit_that_works():
     assert [b[0].tolist() for b in plain] == [[0, 1], [4, 5]]
 
 
+def test_set_epoch_works_in_one_process_too():
+    """Without a launcher (and under `autodist run -n 1`) parallelize returns the loader itself; its sampler
+    gets a set_epoch that does nothing where it had none, and the order stays the loader's own."""
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    model, same = autodist.parallelize(torch.nn.Linear(2, 2), loader)
+    assert same is loader
+    same.sampler.set_epoch(3)
+    reference = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True,
+                           generator=torch.Generator().manual_seed(0))
+    assert [b[0].tolist() for b in same] == [b[0].tolist() for b in reference]
+    seeded = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, sampler=EpochSeeded(8))
+    _, kept = autodist.parallelize(torch.nn.Linear(2, 2), seeded)
+    assert kept.sampler.set_epoch.__func__ is EpochSeeded.set_epoch  # a sampler's own is left alone
+
+
 def test_a_global_rng_loader_takes_rank_zeros_order_once_an_epoch():
     calls = []
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True)

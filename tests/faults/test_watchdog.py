@@ -340,4 +340,4 @@ def test_a_stall_under_autodist_run_ends_the_job(tmp_path):
           f"({time.time() - start:.1f} s in all)")
     assert proc.returncode != 0
     assert "rank 0 has waited" in out and "time.sleep(1000)" in out, out
-    assert time.time() - fell_asleep <= TIMEOUT + 8
+    assert time.time() - fell_asleep <= BUSY + 8
