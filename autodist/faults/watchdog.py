@@ -10,11 +10,17 @@ naming who is where when
 
 * another rank failed (its exception's last line is published by an
   excepthook before it dies) or ended its script: at once;
-* the wait passes the timeout (``AUTODIST_TIMEOUT``, 60 s by default): the
-  message names the ranks that did not arrive, with their Python stacks.
+* the wait passes the timeout (``AUTODIST_TIMEOUT``, 60 s by default) while a
+  rank it waits for is silent, or waits in another collective: the message
+  names the ranks that did not arrive, with their Python stacks;
+* the ranks it waits for are alive and in their own code (evaluating or saving
+  alone): past ``AUTODIST_TIMEOUT`` the lowest waiting rank prints where they
+  are once a minute, and the wait passes the busy limit
+  (``AUTODIST_BUSY_TIMEOUT``, 30 minutes by default) before the same message.
 
 The rank that decides writes the verdict into the store; every other rank's
-thread reads it within a tick, prints one line and exits with status 1. A
+thread reads it within a tick, prints one line and exits with status 1 (rank 0,
+whose process holds the store, last). A
 collective that fails because a peer died (gloo's "Connection closed by
 peer", or a fence in shared memory that finds the peer's process gone) is
 explained the same way: the peer that published its failure, or

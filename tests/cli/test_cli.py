@@ -380,8 +380,12 @@ def test_the_launchers_children_put_the_folder_holding_autodist_first_on_their_p
 
 DDP_HABITS = """
 import torch, torch.distributed as dist, autodist
-model, data = autodist.parallelize(torch.nn.Linear(3, 2), torch.randn(8, 3))
-print("rank", dist.get_rank(), "of", dist.get_world_size(), tuple(data.shape))
+from autodist.runtime.world import collective_timeout
+loader = torch.utils.data.DataLoader(torch.randn(8, 3), batch_size=4, shuffle=True)
+model, loader = autodist.parallelize(torch.nn.Linear(3, 2), loader)
+loader.sampler.set_epoch(1)     # DDP's habit: accepted on the loader returned as it is
+print("rank", dist.get_rank(), "of", dist.get_world_size(), [tuple(x.shape) for x in loader])
+print("collectives wait", collective_timeout(), "s")
 dist.barrier()
 dist.destroy_process_group()   # the last line of a DDP script
 """
@@ -392,9 +396,12 @@ def test_a_ddp_scripts_torch_distributed_calls_work_under_run_n_1(tmp_path):
     barrier and destroy_process_group at the end of a converted DDP script work; plain python has none."""
     script = tmp_path / "habits.py"
     script.write_text(DDP_HABITS)
+    defaults = {k: v for k, v in _env().items() if not k.startswith("AUTODIST_")}
     out = subprocess.run([*AUTODIST, "run", "-n", "1", str(script)], capture_output=True, text=True, timeout=120,
-                         env=_env())
+                         env=defaults)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "rank 0 of 1 (8, 3)" in out.stdout
+    assert "rank 0 of 1 [(4, 3), (4, 3)]" in out.stdout
+    # longer than the watchdog's limits (AUTODIST_BUSY_TIMEOUT + AUTODIST_TIMEOUT + 60 s): never torch's bare timeout
+    assert f"collectives wait {1800 + 60 + 60:.1f} s" in out.stdout
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env())
     assert plain.returncode != 0 and "Default process group has not been initialized" in plain.stderr

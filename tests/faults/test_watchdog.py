@@ -341,3 +341,20 @@ def test_a_stall_under_autodist_run_ends_the_job(tmp_path):
     assert proc.returncode != 0
     assert "rank 0 has waited" in out and "time.sleep(1000)" in out, out
     assert time.time() - fell_asleep <= BUSY + 8
+
+
+def _busy_limits():
+    from autodist.faults.watchdog import _busy_limit
+    from autodist.runtime.world import collective_timeout
+    return collective_timeout(), _busy_limit(5.0, 1800.0), _busy_limit(5.0, 30.0)
+
+
+def test_the_busy_limit_stays_inside_the_process_groups_own_timeout(ranks):
+    """A group started by hand with a short timeout (here the test pool's 60 s; NCCL's default is 10 min) would
+    end a collective before the busy limit: the limit is cut to fit, and the messages say why."""
+    for group, (cut, words), (kept, kept_words) in ranks(2, _busy_limits):
+        assert group == 60.0
+        assert cut == 55.0 and words == ("55 s (AUTODIST_BUSY_TIMEOUT=1800 s, cut to the process group's timeout of "
+                                         "60 s less AUTODIST_TIMEOUT: give init_process_group a longer timeout to "
+                                         "wait longer)")
+        assert (kept, kept_words) == (30.0, "AUTODIST_BUSY_TIMEOUT=30 s")
