@@ -26,6 +26,7 @@ from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import optimizer as sharded_optimizer
 from autodist.sharded import parameters as sharded_parameters
+from autodist.sharded import recompute
 from autodist.sharded.parameters import BlockScatter, ParameterSharding
 from autodist.sharded.scatter import Scatter
 from autodist.train import copies, habits
@@ -91,10 +92,14 @@ def _check_shard(shard: str | None, strategy: sync_mod.Strategy) -> None:
                          f"the other")
 
 
-def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None) -> None:
-    if blocks is not None and shard != "parameters":
-        raise ValueError(f"blocks= names the modules shard='parameters' gathers one at a time; with shard={shard!r} "
-                         f"nothing is gathered: drop blocks=, or pass shard='parameters'")
+def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None, checkpoint: bool) -> None:
+    if not isinstance(checkpoint, bool):
+        raise TypeError(f"checkpoint must be True (recompute each block's activations in backward) or False, "
+                        f"got {checkpoint!r}")
+    if blocks is not None and shard != "parameters" and not checkpoint:
+        raise ValueError(f"blocks= names the modules shard='parameters' gathers one at a time and checkpoint=True "
+                         f"recomputes; with shard={shard!r} and no checkpoint nothing uses them: drop blocks=, or "
+                         f"pass shard='parameters' or checkpoint=True")
 
 
 def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None) -> str:
@@ -213,6 +218,7 @@ def parallelize(
     backend: str | None = None,
     shard: Literal["optimizer", "gradients", "parameters"] | None = None,
     blocks: sharded_blocks.Choice = None,
+    checkpoint: bool = False,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -269,9 +275,14 @@ def parallelize(
             forward and again for its backward (fully sharded; ZeRO stage 3).
             See docs/sharded.md.
         blocks: with ``shard="parameters"``, the modules gathered one at a
-            time: a list of module names or a callable ``(name, module) ->
-            bool``; default: the members of the model's ModuleLists and
-            Sequentials of one type (its transformer or ResNet blocks).
+            time (and with ``checkpoint=True`` the ones recomputed): a list
+            of module names or a callable ``(name, module) -> bool``;
+            default: the members of the model's ModuleLists and Sequentials
+            of one type (its transformer or ResNet blocks).
+        checkpoint: recompute each block's activations in backward
+            (activation checkpointing, ``torch.utils.checkpoint`` per block):
+            less memory, one more forward per block and step, the same
+            numbers. Also in a world of one.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -307,13 +318,15 @@ def parallelize(
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
-    _check_blocks(blocks, shard)
+    _check_blocks(blocks, shard, checkpoint)
     _check_counting(batch_dim, samples)
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
     dim = 0 if batch_dim is None else batch_dim
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
+        if checkpoint:
+            recompute.setup(model, blocks)
         return model, data_mod.in_one_process(data, dim)
     watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
     mp = _hand_placed_mp(model, mp, world)
@@ -333,6 +346,7 @@ def parallelize(
                       observe.example_of(data) if example is None else example)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
         share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
+    recomputed = recompute.setup(model, blocks) if checkpoint else []
     sync_state = at_rest = None
     if dims.dp > 1:
         dp_rank = dims.dp_rank(world.rank)
@@ -359,8 +373,8 @@ def parallelize(
     habits.adopt(model)  # model.module (DDP's) says what to write instead
     if world.rank == 0:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
-                 "sync=%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
+                 "sync=%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest),
-                 _device_of(model, world))
+                 f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))
     return model, data_shard

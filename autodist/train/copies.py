@@ -36,6 +36,7 @@ from torch import nn
 from autodist.mp.gather import gather_state_dict
 from autodist.runtime.position import waiting
 from autodist.sharded import parameters as sharded_parameters
+from autodist.sharded.recompute import is_recomputing
 from autodist.train import habits
 
 _HOOKS = ("_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
@@ -147,12 +148,14 @@ def _dense(model: nn.Module, split: nn.Module | str, everyone: Any) -> nn.Module
 @contextmanager
 def _aside(model: nn.Module) -> Iterator[None]:
     """autodist's hooks and the two entries set aside for the duration (every module's hook dicts filtered),
-    and the model's own class back."""
+    the blocks' checkpointed forwards too (``checkpoint=True``), and the model's own class back."""
     entries = {k: model.__dict__.pop(k) for k in _ENTRIES if k in model.__dict__}
     saved: list[tuple[nn.Module, str, Any]] = []
     adopted, model.__class__ = model.__class__, habits.own_class(model)  # the copy is of the user's class
     try:
         for module in model.modules():
+            if is_recomputing(module.__dict__.get("forward")):
+                saved.append((module, "forward", module.__dict__.pop("forward")))
             gone: set[int] = set()
             for attr in _HOOKS:
                 hooks = getattr(module, attr, None)
