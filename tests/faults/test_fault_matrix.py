@@ -101,7 +101,10 @@ def test_cell(cells, mode, fault):
     assert "Traceback" not in cell.output or fault == "raise", cell.output
     if fault == "none":
         assert cell.code == 0, cell.output
-        assert "autodist run:" not in cell.output and not re.search(r"waited [\d.]+ s", cell.output), cell.output
+        # no error; a rank slow to reach a collective (a loaded machine) may be waited for, with its progress line
+        errors = [line for line in cell.output.splitlines()
+                  if re.search(r"waited [\d.]+ s", line) and "so it is waited for up to" not in line]
+        assert "autodist run:" not in cell.output and not errors, cell.output
         assert cell.output.count(" done at ") == 2
     elif fault == "raise":
         assert cell.code == 1, cell.output
