@@ -51,9 +51,8 @@ def _aware(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class _Watch:
     """Hooks on the model and its batch-aware layers, removed once one forward ran such a layer."""
 
-    def __init__(self, model: nn.Module, counter: SampleCounter, dim: int,
-                 layers: list[tuple[str, nn.Module]]) -> None:
-        self.counter, self.dim, self.forwards = counter, dim, 0
+    def __init__(self, model: nn.Module, counter: SampleCounter, layers: list[tuple[str, nn.Module]]) -> None:
+        self.counter, self.dim, self.forwards = counter, counter.batch_dim, 0
         self.seen: tuple[str, nn.Module, int, int] | None = None  # the first batch-aware layer of this forward
         self.handles = [model.register_forward_pre_hook(self._begin),
                         model.register_forward_hook(self._end, with_kwargs=True)]
@@ -102,4 +101,4 @@ def watch(model: nn.Module, counter: SampleCounter) -> None:
     model without such layers."""
     layers = _aware(model)
     if layers:
-        _Watch(model, counter, counter.batch_dim, layers)
+        _Watch(model, counter, layers)

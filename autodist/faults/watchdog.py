@@ -123,11 +123,11 @@ def _script_lines(frame: Any, count: int = 2) -> str | None:
 class Watchdog:
     """The heartbeat thread of one rank, and the decisions that stop every rank."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: float, ident: int, busy: float | None = None,
-                 busy_words: str | None = None) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: float, ident: int, busy: float,
+                 busy_words: str) -> None:
         self.store, self.rank, self.size, self.timeout, self.ident = store, rank, size, timeout, ident
-        self.busy = max(timeout, busy if busy is not None else timeout)  # a rank alive in its own code: waited for
-        self.busy_words = busy_words or f"AUTODIST_BUSY_TIMEOUT={self.busy:g} s"
+        self.busy = max(timeout, busy)  # a rank alive in its own code: waited for (:func:`_busy_limit`)
+        self.busy_words = busy_words
         self.tick = min(1.0, timeout / 5)
         self.line_every = min(60.0, timeout)  # the progress line while waiting for a busy rank
         self.next_line: tuple[float, float] | None = None  # (the wait's start, its wait_s of the next line)

@@ -19,7 +19,6 @@ from autodist.runtime.environment import Launch, rendezvous_address, shared_memo
 log = logging.getLogger("autodist")
 
 
-
 def default_timeout() -> timedelta:
     """How long :func:`init` lets torch.distributed wait in a collective: longer than the watchdog's limits
     (``AUTODIST_BUSY_TIMEOUT`` + ``AUTODIST_TIMEOUT`` + a minute), so that a wait is always named by autodist
