@@ -10,11 +10,12 @@ layering rule); this file and :mod:`autodist.api` are its public face.
 """
 import sys
 
-from autodist.api import parallelize
+from autodist.api import parallelize, plan
 from autodist.dp.grad_sync import no_sync, synchronize_model
 from autodist.dp.structure import ModelChanged
 from autodist.mp.gather import gather_state_dict
 from autodist.mp.rewrite import Plan, explain
+from autodist.planner.plan import Auto, ParallelPlan
 from autodist.ps import EASGD, Downpour
 from autodist.runtime import comm
 from autodist.runtime.world import World, init, rank, world_size
@@ -32,5 +33,6 @@ del _public
 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
-           "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters"]
+           "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters", "plan", "Auto",
+           "ParallelPlan"]
 __version__ = "0.1.0"

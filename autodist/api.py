@@ -19,6 +19,10 @@ from autodist.dp.shares import SampleCounter, SampleFn
 from autodist.faults import watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
+from autodist.planner import search as planner
+from autodist.planner.budget import default_budget
+from autodist.planner.memory import replicated_need
+from autodist.planner.plan import Auto, Layout, ParallelPlan, size_text
 from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
 from autodist.runtime.rng import share_rng_state
@@ -202,6 +206,107 @@ def _check_split_pays(model: nn.Module, plan: rewrite.Plan, rank: int) -> None:
                     plan.mp, 100 * sum(r.dense_params for r in split) / total, type(model).__name__, why)
 
 
+_warned_fit = False
+
+
+def _warn_if_too_big(model: nn.Module, dp: int, world: World) -> None:
+    """Rank 0 warns once where the replicated layout is predicted not to fit its memory (parameters, gradients,
+    an Adam-like optimizer's two states, the buckets: the least it needs, activations not counted)."""
+    global _warned_fit
+    if _warned_fit or world.rank != 0:
+        return
+    need, budget = replicated_need(model, dp), default_budget(model, world)
+    if need > budget:
+        _warned_fit = True
+        log.warning("%s needs at least %s per rank in this layout (every rank holds the parameters, their "
+                    "gradients, an Adam-like optimizer's two states and the gradient buckets: %s of parameters), "
+                    "more than the %s this rank has (AUTODIST_BUDGET_GB sets it): parallelize(model, data, "
+                    "plan='auto') chooses a layout that fits (sharding, mp, checkpointing)", type(model).__name__,
+                    size_text(need), size_text(sum(p.numel() * p.element_size() for p in model.parameters())),
+                    size_text(budget))
+
+
+def _pins(given: dict) -> dict:
+    """The layout options given other than their defaults: the dimensions a search keeps."""
+    defaults = {"mp": 1, "shard": None, "checkpoint": False}
+    return {k: v for k, v in given.items() if v != defaults[k]}
+
+
+def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan | Auto, given: dict,
+             options: dict) -> Layout:
+    """The layout ``plan=`` stands for: searched ("auto", an Auto), or read (a ParallelPlan, a JSON file)."""
+    if isinstance(plan, str) and plan != "auto":
+        plan = ParallelPlan.load(plan)
+    if not isinstance(plan, (str, ParallelPlan, Auto)):
+        raise TypeError(f"plan must be 'auto', autodist.Auto(...), an autodist.ParallelPlan or the path of one saved "
+                        f"as JSON, got {type(plan).__name__}")
+    world = init(options["backend"])
+    if isinstance(plan, ParallelPlan):
+        if plan.world_size != world.size:
+            raise ValueError(f"this plan was made for {plan.world_size} ranks, and the world has {world.size}: plan "
+                             f"again with plan='auto' (or autodist.plan) under this launch")
+        pins = _pins(given)
+        if any(getattr(plan.layout, k) != v for k, v in pins.items()):
+            raise ValueError(f"the plan's layout ({plan.layout}) differs from {pins} given beside it: give one or "
+                             f"the other")
+        chosen = plan
+    else:
+        chosen = search_plan(model, data, Auto() if plan == "auto" else plan, given, options)
+    if world.rank == 0:
+        log.info("%s", chosen.line())
+    return chosen.layout
+
+
+def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: dict, options: dict) -> ParallelPlan:
+    """Run the search with ``parallelize``'s options (the trials parallelize copies of the model with them)."""
+    _check_model(model)
+    if not isinstance(options["sync"], str) or options["sync"] not in ("backward", "manual"):
+        raise ValueError(f"plan= chooses among the layouts that train as one process (sync='backward' or 'manual'); "
+                         f"with sync={options['sync']!r} choose mp= and shard= yourself")
+    _check_options(given["mp"], options["bucket_mb"], options["first_bucket_mb"], options["sync_buffers"],
+                   options["backend"])
+    _check_shard(given["shard"], sync_mod.choose(options["sync"]))
+    _check_blocks(options["blocks"], "parameters", given["checkpoint"])  # blocks= may serve the chosen layout
+    _check_counting(options["batch_dim"], options["samples"])
+    world = init(options["backend"])
+    dim = 0 if options["batch_dim"] is None else options["batch_dim"]
+    return planner.search(model, data, auto, world, _pins(given), partial(_build, announce=False), dim, options,
+                          options["bucket_mb"])
+
+
+def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = None, *, mp: int = 1,
+         shard: Literal["optimizer", "gradients", "parameters"] | None = None, checkpoint: bool = False,
+         **options: object) -> ParallelPlan:
+    """Choose the layout ``parallelize(model, data, plan="auto")`` would, without parallelizing the model.
+
+    A collective: every rank calls it. The model, its gradients and the random streams are left as they were.
+
+    Args:
+        model / data: as for :func:`parallelize`.
+        auto: the search's settings (:class:`autodist.Auto`: memory budget, optimizer states, batch size).
+        mp / shard / checkpoint: a value other than the default is kept; the search chooses the rest.
+        options: any other keyword argument of :func:`parallelize` (``batch_dim``, ``example``, ``blocks``...).
+
+    Returns:
+        The :class:`autodist.ParallelPlan`: ``print`` it for the table, ``.save(path)`` for JSON that
+        ``parallelize(..., plan=path)`` reuses.
+
+    Example:
+        >>> plan = autodist.plan(model, loader, autodist.Auto(budget_gb=4))
+        >>> print(plan)
+        >>> model, loader = autodist.parallelize(model, loader, plan=plan)
+    """
+    defaults = dict(mp_layers="all", sync="backward", bucket_mb=25.0, first_bucket_mb=1.0, sync_buffers=True,
+                    batch_dim=None, samples=None, example=None, backend=None, blocks=None)
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"autodist.plan got unknown options {unknown}; it takes parallelize's keyword arguments")
+    if auto is not None and not isinstance(auto, Auto):
+        raise TypeError(f"auto must be an autodist.Auto (the search's settings) or None, got {type(auto).__name__}")
+    return search_plan(model, data, auto or Auto(), dict(mp=mp, shard=shard, checkpoint=checkpoint),
+                       {**defaults, **options})
+
+
 def parallelize(
     model: nn.Module,
     data: data_mod.DataLike = None,
@@ -219,6 +324,7 @@ def parallelize(
     shard: Literal["optimizer", "gradients", "parameters"] | None = None,
     blocks: sharded_blocks.Choice = None,
     checkpoint: bool = False,
+    plan: str | ParallelPlan | Auto | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -283,6 +389,12 @@ def parallelize(
             (activation checkpointing, ``torch.utils.checkpoint`` per block):
             less memory, one more forward per block and step, the same
             numbers. Also in a world of one.
+        plan: "auto" (or ``autodist.Auto(...)`` with its settings): choose
+            ``mp``, ``shard`` and ``checkpoint`` for this world and the memory
+            budget (each one given here other than its default is kept),
+            from predicted memory and times measured on a copy of the model
+            (docs/plan.md); a :class:`~autodist.ParallelPlan` or the path of
+            one saved as JSON: its layout, without searching.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -314,6 +426,23 @@ def parallelize(
         optimizer after parallelize: with mp the Linear parameters are
         replaced (an optimizer holding the old ones refuses to step).
     """
+    options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+                   sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
+                   blocks=blocks)
+    if plan is not None:
+        chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
+        mp, shard, checkpoint = chosen.mp, chosen.shard, chosen.checkpoint
+        if shard != "parameters" and not checkpoint:
+            options["blocks"] = None  # named for layouts the plan did not choose
+    return _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
+
+
+def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rewrite.MPLayers,
+           sync: Literal["backward", "manual"] | sync_mod.Strategy, bucket_mb: float, first_bucket_mb: float,
+           sync_buffers: bool, batch_dim: int | None, samples: SampleFn | None, example: observe.Example | None,
+           backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
+           announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
+    """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
@@ -340,10 +469,14 @@ def parallelize(
         model.to(world.device)
     _replicate(model, dims, groups, world)
     split = None
+    if checkpoint and blocks is None and dims.mp > 1:  # found before the split makes their layers differ in type
+        blocks = [name for name, _ in sharded_blocks.find(model)] or None
     if dims.mp > 1 and not rewrite.mp_modules(model):
         split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
         _split_layers(model, dims, groups, mp_layers, world.rank,
                       observe.example_of(data) if example is None else example)
+    if dims.mp == 1 and shard is None and announce:
+        _warn_if_too_big(model, dims.dp, world)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
         share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
     recomputed = recompute.setup(model, blocks) if checkpoint else []
@@ -371,7 +504,7 @@ def parallelize(
     everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
     copies.make_copyable(model, split, everyone)
     habits.adopt(model)  # model.module (DDP's) says what to write instead
-    if world.rank == 0:
+    if world.rank == 0 and announce:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),

@@ -160,6 +160,26 @@ def exit_timeout(env: Mapping[str, str] = os.environ) -> float:
     return _seconds(env, "AUTODIST_EXIT_TIMEOUT", "60")
 
 
+def memory_budget(env: Mapping[str, str] = os.environ) -> float | None:
+    """Bytes of memory each rank may use, as ``plan="auto"`` plans and ``parallelize`` warns by:
+    ``AUTODIST_BUDGET_GB`` (GB of 10**9 bytes); None (unset): the device's free memory.
+
+    Example:
+        >>> memory_budget({"AUTODIST_BUDGET_GB": "6"})
+        6000000000.0
+    """
+    text = env.get("AUTODIST_BUDGET_GB")
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"AUTODIST_BUDGET_GB={text!r} is not a number of GB") from None
+    if not value > 0:
+        raise ValueError(f"AUTODIST_BUDGET_GB={text!r}: give a positive number of GB per rank")
+    return value * 1e9
+
+
 def error_file(env: Mapping[str, str] = os.environ) -> str | None:
     """Where the launcher (torchrun, ``autodist run``) reads this rank's error: ``TORCHELASTIC_ERROR_FILE``."""
     return env.get("TORCHELASTIC_ERROR_FILE") or None

@@ -1,0 +1,38 @@
+"""The layouts a world allows: every ``dp x mp`` factorization of it, x each ``shard`` level, x checkpointing
+the blocks or not; a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
+data-parallel rank, checkpointing without blocks). Dimensions the user pins are kept as given.
+
+Example:
+    >>> [str(r.layout) for r in candidates(2, profile, {"mp": 1}) if not r.impossible][:2]
+    ["dp=2 x mp=1, shard=None", "dp=2 x mp=1, shard=None, checkpoint=True"]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from autodist.planner.plan import SHARDS, Layout, Row
+from autodist.planner.profile import Profile
+
+
+def _why_not(layout: Layout, profile: Profile) -> str:
+    if layout.mp > 1 and profile.splits[layout.mp].impossible:
+        return profile.splits[layout.mp].impossible
+    if layout.shard is not None and layout.dp == 1:
+        return f"shard={layout.shard!r} needs 2 or more data-parallel ranks (here dp=1)"
+    if layout.checkpoint and not profile.blocks:
+        return "checkpointing needs blocks (the model has no ModuleList or Sequential of one type; pass blocks=)"
+    return ""
+
+
+def candidates(world_size: int, profile: Profile, pinned: dict[str, Any]) -> list[Row]:
+    """One row per layout of ``world_size`` ranks that agrees with ``pinned`` (keys "mp", "shard",
+    "checkpoint"), each with ``impossible`` set where it cannot be made."""
+    rows = []
+    for mp in (k for k in range(1, world_size + 1) if world_size % k == 0):
+        for shard in SHARDS:
+            for checkpoint in (False, True):
+                layout = Layout(world_size // mp, mp, shard, checkpoint)
+                if any(getattr(layout, key) != value for key, value in pinned.items()):
+                    continue
+                rows.append(Row(layout, impossible=_why_not(layout, profile)))
+    return rows

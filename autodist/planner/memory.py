@@ -1,0 +1,83 @@
+"""A layout's memory per rank, by kind (the kinds ``autodist.memory`` counts, plus activations), and its peak,
+from the :class:`~autodist.planner.profile.Profile`.
+
+Parameters, gradients and the optimizer's state follow from the layout: ``mp=K`` keeps what the model-parallel
+plan leaves on a rank, ``shard=`` divides the optimizer state (``"optimizer"``), the gradients too
+(``"gradients"``) and the parameters too (``"parameters"``, plus the blocks gathered for use) over the
+data-parallel ranks. autodist's buffers (shared memory included) are the gradient buckets (as large as the
+gradients) without sharding, two ring buffers of :func:`~autodist.sharded.scatter.ring_bytes` with it, and
+the model-parallel all-reduce's slots. Activations are measured: the peak of one forward/backward at two
+batch sizes, extended to this layout's rows; ``mp=K`` divides what its split layers keep, and checkpointing
+keeps the blocks' inputs instead of what they keep inside, plus one block's worth recomputed in backward.
+The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
+``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
+step's temporaries).
+
+Example:
+    >>> kinds, peak = predict(Layout(dp=2, mp=1, shard="optimizer"), profile, rows=32, states=2)
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from autodist.dp.buckets import MB
+from autodist.layers.shared_reduce import SMALLEST_BYTES
+from autodist.planner.plan import Layout
+from autodist.planner.profile import Profile
+from autodist.sharded.scatter import RING, ring_bytes
+
+
+def activations(layout: Layout, profile: Profile, rows: float) -> float:
+    """Bytes a forward/backward of ``rows`` rows makes at its peak on one rank of ``layout``."""
+    peak = profile.peak(rows)
+    if layout.mp > 1:
+        peak -= profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp)
+    if layout.checkpoint:
+        peak -= profile.in_blocks(rows) - profile.block_inputs(rows) - profile.largest_block(rows)
+    return max(peak, 0.0)
+
+
+def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0
+            ) -> tuple[dict[str, float], float]:
+    """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step."""
+    dp, mp = layout.dp, layout.mp
+    params = profile.splits[mp].param_bytes if mp > 1 else profile.param_bytes
+    trainable = params * (profile.trainable_bytes / profile.param_bytes if profile.param_bytes else 1.0)
+    sharded = layout.shard is not None and dp > 1
+    own = trainable / dp if sharded else trainable  # the trainable bytes this rank updates
+    gathered = 0.0
+    if layout.shard == "parameters" and dp > 1:
+        params = params - trainable + own  # frozen parameters stay whole
+        gathered = 2 * profile.largest_block_bytes / mp  # a block in use and the next one gathered
+    grads = own if layout.shard in ("gradients", "parameters") and dp > 1 else trainable
+    buffers = 0.0
+    if dp > 1:
+        ring = RING * ring_bytes(int(trainable), dp, int(bucket_mb * MB))
+        buffers += {None: trainable, "optimizer": trainable + ring}.get(layout.shard, ring)
+    if mp > 1:
+        sent = profile.splits[mp].sent_per_row * rows / max(1, profile.splits[mp].collectives)
+        buffers += max(SMALLEST_BYTES, 2 * sent)
+    kinds = {"parameters": params, "model buffers": profile.buffer_bytes, "gradients": grads,
+             "optimizer state": states * own, "autodist buffers": buffers,
+             "activations": activations(layout, profile, rows)}
+    at_rest = sum(v for k, v in kinds.items() if k != "activations")
+    # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
+    # frees the activations, and the measured peak of a forward/backward holds that; sharded ones stay
+    between = at_rest - (0.0 if layout.shard in ("gradients", "parameters") and dp > 1 else grads)
+    peak = max(between + kinds["activations"] + gathered, at_rest + profile.step_transient * own)
+    return kinds, peak
+
+
+def replicated_need(model: nn.Module, dp: int, states: int = 2) -> float:
+    """Bytes a rank holds at rest when every rank holds everything (no ``mp``, no ``shard``): the parameters
+    and buffers, a gradient and ``states`` optimizer tensors per trainable parameter, and (``dp > 1``) the
+    gradient buckets. Activations come on top: this is the least the layout needs.
+
+    Example:
+        >>> replicated_need(nn.Linear(1000, 1000), dp=2) / 1e6     # 4 MB of weights x (1 + 1 + 2 + 1)
+        20.02
+    """
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return params + buffers + (1 + states + (dp > 1)) * trainable

@@ -1,0 +1,154 @@
+"""The search: measure the model, predict every candidate's memory and time, measure the best few, choose,
+explain. Rank 0 decides (from its own measures and every rank's budget) and the plan travels to every rank
+as plain data, so all of them take the same layout.
+
+Example:
+    >>> plan = search(model, loader, Auto(), world, pinned={}, setup=quiet_parallelize)
+    >>> plan.layout
+    Layout(dp=1, mp=2, shard=None, checkpoint=False)
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+from autodist.mp import observe
+from autodist.planner import memory, timing, trial
+from autodist.planner.budget import default_budget
+from autodist.planner.candidates import candidates
+from autodist.planner.plan import Auto, ParallelPlan, Row, size_text
+from autodist.planner.profile import Profile, measure
+from autodist.runtime import plain
+from autodist.runtime.world import World, log
+
+
+def batch_size_of(data: Any, auto: Auto) -> int:
+    """Rows of one global batch: the setting, else the DataLoader's."""
+    if auto.batch_size is not None:
+        return auto.batch_size
+    size = getattr(data, "batch_size", None) if isinstance(data, DataLoader) else None
+    if not isinstance(size, int):
+        raise ValueError("plan='auto' needs the global batch size to measure and predict a step: pass the data as "
+                         "a DataLoader with a batch_size, or plan=autodist.Auto(batch_size=rows of one global batch)")
+    return size
+
+
+def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget: float, bucket_mb: float) -> None:
+    for row in rows:
+        if row.impossible:
+            row.status = f"not possible: {row.impossible}"
+            continue
+        per_rank = math.ceil(batch / row.layout.dp)
+        row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb)
+        row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb)
+        if row.peak > budget:
+            row.status = f"does not fit: needs {size_text(row.peak)} > budget {size_text(budget)}"
+
+
+def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name: str) -> ValueError:
+    possible = [r for r in rows if not r.impossible]
+    smallest = min(possible, key=lambda r: r.peak)
+    helps = ["more ranks (sharding and mp divide the model's state by the ranks)",
+             f"a smaller global batch than {batch} (activations grow with it)"]
+    if not smallest.layout.checkpoint and any(r.layout.checkpoint for r in possible):
+        helps.append("checkpoint=True")
+    return ValueError(f"no layout of {name} fits the memory budget on {world.size} ranks: the smallest, "
+                      f"{smallest.layout}, needs {size_text(smallest.peak)} per rank > budget {size_text(budget)}. What would "
+                      f"help: {'; '.join(helps)}; or a larger budget (plan=autodist.Auto(budget_gb=...)) if more "
+                      f"memory is free than autodist sees")
+
+
+def _finalists(rows: list[Row], count: int) -> list[int]:
+    fitting = [i for i, r in enumerate(rows) if r.fits and r.seconds is not None]
+    return sorted(fitting, key=lambda i: rows[i].seconds)[:count]  # type: ignore[arg-type, return-value]
+
+
+def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:
+    """The fastest fitting layout: measured where any finalist was, else modelled; every other row's status."""
+    fitting = [r for r in rows if r.fits and r.seconds is not None]
+    measured = [r for r in fitting if r.measured_seconds is not None]
+    best = min(measured, key=lambda r: r.measured_seconds) if measured else min(fitting, key=lambda r: r.seconds)
+    for r in rows:
+        if r is best:
+            r.status = "chosen"
+        elif r in fitting and not r.status:
+            r.status = _slower(r, best)
+    replicated = next((r for r in rows if r.layout.mp == 1 and r.layout.shard is None and not r.layout.checkpoint),
+                      None)
+    how = f"the fastest of {len(measured)} measured" if measured else "the fastest modelled"
+    why = f"{how}; {len(fitting)} of {len(rows)} layouts fit {size_text(budget)} per rank"
+    if replicated is not None and replicated is not best:
+        if not replicated.fits:
+            why += f"; replicated ({replicated.layout}) does not fit: needs {size_text(replicated.peak)}"
+        else:
+            why += f"; replicated is {replicated.status}"
+    return best, why
+
+
+def _slower(row: Row, best: Row) -> str:
+    """How much slower ``row`` is than ``best``: measured against measured, else modelled against modelled."""
+    if row.measured_seconds is not None and best.measured_seconds is not None:
+        return f"+{100 * (row.measured_seconds / best.measured_seconds - 1):.0f}% slower"
+    return f"+{100 * (row.seconds / best.seconds - 1):.0f}% slower (modelled)"  # type: ignore[operator]
+
+
+def _used(options: dict[str, Any], layout: Any) -> dict[str, Any]:
+    """parallelize's options without those the layout has no use for (which it would refuse)."""
+    unused = set()
+    if layout.mp == 1:
+        unused.add("example")
+    if layout.shard != "parameters" and not layout.checkpoint:
+        unused.add("blocks")
+    return {k: None if k in unused else v for k, v in options.items()}
+
+
+def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[str, Any], setup: trial.Setup,
+           batch_dim: int = 0, options: dict[str, Any] | None = None, bucket_mb: float = 25.0) -> ParallelPlan:
+    """Choose the layout of ``model`` for this world (a collective: every rank calls it alike)."""
+    start = time.perf_counter()
+    batch = batch_size_of(data, auto)
+    options = dict(options or {})
+    example = observe.example_of(data, rows=batch) if options.get("example") is None else options["example"]
+    if example is None:
+        raise ValueError("plan='auto' measures a forward on the data's first global batch, but could not take one "
+                         "from the data passed: pass a tensor, a tuple of tensors, a Dataset or a DataLoader, or "
+                         "example= (the arguments of one forward on a global batch)")
+    example = observe.complete(model, example)
+    say = log.info if world.rank == 0 else log.debug
+    say("plan: measuring %s (a forward/backward at 2 batch sizes, the optimizer step, the all-reduce)",
+        type(model).__name__)
+    small = max(1, batch // world.size)
+    profile = measure(model, example, (small, min(batch, 2 * small)), world.size, auto.optimizer_states,
+                      options.get("blocks"), batch_dim)
+    budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else \
+        min(plain.all_gather(default_budget(model, world)) if world.size > 1 else [default_budget(model, world)])
+    rows = candidates(world.size, profile, pinned)
+    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb)
+    if not any(r.fits for r in rows):
+        raise _nothing_fits(rows, budget, world, batch, type(model).__name__)
+    chosen = _finalists(rows, auto.finalists)
+    if world.size > 1:
+        chosen = plain.broadcast(chosen, src=0)
+    trial_options = dict(options)
+    trial_options.setdefault("example", example if isinstance(example, (tuple, dict)) else (example,))
+    for n, i in enumerate(chosen):
+        row = rows[i]
+        say("plan: measuring finalist %d of %d, %s (%.1f s so far)", n + 1, len(chosen), row.layout,
+            time.perf_counter() - start)
+        result = trial.run(model, example, row.layout, setup, auto.optimizer_states, auto.steps, world.rank,
+                           batch_dim, _used(trial_options, row.layout))
+        row.measured_seconds, row.measured_peak, row.measured_memory = result.seconds, result.peak, result.kinds
+        if result.peak > budget:
+            row.status = f"does not fit: measured {size_text(result.peak)} > budget {size_text(budget)}"
+    if not any(r.fits for r in rows):
+        raise _nothing_fits(rows, budget, world, batch, type(model).__name__)
+    best, why = _choose(rows, budget)
+    plan = ParallelPlan(world.size, budget, auto.optimizer_states, batch, best.layout, rows, why,
+                        time.perf_counter() - start)
+    if world.size > 1:
+        plan = ParallelPlan.from_json(plain.broadcast(plan.to_json(), src=0))
+    return plan

@@ -1,0 +1,48 @@
+"""A layout's time per step, modelled from the :class:`~autodist.planner.profile.Profile`: the forward and
+backward measured at two batch sizes and extended to the layout's rows (``mp=K`` divides the split layers'
+share of the work; checkpointing adds the blocks' forward once more), the optimizer step on the bytes this
+rank updates, and the collectives at the measured latency and ring bandwidth of the world's all-reduce:
+the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
+same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
+gathered for forward and backward under ``shard="parameters"``, and
+the model-parallel all-reduces of activations. Communication is added to compute, not overlapped: on a
+machine whose cores both compute and move the data that is the closer guess, and the finalists are
+measured anyway.
+
+Example:
+    >>> seconds(Layout(dp=2, mp=1, shard=None), profile, rows=16, states=2)
+"""
+from __future__ import annotations
+
+from autodist.planner.plan import Layout
+from autodist.planner.profile import Profile
+
+
+def _ring(nbytes: float, ranks: int, profile: Profile, calls: int = 1) -> float:
+    """An all-reduce of ``nbytes`` over ``ranks`` ranks in ``calls`` calls."""
+    if ranks < 2:
+        return 0.0
+    return calls * profile.latency + 2 * (ranks - 1) / ranks * nbytes / profile.bandwidth
+
+
+def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25.0) -> float:
+    """Modelled seconds of one training step of ``layout``, ``rows`` rows a rank."""
+    dp, mp = layout.dp, layout.mp
+    split = profile.splits[mp] if mp > 1 else None
+    work = 1.0 if split is None else (1 - split.split_fraction) + split.split_fraction / mp
+    compute = (profile.forward(rows) + profile.backward(rows)) * work
+    if layout.checkpoint:
+        compute += profile.forward(rows) * profile.block_forward_fraction * work
+    params = profile.param_bytes if split is None else split.param_bytes
+    trainable = params * (profile.trainable_bytes / profile.param_bytes if profile.param_bytes else 1.0)
+    sharded = layout.shard is not None and dp > 1
+    step = profile.step_per_byte * (trainable / dp if sharded else trainable)
+    buckets = max(1, int(trainable // (bucket_mb * 2 ** 20)) + 1)
+    comm = _ring(trainable, dp, profile, buckets)  # all-reduce, or reduce-scatter + all-gather: the same bytes
+    if layout.shard == "optimizer" and dp > 1:
+        comm += _ring(trainable, dp, profile, buckets) / 2  # the updated parameters gathered
+    if layout.shard == "parameters" and dp > 1:  # a reduce-scatter, and every block gathered for forward and backward
+        comm = _ring(trainable, dp, profile, buckets) / 2 + _ring(params, dp, profile, 2 * max(1, len(profile.blocks)))
+    if split is not None:
+        comm += _ring(split.sent_per_row * rows, mp, profile, split.collectives)
+    return compute + step + comm
