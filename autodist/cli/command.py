@@ -21,6 +21,7 @@ from autodist.cli.output import Output, ranks_of
 
 _USAGE = """usage: autodist run [-n N] [torchrun options] script.py [script args]
        autodist explain MODULE:NAME --mp K [--batch-size B] [--layers a,b]
+       autodist explain PLAN.json
        autodist --version
 
 run      launches N processes of script.py through torchrun, on this machine
@@ -28,10 +29,12 @@ run      launches N processes of script.py through torchrun, on this machine
          with one line naming the rank, how it ended and its error's last line
          (autodist run --help for the options).
 explain  prints how parallelize(model, mp=K) would split the model NAME (an
-         nn.Module, or a callable returning one) of the importable MODULE.
+         nn.Module, or a callable returning one) of the importable MODULE; or
+         the table of a plan saved by autodist.plan(...).save(PLAN.json).
 
 examples: autodist run -n 2 examples/cifar/train.py --epochs 3
           autodist explain mypackage.models:build_model --mp 2 --batch-size 128
+          autodist explain plan.json
 """
 
 _RUN_HELP = """usage: autodist run [-n N] [output options] [torchrun options] script.py [script args]
@@ -340,14 +343,30 @@ def _model(target: str) -> Any:
     return model
 
 
+def _saved_plan(path: str) -> int:
+    """``autodist explain PLAN.json``: the table of a plan ``autodist.plan`` made and saved."""
+    from autodist.planner.plan import ParallelPlan
+
+    try:
+        print(ParallelPlan.load(path))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return 0
+
+
 def explain(argv: Sequence[str]) -> int:
-    """``autodist explain MODULE:NAME --mp K``: print the plan of the model found there."""
-    parser = _Parser(prog="autodist explain", description="print the model-parallel plan")
-    parser.add_argument("target", help="MODULE:NAME, NAME an nn.Module or a callable returning one")
-    parser.add_argument("--mp", type=int, required=True, help="model-parallel degree (an integer >= 1)")
+    """``autodist explain MODULE:NAME --mp K``: print the plan of the model found there; ``autodist explain
+    PLAN.json``: print a saved plan's table."""
+    parser = _Parser(prog="autodist explain", description="print the model-parallel plan, or a saved plan")
+    parser.add_argument("target", help="MODULE:NAME, NAME an nn.Module or a callable returning one; or PLAN.json")
+    parser.add_argument("--mp", type=int, default=None, help="model-parallel degree (an integer >= 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="rows through each Linear per step (batch x seq for 3-D inputs), for the bytes column")
     parser.add_argument("--layers", default="all", help="comma-separated Linear names to split (default: all)")
     args = parser.parse_args(list(argv))
+    if args.target.endswith(".json"):
+        return _saved_plan(args.target)
+    if args.mp is None:
+        raise UsageError("--mp K is needed to explain a model (or give a saved plan: autodist explain PLAN.json)")
     if args.mp < 1:
         raise UsageError(f"--mp must be an integer >= 1, got {args.mp}")
     if args.batch_size is not None and args.batch_size < 1:

@@ -19,16 +19,18 @@ from torch.utils._pytree import tree_leaves
 
 class LiveBytes(TorchDispatchMode):
     """Counts the storages ops create inside the block (views and in-place results add nothing) until each is
-    freed; ``now`` is what is alive, ``peak`` the most at one time, ``reset_peak()`` starts a new peak."""
+    freed; ``now`` is what is alive, ``peak`` the most at one time. :meth:`hold` adds bytes that are not
+    there (gradients dropped as they arrive, counted as if kept): ``peak_held`` is the most with them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.now = self.peak = 0
+        self.now = self.peak = self.held = self.peak_held = 0
         self._alive: dict[int, int] = {}  # storage address -> bytes
         self._refs: list[weakref.ref] = []
 
-    def reset_peak(self) -> None:
-        self.peak = self.now
+    def hold(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak_held = max(self.peak_held, self.now + self.held)
 
     def _free(self, ptr: int, ref: weakref.ref) -> None:
         self.now -= self._alive.pop(ptr, 0)
@@ -46,6 +48,7 @@ class LiveBytes(TorchDispatchMode):
             self._alive[ptr] = size
             self.now += size
             self.peak = max(self.peak, self.now)
+            self.peak_held = max(self.peak_held, self.now + self.held)
             self._refs.append(weakref.ref(storage, lambda ref, ptr=ptr: self._free(ptr, ref)))
         return out
 

@@ -7,8 +7,9 @@ plan leaves on a rank, ``shard=`` divides the optimizer state (``"optimizer"``),
 data-parallel ranks. autodist's buffers (shared memory included) are the gradient buckets (as large as the
 gradients) without sharding, two ring buffers of :func:`~autodist.sharded.scatter.ring_bytes` with it, and
 the model-parallel all-reduce's slots. Activations are measured: the peak of one forward/backward at two
-batch sizes, extended to this layout's rows; ``mp=K`` divides what its split layers keep, and checkpointing
-keeps the blocks' inputs instead of what they keep inside, plus one block's worth recomputed in backward.
+batch sizes, with and without the blocks checkpointed, extended to this layout's rows; ``mp=K`` divides what
+autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`), in the same proportion
+with checkpointing.
 The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
 ``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
 step's temporaries).
@@ -27,14 +28,19 @@ from autodist.planner.profile import Profile
 from autodist.sharded.scatter import RING, ring_bytes
 
 
-def activations(layout: Layout, profile: Profile, rows: float) -> float:
-    """Bytes a forward/backward of ``rows`` rows makes at its peak on one rank of ``layout``."""
-    peak = profile.peak(rows)
-    if layout.mp > 1:
-        peak -= profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp)
-    if layout.checkpoint:
-        peak -= profile.in_blocks(rows) - profile.block_inputs(rows) - profile.largest_block(rows)
-    return max(peak, 0.0)
+def activations(layout: Layout, profile: Profile, rows: float, kept: bool = False) -> float:
+    """Bytes a forward/backward of ``rows`` rows makes at its peak on one rank of ``layout``; ``kept``: with the
+    gradients it makes kept to its end (whole gradients), else dropped as they come (sharded ones)."""
+    whole = profile.peak(rows)
+    peak = profile.checkpoint_peak(rows) if layout.checkpoint else whole
+    grads = 0.0
+    if kept:
+        grads = (profile.checkpoint_kept(rows) if layout.checkpoint else profile.kept(rows)) - peak
+    if layout.mp > 1:  # what mp splits, in the same proportion with checkpointing; its share of the gradients
+        if whole > 0:
+            peak *= 1 - profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp) / whole
+        grads *= profile.splits[layout.mp].param_bytes / profile.param_bytes if profile.param_bytes else 1.0
+    return max(peak + grads, 0.0)
 
 
 def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0
@@ -57,14 +63,16 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     if mp > 1:
         sent = profile.splits[mp].sent_per_row * rows / max(1, profile.splits[mp].collectives)
         buffers += max(SMALLEST_BYTES, 2 * sent)
+    whole = not (layout.shard in ("gradients", "parameters") and dp > 1)
     kinds = {"parameters": params, "model buffers": profile.buffer_bytes, "gradients": grads,
              "optimizer state": states * own, "autodist buffers": buffers,
              "activations": activations(layout, profile, rows)}
     at_rest = sum(v for k, v in kinds.items() if k != "activations")
     # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
-    # frees the activations, and the measured peak of a forward/backward holds that; sharded ones stay
-    between = at_rest - (0.0 if layout.shard in ("gradients", "parameters") and dp > 1 else grads)
-    peak = max(between + kinds["activations"] + gathered, at_rest + profile.step_transient * own)
+    # frees the activations, which the peak measured with them kept holds; sharded ones stay at rest
+    between = at_rest - grads if whole else at_rest
+    transient = profile.step_transient * own + profile.step_transient_bytes * (own / trainable if trainable else 0)
+    peak = max(between + activations(layout, profile, rows, kept=whole) + gathered, at_rest + transient)
     return kinds, peak
 
 

@@ -48,9 +48,10 @@ class Auto:
         optimizer_states: tensors the optimizer keeps per parameter: 2 for Adam and AdamW (the default), 1 for
             SGD with momentum, 0 for plain SGD. The trials step the matching torch optimizer.
         batch_size: rows of one global batch; default: the DataLoader's ``batch_size`` (required for other data).
-        finalists: how many of the best modelled layouts are measured for a few steps (0: none, the model decides).
-        steps: steps each finalist runs (the first warms up and measures the peak; the median of the rest is
-            its time).
+        finalists: how many layouts are measured on a copy of the model: the best modelled one of each of the
+            ``finalists`` families (dp x mp x shard level) the model ranks first (0: none, the model decides).
+        steps: timed steps of each finalist, after two that make the optimizer's state and measure the peak;
+            the median is its time.
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, plan=autodist.Auto(budget_gb=6, optimizer_states=1))
@@ -59,14 +60,14 @@ class Auto:
     budget_gb: float | None = None
     optimizer_states: int = 2
     batch_size: int | None = None
-    finalists: int = 3
-    steps: int = 4
+    finalists: int = 4
+    steps: int = 5
 
     def __post_init__(self) -> None:
         if self.budget_gb is not None and (isinstance(self.budget_gb, bool) or not isinstance(
                 self.budget_gb, (int, float)) or not self.budget_gb > 0):
             raise ValueError(f"budget_gb must be a positive number of GB per rank or None, got {self.budget_gb!r}")
-        for name, low in (("optimizer_states", 0), ("finalists", 0), ("steps", 2)):
+        for name, low in (("optimizer_states", 0), ("finalists", 0), ("steps", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -155,8 +156,7 @@ class ParallelPlan:
         raw = json.loads(text)
         if raw.pop("format", None) != FORMAT:
             raise ValueError(f"not a plan autodist {FORMAT} can read (saved by ParallelPlan.save)")
-        rows = [Row(**{**r, "layout": Layout(**r["layout"])}) for r in raw.pop("rows")]
-        return cls(**{**raw, "layout": Layout(**raw["layout"]), "rows": rows})
+        return cls(**{**raw, "layout": Layout(**raw["layout"]), "rows": rows_from(raw.pop("rows"))})
 
     def save(self, path: str | pathlib.Path) -> None:
         pathlib.Path(path).write_text(self.to_json())
@@ -167,6 +167,11 @@ class ParallelPlan:
             return cls.from_json(pathlib.Path(path).read_text())
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise ValueError(f"cannot read a plan from {str(path)!r}: {err}") from None
+
+
+def rows_from(data: list[dict[str, Any]]) -> list[Row]:
+    """Rows from plain data (``dataclasses.asdict`` of each, as JSON keeps them)."""
+    return [Row(**{**r, "layout": Layout(**r["layout"])}) for r in data]
 
 
 def size_text(nbytes: float) -> str:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autodist.mp import observe, rewrite
 from autodist.planner.live import LiveBytes
 from autodist.sharded import blocks as sharded_blocks
+from autodist.sharded import recompute
 
 
 @dataclass
@@ -67,16 +68,17 @@ class Profile:
     blocks: list[str]
     largest_block_bytes: float
     splits: dict[int, Split]
-    peak: Line  # bytes made at the peak of a forward/backward (gradients dropped as they come)
-    in_blocks: Line  # of those kept for backward, the ones inside the blocks
-    block_inputs: Line  # the blocks' inputs (what checkpointing keeps instead)
-    largest_block: Line  # the most one block keeps (recomputed in backward, one block at a time)
-    split_kept: dict[int, Line]  # bytes kept in layers mp=K splits, by K
+    peak: Line  # bytes made at the peak of a forward/backward, gradients dropped as they come
+    kept: Line  # the same, gradients kept (zero_grad() freed them before: backward makes them anew)
+    checkpoint_peak: Line  # both with the blocks recomputed in backward
+    checkpoint_kept: Line
+    split_kept: dict[int, Line]  # bytes kept for backward that mp=K splits, by K
     forward: Line  # seconds
     backward: Line
-    block_forward_fraction: float  # of the forward's time, the blocks' part
+    recompute: Line  # seconds checkpointing adds to a forward/backward
     step_per_byte: float  # the optimizer's step: seconds per byte of trainable parameters
-    step_transient: float  # its transient bytes per byte of parameters
+    step_transient: float  # its temporaries per byte of parameters it steps (a foreach step), or
+    step_transient_bytes: float  # its temporaries in bytes (a step one tensor at a time: the largest one's)
     latency: float  # seconds of an all-reduce of a few bytes over the world
     bandwidth: float  # bytes per second of the ring all-reduce (2(P-1)/P x bytes sent)
     notes: list[str] = field(default_factory=list)
@@ -101,15 +103,22 @@ def _split(plan: Any, mp: int, rows_in: dict[str, float], total: float, element:
 
 
 @contextlib.contextmanager
-def untouched(model: nn.Module) -> Iterator[None]:
+def untouched(model: nn.Module, dropped: list[LiveBytes] | None = None) -> Iterator[None]:
     """The model's gradients, buffers and the random streams as they were, after whatever runs inside;
-    gradients made inside are dropped as they arrive."""
+    gradients made inside are dropped as they arrive, and held (as if kept) by the trackers in ``dropped``."""
     grads = {p: p.grad for p in model.parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     rng = rng_state()
     for p in grads:
         p.grad = None
-    hooks = [p.register_post_accumulate_grad_hook(_drop) for p in grads if p.requires_grad]
+    sinks = [] if dropped is None else dropped
+
+    def drop(p: torch.Tensor) -> None:
+        for live in sinks:
+            live.hold(p.grad.numel() * p.grad.element_size())
+        p.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(drop) for p in grads if p.requires_grad]
     try:
         yield
     finally:
@@ -135,10 +144,6 @@ def set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-def _drop(p: torch.Tensor) -> None:
-    p.grad = None
-
-
 def loss_of(output: Any) -> torch.Tensor:
     """A scalar from any output, for a backward through every floating output (a Hugging Face output's
     ``loss`` where it has one)."""
@@ -154,46 +159,53 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 class _Watch:
-    """Which module runs, and the bytes autograd keeps while each does (one storage counted once)."""
+    """The bytes autograd keeps (one storage counted once), and of them those ``mp=K`` splits: kept inside a
+    layer the plan splits by rows (its input is a slice) or kept between a column-split layer's output and
+    the next row-split layer (attention's heads, the MLP's activation), as Megatron's split makes them."""
 
-    def __init__(self, model: nn.Module, blocks: list[str]) -> None:
-        self.kept: dict[str, float] = {}
-        self.inputs = 0.0
+    def __init__(self, model: nn.Module, roles: dict[int, dict[str, str]]) -> None:
+        self.roles = roles
+        self.split = {k: 0.0 for k in roles}
+        self.between = {k: False for k in roles}
         self.stack: list[str] = [""]
         self.rows_in: dict[str, float] = {}
         self.seen: set[int] = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.blocks = set(blocks)
         self.handles = []
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self.handles.append(module.register_forward_hook(self._leave))
+            self.handles.append(module.register_forward_hook(self._leave(name)))
 
     def _enter(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple) -> None:
             self.stack.append(name)
-            if name in self.blocks:
-                self.inputs += _nbytes(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
             if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor):
                 self.rows_in[name] = args[0].numel() / max(1, args[0].shape[-1])
         return hook
 
-    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.stack.pop()
+    def _leave(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.stack.pop()
+            for k, roles in self.roles.items():
+                if roles.get(name) == "column":
+                    self.between[k] = True
+                elif roles.get(name) == "row":
+                    self.between[k] = False
+        return hook
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self.seen:
             self.seen.add(ptr)
             where = self.stack[-1]
-            self.kept[where] = self.kept.get(where, 0.0) + t.untyped_storage().nbytes()
+            for k, roles in self.roles.items():
+                role = roles.get(where)
+                if role in ("row", "local", "heads") or (self.between[k] and role != "column"):
+                    self.split[k] += t.untyped_storage().nbytes()
         return t
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-    def within(self, prefix: str) -> float:
-        return sum(v for k, v in self.kept.items() if k == prefix or k.startswith(prefix + "."))
 
 
 def _rows(example: Any, n: int, dim: int) -> Any:
@@ -211,70 +223,84 @@ def _pass(model: nn.Module, example: Any) -> tuple[float, float]:
     return middle - start, time.perf_counter() - middle
 
 
-def _measure_rows(model: nn.Module, example: Any, blocks: list[str], plans: dict[int, list[tuple[str, str]]]
-                  ) -> dict[str, Any]:
-    watch = _Watch(model, blocks)
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module, blocks: list[str]) -> Iterator[None]:
+    """The blocks recomputed in backward (as ``checkpoint=True`` makes them) while inside."""
+    modules = dict(model.named_modules())
+    recompute.setup(model, blocks)
     try:
-        with LiveBytes() as live, torch.autograd.graph.saved_tensors_hooks(watch.pack, lambda t: t):
+        yield
+    finally:
+        for name in blocks:
+            modules[name].__dict__.pop("forward", None)
+
+
+def _peaks(model: nn.Module, example: Any, dropped: list[LiveBytes]) -> tuple[float, float]:
+    """The most bytes a forward/backward makes and holds at one time: with the gradients dropped as they
+    arrive, and counting them as kept."""
+    with LiveBytes() as live:
+        dropped.append(live)
+        try:
             loss_of(observe.call(model, example)).backward()
+        finally:
+            dropped.remove(live)
+    return float(live.peak), float(live.peak_held)
+
+
+def _measure_rows(model: nn.Module, example: Any, blocks: list[str], roles: dict[int, dict[str, str]],
+                  dropped: list[LiveBytes]) -> dict[str, Any]:
+    """One batch size's measures: the peaks (with and without checkpointing, gradients dropped or kept), the
+    bytes mp splits, the times."""
+    watch = _Watch(model, roles)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(watch.pack, lambda t: t):
+            peak, kept = _peaks(model, example, dropped)
     finally:
         watch.close()
-    inside = {b: watch.within(b) for b in blocks}
-    times = [_pass(model, example) for _ in range(2)]
-    block_time = _block_time(model, example, blocks) if blocks else 0.0
-    return {"peak": float(live.peak), "in_blocks": sum(inside.values()), "block_inputs": watch.inputs,
-            "largest_block": max(inside.values(), default=0.0),
-            "split": {k: sum(watch.within(n) for n, how in rows if how in ("row", "local", "heads"))
-                      for k, rows in plans.items()},
-            "forward": min(t[0] for t in times), "backward": min(t[1] for t in times),
-            "block_time": block_time, "rows_in": watch.rows_in}
+    forward, backward = min((_pass(model, example) for _ in range(2)), key=sum)
+    measured = {"peak": peak, "kept": kept, "split": watch.split, "forward": forward, "backward": backward,
+                "rows_in": watch.rows_in, "checkpoint_peak": peak, "checkpoint_kept": kept, "recompute": 0.0}
+    if blocks:
+        with _checkpointed(model, blocks):
+            measured["checkpoint_peak"], measured["checkpoint_kept"] = _peaks(model, example, dropped)
+            measured["recompute"] = max(0.0, min(sum(_pass(model, example)) for _ in range(2)) - forward - backward)
+    return measured
 
 
-def _block_time(model: nn.Module, example: Any, blocks: list[str]) -> float:
-    """Seconds the blocks' forwards take, of one forward without grad."""
-    spent = [0.0]
-    starts: list[float] = []
-    names = set(blocks)
-    handles = []
-    for name, module in model.named_modules():
-        if name in names:
-            handles.append(module.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter())))
-            handles.append(module.register_forward_hook(
-                lambda m, a, o: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop())))
-    try:
-        with torch.no_grad():
-            start = time.perf_counter()
-            observe.call(model, example)
-            whole = time.perf_counter() - start
-    finally:
-        for h in handles:
-            h.remove()
-    return spent[0] / whole if whole > 0 else 0.0
-
-
-def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float]:
-    """Seconds and transient bytes per byte of parameters of the optimizer the plan assumes, stepping zeros of
-    the shapes of the model's trainable parameters (the first 16 MB of them: foreach steps make their
-    temporaries per list of tensors)."""
+def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float, float]:
+    """The optimizer the plan assumes, stepping zeros of the shapes of the model's trainable parameters (the
+    largest first, then the others in order, up to 16 MB): seconds per byte, and its temporaries, either per
+    byte (a foreach step makes them for a whole list of tensors: CUDA) or in bytes (a step one tensor at a
+    time makes the largest one's: CPU), whichever the two measures show."""
+    trainable = sorted((p for p in model.parameters() if p.requires_grad), key=lambda p: -p.numel())
     shapes, total = [], 0
-    for p in model.parameters():
-        if p.requires_grad and total < (4 << 20):
+    for p in trainable[:1] + trainable[1:]:
+        if total < (4 << 20) or not shapes:
             shapes.append(p)
             total += p.numel()
-    params = [nn.Parameter(torch.zeros_like(p)) for p in shapes]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    nbytes = max(1.0, _nbytes(params))
-    optimizer = make_optimizer(params, states)
-    optimizer.step()  # its state
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    with LiveBytes() as live:
-        optimizer.step()
-    return min(times) / nbytes, live.peak / nbytes
+
+    def temporaries(sample: list[nn.Parameter]) -> tuple[float, float]:
+        params = [nn.Parameter(torch.zeros_like(p)) for p in sample]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer = make_optimizer(params, states)
+        optimizer.step()  # its state
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        with LiveBytes() as live:
+            optimizer.step()
+        return min(times) / max(1.0, _nbytes(params)), float(live.peak)
+
+    if not shapes:
+        return 0.0, 0.0, 0.0
+    per_byte, whole = temporaries(shapes)
+    _, largest = temporaries(shapes[:1])
+    if len(shapes) > 1 and whole > 1.5 * largest:
+        return per_byte, whole / _nbytes(shapes), 0.0
+    return per_byte, 0.0, largest
 
 
 def make_optimizer(params: Any, states: int) -> torch.optim.Optimizer:
@@ -319,20 +345,21 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
     mps = [k for k in range(2, world_size + 1) if world_size % k == 0]
     first = _rows(example, rows[0], batch_dim)
     measured = []
-    with untouched(model):
+    dropped: list[LiveBytes] = []
+    with untouched(model, dropped):
         explained: dict[int, Any] = {}
         for k in mps:
             try:
                 explained[k] = rewrite.explain(model, k, example=first)
             except (ValueError, RuntimeError, NotImplementedError, TypeError) as err:
                 explained[k] = str(err).splitlines()[0]
-        plans = {k: [] if isinstance(p, str) else [(r.name, r.split) for r in p.layers] for k, p in explained.items()}
+        roles = {k: {} if isinstance(p, str) else {r.name: r.split for r in p.layers} for k, p in explained.items()}
         _pass(model, first)  # warm
         for r in rows:
-            measured.append(_measure_rows(model, _rows(example, r, batch_dim), names, plans))
+            measured.append(_measure_rows(model, _rows(example, r, batch_dim), names, roles, dropped))
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
         splits = {k: _split(explained[k], k, rows_in, total, element) for k in mps}
-    step, transient = _optimizer_step(model, states)
+    step, transient, transient_bytes = _optimizer_step(model, states)
     latency, bandwidth = _all_reduce_time(device)
     (r1, m1), (r2, m2) = zip(rows, measured)
 
@@ -341,9 +368,8 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
 
     return Profile(
         param_bytes=total, trainable_bytes=trainable, buffer_bytes=_nbytes(model.buffers()), blocks=names,
-        largest_block_bytes=largest, splits=splits, peak=line("peak"), in_blocks=line("in_blocks"),
-        block_inputs=line("block_inputs"), largest_block=line("largest_block"),
+        largest_block_bytes=largest, splits=splits, peak=line("peak"), kept=line("kept"),
+        checkpoint_peak=line("checkpoint_peak"), checkpoint_kept=line("checkpoint_kept"),
         split_kept={k: Line.through(r1, m1["split"][k], r2, m2["split"][k]) for k in mps},
-        forward=line("forward"), backward=line("backward"),
-        block_forward_fraction=(m1["block_time"] + m2["block_time"]) / 2, step_per_byte=step,
-        step_transient=transient, latency=latency, bandwidth=bandwidth)
+        forward=line("forward"), backward=line("backward"), recompute=line("recompute"), step_per_byte=step,
+        step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth)

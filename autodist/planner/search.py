@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -20,10 +22,13 @@ from autodist.mp import observe
 from autodist.planner import memory, timing, trial
 from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
-from autodist.planner.plan import Auto, ParallelPlan, Row, size_text
+from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
 from autodist.planner.profile import Profile, measure
 from autodist.runtime import plain
 from autodist.runtime.world import World, log
+
+
+_TRIAL_MARGIN = 0.9  # a trial runs where its predicted peak is within 90% of the memory free beside the model
 
 
 def batch_size_of(data: Any, auto: Auto) -> int:
@@ -63,8 +68,15 @@ def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name
 
 
 def _finalists(rows: list[Row], count: int) -> list[int]:
-    fitting = [i for i, r in enumerate(rows) if r.fits and r.seconds is not None]
-    return sorted(fitting, key=lambda i: rows[i].seconds)[:count]  # type: ignore[arg-type, return-value]
+    """The rows to measure: the fastest modelled fitting row of each family (dp, mp, shard level), the
+    ``count`` families fastest by the model. The model ranks the structurally different layouts roughly;
+    measuring one of each family lets the measurement decide among them."""
+    best: dict[tuple, int] = {}
+    for i, r in enumerate(rows):
+        family = (r.layout.dp, r.layout.mp, r.layout.shard)
+        if r.fits and r.seconds is not None and (family not in best or r.seconds < rows[best[family]].seconds):
+            best[family] = i
+    return sorted(best.values(), key=lambda i: rows[i].seconds)[:count]  # type: ignore[arg-type, return-value]
 
 
 def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:
@@ -124,23 +136,33 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     small = max(1, batch // world.size)
     profile = measure(model, example, (small, min(batch, 2 * small)), world.size, auto.optimizer_states,
                       options.get("blocks"), batch_dim)
-    budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else \
-        min(plain.all_gather(default_budget(model, world)) if world.size > 1 else [default_budget(model, world)])
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    here = default_budget(model, world)
+    available = min(plain.all_gather(here)) if world.size > 1 else here
+    budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else available
     rows = candidates(world.size, profile, pinned)
     _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb)
+    if world.size > 1:  # rank 0's predictions decide, on every rank
+        rows = rows_from(plain.broadcast([asdict(r) for r in rows], src=0))
     if not any(r.fits for r in rows):
         raise _nothing_fits(rows, budget, world, batch, type(model).__name__)
     chosen = _finalists(rows, auto.finalists)
-    if world.size > 1:
-        chosen = plain.broadcast(chosen, src=0)
     trial_options = dict(options)
-    trial_options.setdefault("example", example if isinstance(example, (tuple, dict)) else (example,))
-    for n, i in enumerate(chosen):
+    if trial_options.get("example") is None:  # mp plans an untraceable model from a forward on it
+        trial_options["example"] = example if isinstance(example, (tuple, dict)) else (example,)
+    room = _TRIAL_MARGIN * (available - held)  # a copy is made beside the model, which stays
+    measurable = [i for i in chosen if rows[i].peak <= room]
+    for i in chosen:
+        if i not in measurable:
+            rows[i].status = f"not measured: a copy beside the model would need {size_text(rows[i].peak + held)}"
+    say("plan: measuring %d finalists for %d steps each%s (%.1f s so far)", len(measurable), auto.steps,
+        "" if not measurable else ": " + "; ".join(str(rows[i].layout) for i in measurable),
+        time.perf_counter() - start)
+    make = [partial(trial.Trial, model, example, rows[i].layout, setup, auto.optimizer_states, world.rank,
+                    batch_dim, _used(trial_options, rows[i].layout)) for i in measurable]
+    together = sum(rows[i].peak for i in measurable) <= room
+    for i, result in zip(measurable, trial.run_all(make, auto.steps, together)):
         row = rows[i]
-        say("plan: measuring finalist %d of %d, %s (%.1f s so far)", n + 1, len(chosen), row.layout,
-            time.perf_counter() - start)
-        result = trial.run(model, example, row.layout, setup, auto.optimizer_states, auto.steps, world.rank,
-                           batch_dim, _used(trial_options, row.layout))
         row.measured_seconds, row.measured_peak, row.measured_memory = result.seconds, result.peak, result.kinds
         if result.peak > budget:
             row.status = f"does not fit: measured {size_text(result.peak)} > budget {size_text(budget)}"

@@ -1,6 +1,6 @@
 """A layout's time per step, modelled from the :class:`~autodist.planner.profile.Profile`: the forward and
 backward measured at two batch sizes and extended to the layout's rows (``mp=K`` divides the split layers'
-share of the work; checkpointing adds the blocks' forward once more), the optimizer step on the bytes this
+share of the work; checkpointing adds what it was measured to add), the optimizer step on the bytes this
 rank updates, and the collectives at the measured latency and ring bandwidth of the world's all-reduce:
 the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
 same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
@@ -32,7 +32,7 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
     work = 1.0 if split is None else (1 - split.split_fraction) + split.split_fraction / mp
     compute = (profile.forward(rows) + profile.backward(rows)) * work
     if layout.checkpoint:
-        compute += profile.forward(rows) * profile.block_forward_fraction * work
+        compute += profile.recompute(rows) * work
     params = profile.param_bytes if split is None else split.param_bytes
     trainable = params * (profile.trainable_bytes / profile.param_bytes if profile.param_bytes else 1.0)
     sharded = layout.shard is not None and dp > 1

@@ -1,12 +1,13 @@
-"""A finalist measured: a deep copy of the model parallelized with the layout, a few steps of the optimizer
-the plan assumes on this rank's share of one global batch, its time (the slowest rank's median step, the
-first step left out as a warm-up) and its peak (what the rank holds at rest, ``autodist.memory``, plus the
-most a step makes above it). The user's model, its gradients and the random streams are left as they were:
-the training that follows is the chosen layout's, from the same start. Every rank runs every trial.
+"""The finalists measured: each a deep copy of the model parallelized with its layout, steps of the optimizer
+the plan assumes on this rank's share of one global batch, its time (the slowest rank's median step, after
+two untimed ones) and its peak (what the rank holds at rest, ``autodist.memory``, plus the most a step makes
+above it). The finalists' steps are interleaved where they fit in memory together. The user's model, its
+gradients and the random streams are left as they were: the training that follows is the chosen layout's,
+from the same start. Every rank runs every trial.
 
 Example:
-    >>> result = run(model, batch, Layout(dp=2, mp=1, shard="optimizer"), setup, states=2, steps=4)
-    >>> result.seconds, result.peak
+    >>> make = [partial(Trial, model, batch, layout, setup, 2, rank) for layout in finalists]
+    >>> [r.seconds for r in run_all(make, steps=5, together=True)]
 """
 from __future__ import annotations
 
@@ -55,35 +56,70 @@ def _slowest(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def run(model: nn.Module, batch: Any, layout: Layout, setup: Setup, states: int, steps: int, rank: int,
-        dim: int = 0, options: dict[str, Any] | None = None) -> Result:
-    """Parallelize a copy of ``model`` as ``layout`` and run ``steps`` steps on this rank's share of ``batch``."""
-    rng = rng_state()
-    try:
-        trial, _ = setup(copy.deepcopy(model), None, **layout.options(), **(options or {}))
-        x = share(batch, rank // layout.mp, layout.dp, dim)
-        device = next((p.device for p in trial.parameters()), torch.device("cpu"))
-        optimizer = make_optimizer(trial.parameters(), states)
+class Trial:
+    """A copy of ``model`` parallelized as ``layout``, warmed up (the optimizer's state made) and its peak
+    measured; :meth:`step` times one more step (the slowest rank's time); :meth:`close` frees it."""
 
-        def step() -> None:
-            optimizer.zero_grad()
-            loss_of(observe.call(trial, x)).backward()
-            optimizer.step()
-
-        step()  # the optimizer's state; the first of everything
-        optimizer.zero_grad()
-        at_rest = memory(trial, optimizer).total
+    def __init__(self, model: nn.Module, batch: Any, layout: Layout, setup: Setup, states: int, rank: int,
+                 dim: int = 0, options: dict[str, Any] | None = None) -> None:
+        self.model, _ = setup(copy.deepcopy(model), None, **layout.options(), **(options or {}))
+        self.x = share(batch, rank // layout.mp, layout.dp, dim)
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self.optimizer = make_optimizer(self.model.parameters(), states)
+        self.times: list[float] = []
+        self._step()  # the optimizer's state; the first of everything
+        self.optimizer.zero_grad()
+        at_rest = memory(self.model, self.optimizer).total
         with LiveBytes() as live:
-            step()
-        kinds = dict(memory(trial, optimizer))
-        times = []
-        for _ in range(max(1, steps - 2)):
-            start = time.perf_counter()
-            step()
-            times.append(_slowest(time.perf_counter() - start, device))
-        peak = _slowest(at_rest + live.peak, device)
-        return Result(statistics.median(times), peak, kinds)
-    finally:
-        trial = optimizer = None  # noqa: F841 - the copy goes before the next trial
+            self._step()
+        self.kinds = dict(memory(self.model, self.optimizer))
+        self.peak = _slowest(at_rest + live.peak, self.device)
+
+    def _step(self) -> None:
+        self.optimizer.zero_grad()
+        loss_of(observe.call(self.model, self.x)).backward()
+        self.optimizer.step()
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        self._step()
+        self.times.append(_slowest(time.perf_counter() - start, self.device))
+
+    def result(self) -> Result:
+        return Result(statistics.median(self.times), self.peak, self.kinds)
+
+    def close(self) -> None:
+        self.model = self.optimizer = self.x = None
         gc.collect()
+
+
+def run_all(make: list[Callable[[], Trial]], steps: int, together: bool) -> list[Result]:
+    """Every trial's result; ``together``: all alive at once, their steps interleaved (one step of each in
+    turn, the order reversed every round, so the machine's drift lands on all alike), else one after the
+    other. The random streams are put back after each trial is made and after all have run."""
+    rng = rng_state()
+    results: list[Result | None] = [None] * len(make)
+    trials: list[Trial] = []
+    try:
+        if together:
+            for build in make:
+                trials.append(build())
+                set_rng_state(rng)
+            for r in range(steps):
+                for trial in (trials if r % 2 == 0 else trials[::-1]):
+                    trial.step()
+            return [t.result() for t in trials]
+        for i, build in enumerate(make):
+            trial = build()
+            try:
+                for _ in range(steps):
+                    trial.step()
+                results[i] = trial.result()
+            finally:
+                trial.close()
+                set_rng_state(rng)
+        return results  # type: ignore[return-value]
+    finally:
+        for trial in trials:
+            trial.close()
         set_rng_state(rng)

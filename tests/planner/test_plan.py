@@ -221,7 +221,7 @@ def test_one_process_plans_checkpointing_only():
 @pytest.mark.parametrize("call, error, words", [
     (lambda: autodist.parallelize(Net(), _data(), plan=42), TypeError, "plan must be 'auto'"),
     (lambda: autodist.Auto(budget_gb=-1), ValueError, "budget_gb must be a positive number"),
-    (lambda: autodist.Auto(steps=1), ValueError, "steps must be an int >= 2"),
+    (lambda: autodist.Auto(steps=0), ValueError, "steps must be an int >= 1"),
     (lambda: autodist.parallelize(Net(), _data(), plan="auto", sync=autodist.LocalSGD(every=2)), ValueError,
      "choose mp= and shard= yourself"),
     (lambda: autodist.plan(Net(), torch.randn(8, 6)), ValueError, r"Auto\(batch_size="),
