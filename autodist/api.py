@@ -249,12 +249,10 @@ def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan
         if any(getattr(plan.layout, k) != v for k, v in pins.items()):
             raise ValueError(f"the plan's layout ({plan.layout}) differs from {pins} given beside it: give one or "
                              f"the other")
-        chosen = plan
-    else:
-        chosen = search_plan(model, data, Auto() if plan == "auto" else plan, given, options)
-    if world.rank == 0:
-        log.info("%s", chosen.line())
-    return chosen.layout
+        if world.rank == 0:
+            log.info("plan: %s (a saved plan, used without searching)", plan.layout)
+        return plan.layout
+    return search_plan(model, data, Auto() if plan == "auto" else plan, given, options).layout
 
 
 def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: dict, options: dict) -> ParallelPlan:
@@ -469,8 +467,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         model.to(world.device)
     _replicate(model, dims, groups, world)
     split = None
-    if checkpoint and blocks is None and dims.mp > 1:  # found before the split makes their layers differ in type
-        blocks = [name for name, _ in sharded_blocks.find(model)] or None
+    if (checkpoint or shard == "parameters") and blocks is None and dims.mp > 1:
+        blocks = [name for name, _ in sharded_blocks.find(model)] or None  # before the split makes them differ
     if dims.mp > 1 and not rewrite.mp_modules(model):
         split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
         _split_layers(model, dims, groups, mp_layers, world.rank,

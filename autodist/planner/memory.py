@@ -8,8 +8,8 @@ data-parallel ranks. autodist's buffers (shared memory included) are the gradien
 gradients) without sharding, two ring buffers of :func:`~autodist.sharded.scatter.ring_bytes` with it, and
 the model-parallel all-reduce's slots. Activations are measured: the peak of one forward/backward at two
 batch sizes, with and without the blocks checkpointed, extended to this layout's rows; ``mp=K`` divides what
-autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`), in the same proportion
-with checkpointing.
+autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`); with checkpointing what
+is kept is the blocks' inputs, which it does not split.
 The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
 ``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
 step's temporaries).
@@ -36,8 +36,8 @@ def activations(layout: Layout, profile: Profile, rows: float, kept: bool = Fals
     grads = 0.0
     if kept:
         grads = (profile.checkpoint_kept(rows) if layout.checkpoint else profile.kept(rows)) - peak
-    if layout.mp > 1:  # what mp splits, in the same proportion with checkpointing; its share of the gradients
-        if whole > 0:
+    if layout.mp > 1:  # what mp splits (checkpointing keeps the blocks' inputs, which it does not); its gradients
+        if whole > 0 and not layout.checkpoint:
             peak *= 1 - profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp) / whole
         grads *= profile.splits[layout.mp].param_bytes / profile.param_bytes if profile.param_bytes else 1.0
     return max(peak + grads, 0.0)
@@ -71,7 +71,9 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
     # frees the activations, which the peak measured with them kept holds; sharded ones stay at rest
     between = at_rest - grads if whole else at_rest
-    transient = profile.step_transient * own + profile.step_transient_bytes * (own / trainable if trainable else 0)
+    # the step's temporaries: per byte stepped (foreach), or the largest tensor's, which mp and sharding cut alike
+    transient = profile.step_transient * own + profile.step_transient_bytes * (
+        own / profile.trainable_bytes if profile.trainable_bytes else 0.0)
     peak = max(between + activations(layout, profile, rows, kept=whole) + gathered, at_rest + transient)
     return kinds, peak
 

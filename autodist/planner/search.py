@@ -173,4 +173,5 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
                         time.perf_counter() - start)
     if world.size > 1:
         plan = ParallelPlan.from_json(plain.broadcast(plan.to_json(), src=0))
+    say("%s", plan.line())
     return plan

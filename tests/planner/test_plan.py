@@ -231,3 +231,47 @@ def test_one_process_plans_checkpointing_only():
 def test_bad_plan_input_is_named(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Dict samples, as a Hugging Face data collator gives them."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 50, (16, 9), generator=torch.Generator().manual_seed(4))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i]}
+
+
+def _hf_auto():
+    def train(model, batches):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for batch in batches:
+            opt.zero_grad()
+            logits = model(**batch).logits
+            ids = batch["input_ids"]
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            opt.step()
+        return model
+
+    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=8)
+    reference = w.state(train(w.seeded(_gpt2, 0), loader))
+    model, shard = autodist.parallelize(w.seeded(_gpt2, 0), loader, plan="auto")
+    trained = train(model, shard)
+    split = any(hasattr(m, "dense_state") for m in model.modules())
+    return reference, (autodist.gather_state_dict(model, all_ranks=True) if split else w.state(trained))
+
+
+def test_a_hugging_face_model_with_dict_batches_trains_as_one_process(ranks):
+    for reference, trained in ranks(2, _hf_auto):
+        assert_close(trained, reference, rtol=1e-7, atol=1e-9)
