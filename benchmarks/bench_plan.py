@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autodist
 from autodist.mp import observe
 from autodist.planner.live import LiveBytes
-from autodist.planner.profile import loss_of
+from autodist.planner.step import loss_of
 from autodist.planner.trial import share
 
 MODELS = ["mlp", "gpt", "cnn", "tight"]
@@ -146,7 +146,7 @@ def bench(name: str, args: argparse.Namespace) -> tuple[float, float, float, flo
     if autodist.rank() == 0:
         print(f"\n== {name}: {sum(p.numel() for p in model.parameters()):,} parameters, {args.ranks} ranks ==")
         print(plan)
-        print(f"ground truth (every fitting layout, interleaved; peak predicted / measured, MB per rank):")
+        print("ground truth (every fitting layout, interleaved; peak predicted / measured, MB per rank):")
         for row in (r for r in plan.rows if r.fits):
             peak, (median,) = truth[str(row.layout)]
             errors.append(row.peak / peak - 1)

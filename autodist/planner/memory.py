@@ -8,8 +8,8 @@ data-parallel ranks. autodist's buffers (shared memory included) are the gradien
 gradients) without sharding, two ring buffers of :func:`~autodist.sharded.scatter.ring_bytes` with it, and
 the model-parallel all-reduce's slots. Activations are measured: the peak of one forward/backward at two
 batch sizes, with and without the blocks checkpointed, extended to this layout's rows; ``mp=K`` divides what
-autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`); with checkpointing what
-is kept is the blocks' inputs, which it does not split.
+autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`); with checkpointing the
+blocks' inputs, which it keeps, stay whole, and the rest (a block recomputed) is divided in that proportion.
 The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
 ``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
 step's temporaries).
@@ -36,9 +36,11 @@ def activations(layout: Layout, profile: Profile, rows: float, kept: bool = Fals
     grads = 0.0
     if kept:
         grads = (profile.checkpoint_kept(rows) if layout.checkpoint else profile.kept(rows)) - peak
-    if layout.mp > 1:  # what mp splits (checkpointing keeps the blocks' inputs, which it does not); its gradients
-        if whole > 0 and not layout.checkpoint:
-            peak *= 1 - profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp) / whole
+    if layout.mp > 1:  # what mp splits (not the blocks' inputs checkpointing keeps); its share of the gradients
+        kept_whole = min(peak, profile.block_inputs(rows)) if layout.checkpoint else 0.0
+        if whole > 0:
+            peak = kept_whole + (peak - kept_whole) * (1 - profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp)
+                                                       / whole)
         grads *= profile.splits[layout.mp].param_bytes / profile.param_bytes if profile.param_bytes else 1.0
     return max(peak + grads, 0.0)
 

@@ -48,8 +48,9 @@ class Auto:
         optimizer_states: tensors the optimizer keeps per parameter: 2 for Adam and AdamW (the default), 1 for
             SGD with momentum, 0 for plain SGD. The trials step the matching torch optimizer.
         batch_size: rows of one global batch; default: the DataLoader's ``batch_size`` (required for other data).
-        finalists: how many layouts are measured on a copy of the model: the best modelled one of each of the
-            ``finalists`` families (dp x mp x shard level) the model ranks first (0: none, the model decides).
+        finalists: how many layouts are measured on a copy of the model, each the best modelled one of its
+            family (dp x mp x shard level): the best family of each mp degree first, then the families the
+            model ranks first (0: none, the model decides).
         steps: timed steps of each finalist, after two that make the optimizer's state and measure the peak;
             the median is its time.
 

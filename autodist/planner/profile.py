@@ -1,14 +1,16 @@
 """What the planner measures on this rank before it predicts anything: the model's bytes (and what ``mp=K``
 keeps of them, from the model-parallel plan), the bytes a forward/backward makes and their peak at two batch
-sizes (activations, with what each block and each split layer keeps), its time, an optimizer step's time
-and transient bytes, and the time of the process group's all-reduce. Plain data: rank 0's is shared.
+sizes, with and without the blocks checkpointed, gradients dropped or counted as kept (and of what autograd
+keeps, the part ``mp=K`` splits and the blocks' inputs), its time, an optimizer step's time and temporaries,
+and the time of the process group's all-reduce.
 
-The measuring leaves the model as it was: its gradients, buffers (BatchNorm's running statistics) and the
-random streams are put back, and gradients made during it are dropped as they arrive.
+The measuring leaves the model as it was (:func:`~autodist.planner.step.untouched`): its gradients, buffers
+(BatchNorm's running statistics) and the random streams are put back, and gradients made during it are
+dropped as they arrive.
 
 Example:
-    >>> profile = measure(model, example, rows=(8, 16), world_size=2)
-    >>> profile.activations(32)          # bytes a forward/backward of 32 rows makes at its peak
+    >>> profile = measure(model, example, rows=(8, 16), world_size=2, states=2)
+    >>> profile.peak(32)          # bytes a forward/backward of 32 rows makes at its peak
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autodist.mp import observe, rewrite
 from autodist.planner.live import LiveBytes
+from autodist.planner.step import loss_of, make_optimizer, untouched
 from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import recompute
 
@@ -72,6 +75,7 @@ class Profile:
     kept: Line  # the same, gradients kept (zero_grad() freed them before: backward makes them anew)
     checkpoint_peak: Line  # both with the blocks recomputed in backward
     checkpoint_kept: Line
+    block_inputs: Line  # bytes of the blocks' inputs, which checkpointing keeps (whole under mp)
     split_kept: dict[int, Line]  # bytes kept for backward that mp=K splits, by K
     forward: Line  # seconds
     backward: Line
@@ -102,69 +106,14 @@ def _split(plan: Any, mp: int, rows_in: dict[str, float], total: float, element:
     return Split(total - saved, dense / total if total else 0.0, sent, plan.collectives_per_step)
 
 
-@contextlib.contextmanager
-def untouched(model: nn.Module, dropped: list[LiveBytes] | None = None) -> Iterator[None]:
-    """The model's gradients, buffers and the random streams as they were, after whatever runs inside;
-    gradients made inside are dropped as they arrive, and held (as if kept) by the trackers in ``dropped``."""
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = rng_state()
-    for p in grads:
-        p.grad = None
-    sinks = [] if dropped is None else dropped
-
-    def drop(p: torch.Tensor) -> None:
-        for live in sinks:
-            live.hold(p.grad.numel() * p.grad.element_size())
-        p.grad = None
-
-    hooks = [p.register_post_accumulate_grad_hook(drop) for p in grads if p.requires_grad]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for p, g in grads.items():
-            p.grad = g
-        set_rng_state(rng)
-
-
-def rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """torch's random streams: the CPU's and every GPU's."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-
-
-def set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1]:
-        torch.cuda.set_rng_state_all(state[1])
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """A scalar from any output, for a backward through every floating output (a Hugging Face output's
-    ``loss`` where it has one)."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
-    leaves = [t for t in tree_leaves(output if not hasattr(output, "to_tuple") else output.to_tuple())
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not leaves:
-        raise ValueError("the model's output holds no floating-point tensor that requires grad, so the planner "
-                         "cannot run a backward through it")
-    return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]
-
-
 class _Watch:
     """The bytes autograd keeps (one storage counted once), and of them those ``mp=K`` splits: kept inside a
     layer the plan splits by rows (its input is a slice) or kept between a column-split layer's output and
     the next row-split layer (attention's heads, the MLP's activation), as Megatron's split makes them."""
 
-    def __init__(self, model: nn.Module, roles: dict[int, dict[str, str]]) -> None:
-        self.roles = roles
+    def __init__(self, model: nn.Module, roles: dict[int, dict[str, str]], blocks: list[str]) -> None:
+        self.roles, self.blocks = roles, set(blocks)
+        self.block_inputs = 0.0  # what checkpointing keeps of each block: its inputs
         self.split = {k: 0.0 for k in roles}
         self.between = {k: False for k in roles}
         self.stack: list[str] = [""]
@@ -178,6 +127,8 @@ class _Watch:
     def _enter(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple) -> None:
             self.stack.append(name)
+            if name in self.blocks:
+                self.block_inputs += _nbytes(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
             if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor):
                 self.rows_in[name] = args[0].numel() / max(1, args[0].shape[-1])
         return hook
@@ -251,7 +202,7 @@ def _measure_rows(model: nn.Module, example: Any, blocks: list[str], roles: dict
                   dropped: list[LiveBytes]) -> dict[str, Any]:
     """One batch size's measures: the peaks (with and without checkpointing, gradients dropped or kept), the
     bytes mp splits, the times."""
-    watch = _Watch(model, roles)
+    watch = _Watch(model, roles, blocks)
     try:
         with torch.autograd.graph.saved_tensors_hooks(watch.pack, lambda t: t):
             peak, kept = _peaks(model, example, dropped)
@@ -259,7 +210,7 @@ def _measure_rows(model: nn.Module, example: Any, blocks: list[str], roles: dict
         watch.close()
     forward, backward = min((_pass(model, example) for _ in range(2)), key=sum)
     measured = {"peak": peak, "kept": kept, "split": watch.split, "forward": forward, "backward": backward,
-                "rows_in": watch.rows_in, "checkpoint_peak": peak, "checkpoint_kept": kept, "recompute": 0.0}
+                "rows_in": watch.rows_in, "block_inputs": watch.block_inputs, "checkpoint_peak": peak, "checkpoint_kept": kept, "recompute": 0.0}
     if blocks:
         with _checkpointed(model, blocks):
             measured["checkpoint_peak"], measured["checkpoint_kept"] = _peaks(model, example, dropped)
@@ -301,13 +252,6 @@ def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float, float]
     if len(shapes) > 1 and whole > 1.5 * largest:
         return per_byte, whole / _nbytes(shapes), 0.0
     return per_byte, 0.0, largest
-
-
-def make_optimizer(params: Any, states: int) -> torch.optim.Optimizer:
-    """The torch optimizer with ``states`` tensors per parameter: Adam (2), SGD with momentum (1), SGD (0)."""
-    if states >= 2:
-        return torch.optim.Adam(params, lr=1e-3)
-    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if states == 1 else 0.0)
 
 
 def _all_reduce_time(device: torch.device) -> tuple[float, float]:
@@ -370,6 +314,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         param_bytes=total, trainable_bytes=trainable, buffer_bytes=_nbytes(model.buffers()), blocks=names,
         largest_block_bytes=largest, splits=splits, peak=line("peak"), kept=line("kept"),
         checkpoint_peak=line("checkpoint_peak"), checkpoint_kept=line("checkpoint_kept"),
+        block_inputs=line("block_inputs"),
         split_kept={k: Line.through(r1, m1["split"][k], r2, m2["split"][k]) for k in mps},
         forward=line("forward"), backward=line("backward"), recompute=line("recompute"), step_per_byte=step,
         step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth)

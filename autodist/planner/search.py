@@ -68,15 +68,21 @@ def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name
 
 
 def _finalists(rows: list[Row], count: int) -> list[int]:
-    """The rows to measure: the fastest modelled fitting row of each family (dp, mp, shard level), the
-    ``count`` families fastest by the model. The model ranks the structurally different layouts roughly;
-    measuring one of each family lets the measurement decide among them."""
+    """The rows to measure: the fastest modelled fitting row of each family (dp, mp, shard level); first the
+    best family of each mp degree, then the other families fastest by the model, ``count`` in all. The model
+    ranks structurally different layouts roughly (communication most of all): measuring the best of each
+    degree and family lets the measurement decide among them."""
     best: dict[tuple, int] = {}
     for i, r in enumerate(rows):
         family = (r.layout.dp, r.layout.mp, r.layout.shard)
         if r.fits and r.seconds is not None and (family not in best or r.seconds < rows[best[family]].seconds):
             best[family] = i
-    return sorted(best.values(), key=lambda i: rows[i].seconds)[:count]  # type: ignore[arg-type, return-value]
+    ranked = sorted(best.values(), key=lambda i: rows[i].seconds)  # type: ignore[arg-type, return-value]
+    first = {}
+    for i in ranked:
+        first.setdefault(rows[i].layout.mp, i)
+    picked = sorted(first.values(), key=ranked.index)[:count]
+    return picked + [i for i in ranked if i not in picked][:max(0, count - len(picked))]
 
 
 def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 from autodist.mp import observe
 from autodist.planner.live import LiveBytes
 from autodist.planner.plan import Layout
-from autodist.planner.profile import loss_of, make_optimizer, rng_state, set_rng_state
+from autodist.planner.step import loss_of, make_optimizer, rng_state, set_rng_state
 from autodist.train.memory import memory
 
 Setup = Callable[..., tuple[nn.Module, Any]]  # parallelize without its log line
