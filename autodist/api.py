@@ -250,7 +250,7 @@ def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan
             raise ValueError(f"the plan's layout ({plan.layout}) differs from {pins} given beside it: give one or "
                              f"the other")
         if world.rank == 0:
-            log.info("plan: %s (a saved plan, used without searching)", plan.layout)
+            log.info("plan: %s (the plan given, used without searching)", plan.layout)
         return plan.layout
     return search_plan(model, data, Auto() if plan == "auto" else plan, given, options).layout
 

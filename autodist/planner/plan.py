@@ -62,7 +62,7 @@ class Auto:
     optimizer_states: int = 2
     batch_size: int | None = None
     finalists: int = 4
-    steps: int = 5
+    steps: int = 8
 
     def __post_init__(self) -> None:
         if self.budget_gb is not None and (isinstance(self.budget_gb, bool) or not isinstance(

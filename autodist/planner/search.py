@@ -161,9 +161,12 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     for i in chosen:
         if i not in measurable:
             rows[i].status = f"not measured: a copy beside the model would need {size_text(rows[i].peak + held)}"
-    say("plan: measuring %d finalists for %d steps each%s (%.1f s so far)", len(measurable), auto.steps,
-        "" if not measurable else ": " + "; ".join(str(rows[i].layout) for i in measurable),
-        time.perf_counter() - start)
+    if measurable:
+        say("plan: measuring %d finalists for %d steps each: %s (%.1f s so far)", len(measurable), auto.steps,
+            "; ".join(str(rows[i].layout) for i in measurable), time.perf_counter() - start)
+    elif chosen:
+        say("plan: no finalist measured, as a copy of the model beside it would not fit: the time model decides "
+            "(%.1f s so far)", time.perf_counter() - start)
     make = [partial(trial.Trial, model, example, rows[i].layout, setup, auto.optimizer_states, world.rank,
                     batch_dim, _used(trial_options, rows[i].layout)) for i in measurable]
     together = sum(rows[i].peak for i in measurable) <= room
