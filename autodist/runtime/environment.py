@@ -114,15 +114,22 @@ def rendezvous_address(launch: Launch) -> tuple[str, int]:
         raise RuntimeError(f"MASTER_PORT={launch.master_port!r} is not a port number") from None
 
 
-def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
+def _positive(env: Mapping[str, str], name: str, default: str | None, unit: str) -> float | None:
+    """The positive number ``name`` holds (``default`` where unset; None for no default), or an error naming it."""
     text = env.get(name, default)
+    if text is None:
+        return None
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={text!r} is not a number of {unit}") from None
     if not value > 0:
-        raise ValueError(f"{name}={text!r}: give a positive number of seconds")
+        raise ValueError(f"{name}={text!r}: give a positive number of {unit}")
     return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
+    return _positive(env, name, default, "seconds")  # type: ignore[return-value]
 
 
 def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
@@ -168,16 +175,8 @@ def memory_budget(env: Mapping[str, str] = os.environ) -> float | None:
         >>> memory_budget({"AUTODIST_BUDGET_GB": "6"})
         6000000000.0
     """
-    text = env.get("AUTODIST_BUDGET_GB")
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"AUTODIST_BUDGET_GB={text!r} is not a number of GB") from None
-    if not value > 0:
-        raise ValueError(f"AUTODIST_BUDGET_GB={text!r}: give a positive number of GB per rank")
-    return value * 1e9
+    value = _positive(env, "AUTODIST_BUDGET_GB", None, "GB per rank")
+    return None if value is None else value * 1e9
 
 
 def error_file(env: Mapping[str, str] = os.environ) -> str | None:

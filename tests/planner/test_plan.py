@@ -135,7 +135,8 @@ def _saved(path: str):
     try:
         model, _ = autodist.parallelize(w.seeded(Net, 0), _data(), plan=mine)
         errors = []
-        for bad in (dict(plan=mine, mp=2), dict(plan=autodist.ParallelPlan(**{**vars(loaded), "world_size": 3}))):
+        other = "parameters" if loaded.layout.shard != "parameters" else "optimizer"  # not the plan's level
+        for bad in (dict(plan=mine, shard=other), dict(plan=autodist.ParallelPlan(**{**vars(loaded), "world_size": 3}))):
             with pytest.raises(ValueError) as err:
                 autodist.parallelize(w.seeded(Net, 0), _data(), **bad)
             errors.append(str(err.value))
@@ -147,7 +148,7 @@ def _saved(path: str):
 def test_a_saved_plan_is_reused_without_searching(ranks, tmp_path):
     for same, names, errors in ranks(2, _saved, str(tmp_path / "plan.json")):
         assert same and names == ["blocks.0", "blocks.1", "blocks.2"]
-        assert "differs from {'mp': 2} given beside it" in errors[0]
+        assert "differs from {'shard': " in errors[0] and "given beside it" in errors[0]
         assert "made for 3 ranks, and the world has 2" in errors[1]
 
 
