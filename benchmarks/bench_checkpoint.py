@@ -14,10 +14,11 @@ What it measures
     Memory, each contender alone in the process (built, two steps, then freed before the next): every tensor
     byte the rank holds between steps, found through the garbage collector (``benchmarks/live_bytes.py``:
     parameters, gradients, Adam's state, autodist's buffers and its share of the shared memory; DDP's
-    buckets, which its C++ reducer holds, from DDP's own logging data), plus the most a step makes above that (every storage an op makes, counted until freed:
-    ``autodist.planner.live.LiveBytes``): the rank's peak, counted alike for all four. Time: the four in
-    one set of processes, interleaved blocks of steps, medians and each one's ratio to its peer (autodist's
-    to DDP's, with and without recomputation). The parameters are checked equal after.
+    buckets, which its C++ reducer holds, from DDP's own logging data), plus the most a step makes above
+    that (every storage an op makes, counted until freed: ``autodist.planner.live.LiveBytes``): the rank's
+    peak, counted alike for all four. Time: the four in one set of processes, interleaved blocks of steps,
+    medians and each one's ratio to its peer (autodist's to DDP's, with and without recomputation). The
+    parameters are checked equal after.
 
 How to run
     python benchmarks/bench_checkpoint.py                 # 2 ranks, about a minute on 2 cores

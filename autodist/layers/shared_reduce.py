@@ -95,6 +95,14 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         reducer(t)
 
 
+def held_bytes(group: dist.ProcessGroup | None) -> float:
+    """Bytes this rank holds for ``group``'s shared-memory all-reduce (its share of the file), 0 where none
+    was opened yet. The slots grow with the largest all-reduce and stay: a later model on the same group
+    finds them as large."""
+    reducer = reducer_of(group)
+    return 0.0 if reducer is None else len(reducer.mapping) / reducer.size
+
+
 def reducer_of(group: dist.ProcessGroup | None) -> SharedAllReduce | None:
     """The shared-memory all-reduce ``group``'s model-parallel layers use, once their first all-reduce chose it."""
     found = _chosen.get(dist.group.WORLD if group is None else group)

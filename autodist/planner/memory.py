@@ -22,9 +22,10 @@ from __future__ import annotations
 from torch import nn
 
 from autodist.dp.buckets import MB
-from autodist.layers.shared_reduce import SMALLEST_BYTES
+from autodist.layers.shared_reduce import SMALLEST_BYTES, held_bytes
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile
+from autodist.runtime.mesh import ParallelDims, built_groups
 from autodist.sharded.scatter import RING, ring_bytes
 
 
@@ -45,9 +46,19 @@ def activations(layout: Layout, profile: Profile, rows: float, kept: bool = Fals
     return max(peak + grads, 0.0)
 
 
-def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0
-            ) -> tuple[dict[str, float], float]:
-    """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step."""
+def existing_mp_buffers(world_size: int, mp: int) -> float:
+    """Bytes this rank already holds for the shared-memory all-reduce of the model-parallel group a layout with
+    ``mp`` would use (made by an earlier model or layer on that group; the slots never shrink); 0 for none."""
+    groups = built_groups(ParallelDims.for_world(world_size, mp))
+    if groups is None and mp != world_size:
+        return 0.0  # its groups are made by the first parallelize of that layout, with fresh slots
+    return held_bytes(None if groups is None else groups.mp)  # None: the whole world's
+
+
+def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0,
+            mp_buffers: float = 0.0) -> tuple[dict[str, float], float]:
+    """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step;
+    ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`)."""
     dp, mp = layout.dp, layout.mp
     params = profile.splits[mp].param_bytes if mp > 1 else profile.param_bytes
     trainable = params * (profile.trainable_bytes / profile.param_bytes if profile.param_bytes else 1.0)
@@ -64,7 +75,7 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
         buffers += {None: trainable, "optimizer": trainable + ring}.get(layout.shard, ring)
     if mp > 1:
         sent = profile.splits[mp].sent_per_row * rows / max(1, profile.splits[mp].collectives)
-        buffers += max(SMALLEST_BYTES, 2 * sent)
+        buffers += max(SMALLEST_BYTES, 2 * sent, mp_buffers)
     whole = not (layout.shard in ("gradients", "parameters") and dp > 1)
     kinds = {"parameters": params, "model buffers": profile.buffer_bytes, "gradients": grads,
              "optimizer state": states * own, "autodist buffers": buffers,

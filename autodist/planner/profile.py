@@ -210,7 +210,8 @@ def _measure_rows(model: nn.Module, example: Any, blocks: list[str], roles: dict
         watch.close()
     forward, backward = min((_pass(model, example) for _ in range(2)), key=sum)
     measured = {"peak": peak, "kept": kept, "split": watch.split, "forward": forward, "backward": backward,
-                "rows_in": watch.rows_in, "block_inputs": watch.block_inputs, "checkpoint_peak": peak, "checkpoint_kept": kept, "recompute": 0.0}
+                "rows_in": watch.rows_in, "block_inputs": watch.block_inputs, "checkpoint_peak": peak,
+                "checkpoint_kept": kept, "recompute": 0.0}
     if blocks:
         with _checkpointed(model, blocks):
             measured["checkpoint_peak"], measured["checkpoint_kept"] = _peaks(model, example, dropped)

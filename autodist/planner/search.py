@@ -42,13 +42,15 @@ def batch_size_of(data: Any, auto: Auto) -> int:
     return size
 
 
-def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget: float, bucket_mb: float) -> None:
+def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget: float, bucket_mb: float,
+             world_size: int) -> None:
     for row in rows:
         if row.impossible:
             row.status = f"not possible: {row.impossible}"
             continue
         per_rank = math.ceil(batch / row.layout.dp)
-        row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb)
+        existing = memory.existing_mp_buffers(world_size, row.layout.mp) if row.layout.mp > 1 else 0.0
+        row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb, existing)
         row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb)
         if row.peak > budget:
             row.status = f"does not fit: needs {size_text(row.peak)} > budget {size_text(budget)}"
@@ -56,15 +58,19 @@ def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget:
 
 def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name: str) -> ValueError:
     possible = [r for r in rows if not r.impossible]
+    if not possible:  # the pins leave no layout that can be made
+        why = "; ".join(sorted({r.impossible for r in rows})) or "the pins given match no factorization"
+        return ValueError(f"no layout of {name} can be made on {world.size} ranks with the mp, shard and checkpoint "
+                          f"given beside plan=: {why}")
     smallest = min(possible, key=lambda r: r.peak)
     helps = ["more ranks (sharding and mp divide the model's state by the ranks)",
              f"a smaller global batch than {batch} (activations grow with it)"]
     if not smallest.layout.checkpoint and any(r.layout.checkpoint for r in possible):
         helps.append("checkpoint=True")
     return ValueError(f"no layout of {name} fits the memory budget on {world.size} ranks: the smallest, "
-                      f"{smallest.layout}, needs {size_text(smallest.peak)} per rank > budget {size_text(budget)}. What would "
-                      f"help: {'; '.join(helps)}; or a larger budget (plan=autodist.Auto(budget_gb=...)) if more "
-                      f"memory is free than autodist sees")
+                      f"{smallest.layout}, needs {size_text(smallest.peak)} per rank > budget {size_text(budget)}. "
+                      f"What would help: {'; '.join(helps)}; or a larger budget (plan=autodist.Auto(budget_gb=...)) "
+                      f"if more memory is free than autodist sees")
 
 
 def _finalists(rows: list[Row], count: int) -> list[int]:
@@ -98,7 +104,8 @@ def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:
     replicated = next((r for r in rows if r.layout.mp == 1 and r.layout.shard is None and not r.layout.checkpoint),
                       None)
     how = f"the fastest of {len(measured)} measured" if measured else "the fastest modelled"
-    why = f"{how}; {len(fitting)} of {len(rows)} layouts fit {size_text(budget)} per rank"
+    possible = sum(1 for r in rows if not r.impossible)
+    why = f"{how}; {len(fitting)} of the {possible} possible layouts fit {size_text(budget)} per rank"
     if replicated is not None and replicated is not best:
         if not replicated.fits:
             why += f"; replicated ({replicated.layout}) does not fit: needs {size_text(replicated.peak)}"
@@ -111,7 +118,10 @@ def _slower(row: Row, best: Row) -> str:
     """How much slower ``row`` is than ``best``: measured against measured, else modelled against modelled."""
     if row.measured_seconds is not None and best.measured_seconds is not None:
         return f"+{100 * (row.measured_seconds / best.measured_seconds - 1):.0f}% slower"
-    return f"+{100 * (row.seconds / best.seconds - 1):.0f}% slower (modelled)"  # type: ignore[operator]
+    ratio = row.seconds / best.seconds  # type: ignore[operator]
+    if ratio < 1:  # the model put it first, the measured finalists beat it: the model misjudges its kind
+        return f"{100 * (ratio - 1):.0f}% modelled, not measured"
+    return f"+{100 * (ratio - 1):.0f}% slower (modelled)"
 
 
 def _used(options: dict[str, Any], layout: Any) -> dict[str, Any]:
@@ -147,7 +157,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     available = min(plain.all_gather(here)) if world.size > 1 else here
     budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else available
     rows = candidates(world.size, profile, pinned)
-    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb)
+    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, world.size)
     if world.size > 1:  # rank 0's predictions decide, on every rank
         rows = rows_from(plain.broadcast([asdict(r) for r in rows], src=0))
     if not any(r.fits for r in rows):

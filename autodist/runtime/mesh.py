@@ -58,6 +58,11 @@ class Groups:
 _groups_cache: dict[ParallelDims, Groups] = {}
 
 
+def built_groups(dims: ParallelDims) -> Groups | None:
+    """The groups :func:`build_groups` made for ``dims`` in this process, or None if it made none yet."""
+    return _groups_cache.get(dims)
+
+
 def build_groups(dims: ParallelDims, rank: int) -> Groups:
     """The data-parallel and model-parallel groups holding ``rank``; every rank must call this together.
 

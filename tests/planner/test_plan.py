@@ -118,11 +118,20 @@ def _nothing_fits():
     return str(err.value)
 
 
+def _nothing_possible():
+    with pytest.raises(ValueError) as err:
+        autodist.parallelize(Net(), _data(), plan="auto", mp=2, shard="optimizer")  # dp=1: nothing to shard over
+    return str(err.value)
+
+
 def test_nothing_fits_is_one_error_naming_need_budget_and_help(ranks):
     for message in ranks(2, _nothing_fits):
         assert "no layout of Net fits the memory budget on 2 ranks" in message
         assert "needs" in message and "> budget 0.0 MB" in message
         assert "more ranks" in message and "smaller global batch than 10" in message
+    for message in ranks(2, _nothing_possible):
+        assert "no layout of Net can be made on 2 ranks" in message
+        assert "shard='optimizer' needs 2 or more data-parallel ranks (here dp=1)" in message
 
 
 def _saved(path: str):
@@ -136,7 +145,8 @@ def _saved(path: str):
         model, _ = autodist.parallelize(w.seeded(Net, 0), _data(), plan=mine)
         errors = []
         other = "parameters" if loaded.layout.shard != "parameters" else "optimizer"  # not the plan's level
-        for bad in (dict(plan=mine, shard=other), dict(plan=autodist.ParallelPlan(**{**vars(loaded), "world_size": 3}))):
+        elsewhere = autodist.ParallelPlan(**{**vars(loaded), "world_size": 3})
+        for bad in (dict(plan=mine, shard=other), dict(plan=elsewhere)):
             with pytest.raises(ValueError) as err:
                 autodist.parallelize(w.seeded(Net, 0), _data(), **bad)
             errors.append(str(err.value))
