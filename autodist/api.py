@@ -1,9 +1,10 @@
 """``parallelize``: validate -> init -> lay out ranks -> shard data -> replicate -> split -> share RNG -> hooks."""
 from __future__ import annotations
 
+import inspect
 import numbers
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -268,8 +269,8 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
     _check_counting(options["batch_dim"], options["samples"])
     world = init(options["backend"])
     dim = 0 if options["batch_dim"] is None else options["batch_dim"]
-    return planner.search(model, data, auto, world, _pins(given), partial(_build, announce=False), dim, options,
-                          options["bucket_mb"])
+    return planner.search(model, data, auto, world, _pins(given), partial(_build_chosen, announce=False), dim,
+                          options, options["bucket_mb"])
 
 
 def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = None, *, mp: int = 1,
@@ -294,8 +295,8 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
         >>> print(plan)
         >>> model, loader = autodist.parallelize(model, loader, plan=plan)
     """
-    defaults = dict(mp_layers="all", sync="backward", bucket_mb=25.0, first_bucket_mb=1.0, sync_buffers=True,
-                    batch_dim=None, samples=None, example=None, backend=None, blocks=None)
+    defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()
+                if p.kind is p.KEYWORD_ONLY and name not in ("mp", "shard", "checkpoint", "plan")}
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise TypeError(f"autodist.plan got unknown options {unknown}; it takes parallelize's keyword arguments")
@@ -427,12 +428,19 @@ def parallelize(
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks)
-    if plan is not None:
-        chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
-        mp, shard, checkpoint = chosen.mp, chosen.shard, chosen.checkpoint
-        if shard != "parameters" and not checkpoint:
-            options["blocks"] = None  # named for layouts the plan did not choose
-    return _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
+    if plan is None:
+        return _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
+    chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
+    return _build_chosen(model, data, mp=chosen.mp, shard=chosen.shard, checkpoint=chosen.checkpoint, **options)
+
+
+def _build_chosen(model: nn.Module, data: data_mod.DataLike, *, announce: bool = True,
+                  **options: Any) -> tuple[nn.Module, data_mod.DataLike]:
+    """:func:`_build` for a layout a plan chose (or a trial of one): ``blocks=`` named for the layouts that use
+    them (``shard="parameters"``, ``checkpoint=True``) is dropped where the chosen one does not."""
+    if options["shard"] != "parameters" and not options["checkpoint"]:
+        options["blocks"] = None
+    return _build(model, data, announce=announce, **options)
 
 
 def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rewrite.MPLayers,

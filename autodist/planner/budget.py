@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from autodist.planner.profile import nbytes
 from autodist.runtime.environment import memory_budget
 from autodist.runtime.world import World
 
@@ -46,7 +47,7 @@ def default_budget(model: nn.Module, world: World) -> float:
         return told
     tensors = [*model.parameters(), *model.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    held = float(sum(t.numel() * t.element_size() for t in tensors))
+    held = nbytes(tensors)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + held

@@ -24,7 +24,7 @@ from torch import nn
 from autodist.dp.buckets import MB
 from autodist.layers.shared_reduce import SMALLEST_BYTES, held_bytes
 from autodist.planner.plan import Layout
-from autodist.planner.profile import Profile
+from autodist.planner.profile import Profile, nbytes
 from autodist.runtime.mesh import ParallelDims, built_groups
 from autodist.sharded.scatter import RING, ring_bytes
 
@@ -60,10 +60,7 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step;
     ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`)."""
     dp, mp = layout.dp, layout.mp
-    params = profile.splits[mp].param_bytes if mp > 1 else profile.param_bytes
-    trainable = params * (profile.trainable_bytes / profile.param_bytes if profile.param_bytes else 1.0)
-    sharded = layout.shard is not None and dp > 1
-    own = trainable / dp if sharded else trainable  # the trainable bytes this rank updates
+    params, trainable, own = profile.per_rank(layout)
     gathered = 0.0
     if layout.shard == "parameters" and dp > 1:
         params = params - trainable + own  # frozen parameters stay whole
@@ -100,7 +97,7 @@ def replicated_need(model: nn.Module, dp: int, states: int = 2) -> float:
         >>> replicated_need(nn.Linear(1000, 1000), dp=2) / 1e6     # 4 MB of weights x (1 + 1 + 2 + 1)
         20.02
     """
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    params = nbytes(model.parameters())
+    trainable = nbytes(p for p in model.parameters() if p.requires_grad)
+    buffers = nbytes(model.buffers())
     return params + buffers + (1 + states + (dp > 1)) * trainable

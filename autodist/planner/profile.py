@@ -87,8 +87,16 @@ class Profile:
     bandwidth: float  # bytes per second of the ring all-reduce (2(P-1)/P x bytes sent)
     notes: list[str] = field(default_factory=list)
 
+    def per_rank(self, layout: Any) -> tuple[float, float, float]:
+        """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the
+        trainable bytes it updates itself (its 1/dp under ``shard=``)."""
+        params = self.splits[layout.mp].param_bytes if layout.mp > 1 else self.param_bytes
+        trainable = params * (self.trainable_bytes / self.param_bytes if self.param_bytes else 1.0)
+        own = trainable / layout.dp if layout.shard is not None and layout.dp > 1 else trainable
+        return params, trainable, own
 
-def _nbytes(tensors: Any) -> float:
+
+def nbytes(tensors: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
@@ -128,7 +136,7 @@ class _Watch:
         def hook(module: nn.Module, args: tuple) -> None:
             self.stack.append(name)
             if name in self.blocks:
-                self.block_inputs += _nbytes(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+                self.block_inputs += nbytes(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
             if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor):
                 self.rows_in[name] = args[0].numel() / max(1, args[0].shape[-1])
         return hook
@@ -244,14 +252,14 @@ def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float, float]
             times.append(time.perf_counter() - start)
         with LiveBytes() as live:
             optimizer.step()
-        return min(times) / max(1.0, _nbytes(params)), float(live.peak)
+        return min(times) / max(1.0, nbytes(params)), float(live.peak)
 
     if not shapes:
         return 0.0, 0.0, 0.0
     per_byte, whole = temporaries(shapes)
     _, largest = temporaries(shapes[:1])
     if len(shapes) > 1 and whole > 1.5 * largest:
-        return per_byte, whole / _nbytes(shapes), 0.0
+        return per_byte, whole / nbytes(shapes), 0.0
     return per_byte, 0.0, largest
 
 
@@ -281,12 +289,12 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
     all-reduce. Every rank calls it (the all-reduce is timed over the default group)."""
     params = list(model.parameters())
     element = params[0].element_size() if params else 4
-    total = _nbytes(params)
-    trainable = _nbytes(p for p in params if p.requires_grad)
+    total = nbytes(params)
+    trainable = nbytes(p for p in params if p.requires_grad)
     device = params[0].device if params else torch.device("cpu")
     found = sharded_blocks.find(model, blocks)
     names = [n for n, _ in found]
-    largest = max((_nbytes(m.parameters()) for _, m in found), default=0.0)
+    largest = max((nbytes(m.parameters()) for _, m in found), default=0.0)
     mps = [k for k in range(2, world_size + 1) if world_size % k == 0]
     first = _rows(example, rows[0], batch_dim)
     measured = []
@@ -312,7 +320,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         return Line.through(r1, m1[key], r2, m2[key])
 
     return Profile(
-        param_bytes=total, trainable_bytes=trainable, buffer_bytes=_nbytes(model.buffers()), blocks=names,
+        param_bytes=total, trainable_bytes=trainable, buffer_bytes=nbytes(model.buffers()), blocks=names,
         largest_block_bytes=largest, splits=splits, peak=line("peak"), kept=line("kept"),
         checkpoint_peak=line("checkpoint_peak"), checkpoint_kept=line("checkpoint_kept"),
         block_inputs=line("block_inputs"),

@@ -23,7 +23,7 @@ from autodist.planner import memory, timing, trial
 from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
 from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
-from autodist.planner.profile import Profile, measure
+from autodist.planner.profile import Profile, measure, nbytes
 from autodist.runtime import plain
 from autodist.runtime.world import World, log
 
@@ -124,16 +124,6 @@ def _slower(row: Row, best: Row) -> str:
     return f"+{100 * (ratio - 1):.0f}% slower (modelled)"
 
 
-def _used(options: dict[str, Any], layout: Any) -> dict[str, Any]:
-    """parallelize's options without those the layout has no use for (which it would refuse)."""
-    unused = set()
-    if layout.mp == 1:
-        unused.add("example")
-    if layout.shard != "parameters" and not layout.checkpoint:
-        unused.add("blocks")
-    return {k: None if k in unused else v for k, v in options.items()}
-
-
 def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[str, Any], setup: trial.Setup,
            batch_dim: int = 0, options: dict[str, Any] | None = None, bucket_mb: float = 25.0) -> ParallelPlan:
     """Choose the layout of ``model`` for this world (a collective: every rank calls it alike)."""
@@ -152,7 +142,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     small = max(1, batch // world.size)
     profile = measure(model, example, (small, min(batch, 2 * small)), world.size, auto.optimizer_states,
                       options.get("blocks"), batch_dim)
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    held = nbytes([*model.parameters(), *model.buffers()])
     here = default_budget(model, world)
     available = min(plain.all_gather(here)) if world.size > 1 else here
     budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else available
@@ -178,7 +168,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         say("plan: no finalist measured, as a copy of the model beside it would not fit: the time model decides "
             "(%.1f s so far)", time.perf_counter() - start)
     make = [partial(trial.Trial, model, example, rows[i].layout, setup, auto.optimizer_states, world.rank,
-                    batch_dim, _used(trial_options, rows[i].layout)) for i in measurable]
+                    batch_dim, trial_options) for i in measurable]
     together = sum(rows[i].peak for i in measurable) <= room
     for i, result in zip(measurable, trial.run_all(make, auto.steps, together)):
         row = rows[i]

@@ -33,10 +33,8 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
     compute = (profile.forward(rows) + profile.backward(rows)) * work
     if layout.checkpoint:
         compute += profile.recompute(rows) * work
-    params = profile.param_bytes if split is None else split.param_bytes
-    trainable = params * (profile.trainable_bytes / profile.param_bytes if profile.param_bytes else 1.0)
-    sharded = layout.shard is not None and dp > 1
-    step = profile.step_per_byte * (trainable / dp if sharded else trainable)
+    params, trainable, own = profile.per_rank(layout)
+    step = profile.step_per_byte * own
     buckets = max(1, int(trainable // (bucket_mb * 2 ** 20)) + 1)
     comm = _ring(trainable, dp, profile, buckets)  # all-reduce, or reduce-scatter + all-gather: the same bytes
     if layout.shard == "optimizer" and dp > 1:
