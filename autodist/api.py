@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from autodist import sync as sync_mod
-from autodist.dp import batch_layout
+from autodist.dp import batch_layout, wrappers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
@@ -45,6 +45,7 @@ def _check_model(model: nn.Module) -> None:
                          f"requires_grad=True), so there is nothing to train in parallel")
     if is_parallelized(model):
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
+    wrappers.refuse_wrapped(model)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     lazy = [name for name, t in tensors if is_lazy(t)]
     if lazy:
@@ -464,6 +465,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             recompute.setup(model, blocks)
         return model, data_mod.in_one_process(data, dim)
     watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
+    wrappers.refuse_inside_lightning(model)
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp)
     groups = build_groups(dims, world.rank)
@@ -510,6 +512,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
     copies.make_copyable(model, split, everyone)
     habits.adopt(model)  # model.module (DDP's) says what to write instead
+    wrappers.watch(model)  # and a wrapper around it fails at its first forward
     if world.rank == 0 and announce:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
                  "sync=%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
@@ -517,3 +520,40 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                  _sharded(shard, dims.dp, at_rest),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))
     return model, data_shard
+
+
+def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | None = None) -> data_mod.DataLike:
+    """This rank's shard of ``data`` for a model ``parallelize`` already laid out, as ``parallelize(model, data)``
+    would have returned it: for a framework that hands over its data only after the model is set up (Lightning
+    builds its DataLoaders after the strategy's setup).
+
+    A collective for a DataLoader whose sampler draws from the global RNG (every rank takes rank 0's order, once
+    an epoch, at the first batch), as with ``parallelize``.
+
+    Args:
+        model: the model returned by ``parallelize`` (in a world of one, any model).
+        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset or a DataLoader.
+        batch_dim: the dimension of tensors and arrays that indexes samples, as for ``parallelize``
+            (None: 0).
+
+    Returns:
+        This rank's shard, of the same kind as ``data``: a DataLoader yields this rank's slice of each global
+        batch; ranks of one model-parallel group get the same shard.
+
+    Example:
+        >>> model, _ = autodist.parallelize(model, mp=2)
+        >>> loader = autodist.api.shard_data(model, loader)   # later: the data-parallel rank's slices
+    """
+    from autodist.dp.grad_sync import registration_of
+
+    dim = 0 if batch_dim is None else batch_dim
+    world = init()
+    if world.size == 1:  # parallelize returned the model as it was: so is the data
+        return data_mod.in_one_process(data, dim)
+    registration = registration_of(model)
+    if registration is None:
+        raise ValueError(f"{type(model).__name__} was not parallelized, so it has no data-parallel rank to shard "
+                         f"for: call autodist.parallelize(model) first (or parallelize(model, data), which shards "
+                         f"the data too)")
+    return data_mod.shard(data, registration.dp_rank, registration.dp,
+                          partial(data_mod.broadcast_order, device=world.device), dim=dim)

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import copy
 import itertools
+import zlib
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
+from autodist.dp.resplit import RankShard, refuse_split_again
 from autodist.faults import watchdog
 from autodist.runtime import position, provenance
 from autodist.runtime.provenance import BatchShare
@@ -98,15 +100,15 @@ def shard_arrays(data: Any, rank: int, size: int, dim: int = 0) -> Any:
     return _strided(data, rank, size, dim)
 
 
-def shard_dataset(dataset: Dataset, rank: int, size: int) -> Subset:
-    """Rank's strided view of a map-style Dataset (samples rank, rank+size, ...)."""
+def shard_dataset(dataset: Dataset, rank: int, size: int) -> RankShard:
+    """Rank's strided view of a map-style Dataset (samples rank, rank+size, ...), which refuses a second split."""
     if isinstance(dataset, IterableDataset):
         raise TypeError("an IterableDataset cannot be split by index; shard its stream yourself "
                         "(e.g. by autodist.init().rank) and pass the model alone to parallelize")
     n = len(dataset)  # type: ignore[arg-type]
     _check_enough(n, size, "the Dataset")
     _warn_uneven(n, rank, size, "the Dataset")
-    return Subset(dataset, range(rank, n, size))
+    return RankShard(dataset, range(rank, n, size))
 
 
 class RankSliceBatchSampler(Sampler[list]):
@@ -124,18 +126,29 @@ class RankSliceBatchSampler(Sampler[list]):
         self.latest_shares: deque[BatchShare] = deque()
 
     def __iter__(self) -> Iterator[list]:
+        refuse_split_again("the DataLoader")
         self.latest_shares = deque()  # the DataLoader iterator created now reads this one
         return self._slices(self.latest_shares)
 
     def _slices(self, shares: deque[BatchShare]) -> Iterator[list]:
-        for batch in self.batch_sampler:
+        for number, batch in enumerate(self.batch_sampler):
             batch = list(batch)
             lo, hi = slice_bounds(len(batch), self.rank, self.size)
-            shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id()))
+            shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id(), _mark(batch, number)))
             yield batch[lo:hi]
 
     def __len__(self) -> int:
+        refuse_split_again("the DataLoader")
         return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+def _mark(batch: list, number: int) -> int:
+    """The identity of a global batch, the same on every rank that draws it: a CRC-32 of its sample indices in
+    order (of its number in the epoch where the indices are not integers, whose text may differ between
+    processes)."""
+    if all(type(i) is int for i in batch):  # noqa: E721 - bool and numpy integers take the other path
+        return zlib.crc32(np.asarray(batch, dtype=np.int64).tobytes())
+    return zlib.crc32(number.to_bytes(8, "little"))
 
 
 class ShardedLoader(DataLoader):

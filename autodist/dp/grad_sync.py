@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.dp import same_batch
 from autodist.dp.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
 from autodist.dp.buffer_sync import BufferSync
 from autodist.dp.exchange import Exchange
@@ -111,7 +112,8 @@ class GradSync:
         groups = assign_buckets(self.params, *self.caps) if self.scatter is None else \
             self.scatter.assign(self.params, self.caps)
         last = self.params[groups[-1][0]] if groups else None
-        extra = self.buffer_sync.carry(last.dtype, last.device) if last is not None else 0
+        self.buffer_slots = self.buffer_sync.carry(last.dtype, last.device) if last is not None else 0
+        extra = self.buffer_slots + same_batch.SLOTS if last is not None else 0  # the buffers, then the batch's mark
         make = Bucket if self.scatter is None else self.scatter.bucket
         self.buckets = [make([self.params[i] for i in idx], extra if k == len(groups) - 1 else 0)
                         for k, idx in enumerate(groups)]
@@ -204,7 +206,7 @@ class GradSync:
         n = float(total)
         if math.isnan(n):
             self._raise_uncounted(counted.error)
-        return Counted(counted.count, n, None)
+        return Counted(counted.count, n, None, mark=counted.mark)
 
     def _fallback_count(self) -> Counted:
         """The count of a backward that reached no output of the model (it called a submodule, say)."""
@@ -306,8 +308,10 @@ class GradSync:
             self.packing = self.window.pack(self.previous_total)
         exchange = self._ready_exchange()
         exchange.claim(index)
-        if bucket is self.buckets[-1] and bucket.extra.numel():
-            self.buffer_sync.pack(bucket.extra, self.packing.count)
+        if bucket is self.buckets[-1]:
+            if self.buffer_slots:
+                self.buffer_sync.pack(bucket.extra[:self.buffer_slots], self.packing.count)
+            same_batch.pack(bucket.extra[self.buffer_slots:], self.window.mark, dist.get_world_size(self.group))
         part = exchange.own(index) if self._copies_back() else None  # only where the sums are copied back
         own = bucket.pack(self.packing.count, self.packing.scale, part)  # see dp/own_part.py
         bucket.sent = True
@@ -330,6 +334,13 @@ class GradSync:
             self._reset_buckets()
             self.window.reset()
             self._raise_uncounted(error)
+        if self.buckets:
+            try:
+                same_batch.check(self.buckets[-1].summed_extra()[self.buffer_slots:])
+            except RuntimeError:
+                self._reset_buckets()
+                self.window.reset()
+                raise
         correction = 1.0
         if packing is not None and packing.expected is None:
             correction = packing.previous_total / total if total > 0 else 0.0
@@ -343,7 +354,7 @@ class GradSync:
             bucket.unpack(correction, copy_back=self._copies_back())
         rode = self.buffer_sync.sent is not None
         if rode:
-            self.buffer_sync.unpack(self.buckets[-1].summed_extra(), total)
+            self.buffer_sync.unpack(self.buckets[-1].summed_extra()[:self.buffer_slots], total)
         self.buffer_sync.average_rest(packing.count if packing else 1.0, self.group, rode)
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
         self.window.reset()

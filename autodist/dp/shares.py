@@ -52,6 +52,7 @@ class Counted:
     total: int | None = None  # N when the data pipeline knows it; None: summed over the ranks at sync
     batch: int | None = None  # the global batch it came from: two forwards on one batch count once
     error: str | None = None  # why the count is unknown
+    mark: int | None = None  # the identity of its global batch(es) where a sharded DataLoader handed them out
 
     @property
     def weight(self) -> float:
@@ -69,7 +70,17 @@ def combine(parts: list[Counted]) -> Counted:
     errors = [p.error for p in unique if p.error]
     totals = [p.total for p in unique]
     return Counted(sum(p.count for p in unique), None if None in totals else sum(totals),  # type: ignore[arg-type]
-                   None, errors[0] if errors else None)
+                   None, errors[0] if errors else None, add_marks(p.mark for p in unique))
+
+
+def add_marks(marks: Any) -> int | None:
+    """The identity of several global batches together (in any order); None if one of them has none."""
+    total = 0
+    for mark in marks:
+        if mark is None:
+            return None
+        total = (total + mark) & 0xFFFFFFFF
+    return total
 
 
 def _describe(args: tuple, kwargs: dict, limit: int = 6) -> str:
@@ -105,7 +116,7 @@ class SampleCounter:
     def of_share(self, share: provenance.BatchShare) -> Counted:
         """The count of a backward weighted by the batch the sharded DataLoader handed out last (one that
         reached no counted output: a submodule called directly, a compiled forward)."""
-        return Counted(share.count, share.total, share.batch)
+        return Counted(share.count, share.total, share.batch, mark=share.mark)
 
     def _explicit(self, args: tuple, kwargs: dict) -> Counted:
         try:
@@ -125,7 +136,7 @@ class SampleCounter:
                 continue
             found = provenance.known_share(leaf)
             if isinstance(found, provenance.BatchShare):
-                return Counted(found.count, found.total, found.batch)
+                return self.of_share(found)
             if found is not None:
                 rows[path] = found
         if len(set(rows.values())) > 1:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autodist.dp.shares import Counted
+from autodist.dp.shares import Counted, add_marks
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Window:
         self.total: float | None = 0.0  # None once a backward's N was unknown
         self.common: float | None = None  # a_c
         self.error: str | None = None
+        self.mark: int | None = 0  # the identity of the window's global batches; None: one came from elsewhere
 
     def factor(self, counted: Counted) -> float:
         """What a backward of ``counted`` must multiply its gradient by before accumulation."""
@@ -63,6 +64,7 @@ class Window:
         if counted.total is not None and counted.weight > 0.0 and self.common is None:
             self.common = counted.weight
         self.error = self.error or counted.error
+        self.mark = add_marks((self.mark, counted.mark))
 
     def pack(self, previous_total: float) -> Pack:
         """The packing of a sync of everything added since the last reset."""

@@ -38,12 +38,13 @@ class BatchShare:
     """This rank's part of one global batch: ``count`` of ``total`` samples.
 
     Example:
-        >>> BatchShare(count=3, total=8, batch=new_batch_id())   # 3 of 8 samples here
+        >>> BatchShare(count=3, total=8, batch=new_batch_id(), mark=0x5eed)   # 3 of 8 samples here
     """
 
     count: int
     total: int
     batch: int  # which global batch: two forwards on the same batch count once
+    mark: int | None = None  # its identity, the same on every rank (which samples, in order): ranks compare it
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""The check that the data-parallel ranks of a step are on one global batch: its identity rides in the buckets.
+
+Every rank's count of samples adding up to the global batch's is not enough: two ranks each handed half of a
+different global batch add up too (a sampler that split the data parallelize returned again, a loop that skips
+a batch on one rank, a sampler seeded differently per rank). A batch the sharded DataLoader hands out carries
+a mark, the same on every rank that draws that global batch (:func:`autodist.dp.data.RankSliceBatchSampler`):
+each rank packs (1, m, m^2), m its step's mark modulo a small M, into three slots of the last bucket, and
+after the all-reduce every rank reads the same sums (K, S1, S2) and knows, all alike, whether the K ranks
+that know their batch agree: K S2 = S1^2 exactly when their m are equal (Cauchy-Schwarz). M keeps the sums
+exact integers in float32 (P M^2 < 2^24); two different batches with equal marks modulo M pass one step
+(1 in M), not the next ones. Ranks whose step had no sharded-loader batch pack zeros and are not compared.
+
+Example:
+    >>> pack(region, mark=window.mark, ranks=2)    # before the all-reduce
+    >>> check(region)                              # after it: raises on every rank alike if the ranks differ
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SLOTS = 3  # the tail of the last bucket these take
+
+
+def _modulus(ranks: int) -> int:
+    return max(2, min(256, math.isqrt((1 << 24) // max(ranks, 1))))
+
+
+def pack(region: torch.Tensor, mark: int | None, ranks: int) -> None:
+    """Write this rank's (1, m, m^2), or zeros for a step without a mark, into ``region`` (``SLOTS`` numbers)."""
+    if mark is None:
+        region.zero_()
+        return
+    m = mark % _modulus(ranks)
+    region.copy_(torch.tensor([1.0, m, m * m], dtype=region.dtype))
+
+
+def check(region: torch.Tensor) -> None:
+    """Raise, on every rank alike, if the summed ``region`` says the ranks that know their batch differ."""
+    known, first, second = region.tolist()
+    if known > 1 and known * second != first * first:
+        raise RuntimeError(
+            f"the data-parallel ranks are not on the same global batch at this step: {known:g} ranks trained on "
+            f"batches the sharded DataLoader handed out, and they are parts of different global batches. Something "
+            f"between parallelize's DataLoader and the model splits or reorders it per rank (a DistributedSampler, "
+            f"a framework's own loader around it: docs/frameworks.md), a rank skips a batch, or the loader's "
+            f"sampler draws from a generator seeded differently per rank; iterate the DataLoader parallelize "
+            f"returns as it is, on every rank alike")
