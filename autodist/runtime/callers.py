@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import sys
+from types import CodeType
 
 
 def calling_objects(limit: int = 24, files: tuple[str, ...] = ()) -> list[object]:
@@ -28,11 +29,21 @@ def calling_objects(limit: int = 24, files: tuple[str, ...] = ()) -> list[object
     for _ in range(limit):
         if frame is None:
             break
-        code = frame.f_code
-        if code.co_varnames[:1] == ("self",) and (
-                not files or any(part in code.co_filename.replace("\\", "/") for part in files)):
+        if _is_method_in(frame.f_code, files):
             owner = frame.f_locals.get("self")
             if owner is not None:
                 found.append(owner)
         frame = frame.f_back
     return found
+
+
+_decided: dict[tuple[CodeType, tuple[str, ...]], bool] = {}  # a forward hook walks the same frames every step
+
+
+def _is_method_in(code: CodeType, files: tuple[str, ...]) -> bool:
+    key = (code, files)
+    decided = _decided.get(key)
+    if decided is None:
+        decided = _decided[key] = code.co_varnames[:1] == ("self",) and (
+            not files or any(part in code.co_filename.replace("\\", "/") for part in files))
+    return decided
