@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "autodist"
 
 # Top to bottom: a subsystem may import those on the levels below its own.
 LAYERS: list[tuple[str, ...]] = [
-    ("cli",),  # the `autodist` command, a user of the library (autodist/__main__.py belongs to it)
+    ("cli", "lightning"),  # the `autodist` command (autodist/__main__.py belongs to it); Lightning's strategy: users
     ("autodist",),  # the public face: autodist/__init__.py and api.py
     ("ps", "planner"),  # siblings: parameter servers (writing train's checkpoint file); the layout chooser
     ("train",),
@@ -156,7 +156,7 @@ def test_the_rule_catches_an_upward_import_a_sibling_import_and_a_cycle():
 
 def test_the_tree_is_the_diagram_few_entries_and_every_subsystem_says_what_it_may_import():
     entries = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 14, entries  # 3 files and one folder per subsystem
+    assert len(entries) <= 15, entries  # 3 files and one folder per subsystem
     folders = {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders == set(LEVEL) - {"autodist"}, "a new folder needs its place in LAYERS and docs/architecture.md"
     for name in sorted(folders):

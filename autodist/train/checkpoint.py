@@ -482,3 +482,102 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
     if world.rank == 0:
         log.info("resumed from %s (%s)", path, ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()) or "no extras")
     return {**defaults, **extra}
+
+
+# -- dense state for other checkpoint formats (a framework's own saving and loading) --------------
+
+
+def load_dense_state_dict(model: nn.Module, state: dict[str, Any], *, strict: bool = True,
+                          where: str = "the state dict") -> Any:
+    """Load a dense, single-process state dict (``gather_state_dict``'s, or a plain model's ``state_dict()``)
+    into ``model`` laid out in any way: each rank keeps its slice of every split layer. No communication.
+
+    Args:
+        model: the model to fill, parallelized or plain.
+        state: the dense state dict, with the original model's names.
+        strict: as for ``load_state_dict``: every key of the model must be in ``state`` and no other.
+        where: what ``state`` is, for the error (e.g. the checkpoint's path).
+
+    Returns:
+        What ``model.load_state_dict`` returns (the missing and unexpected keys).
+
+    Example:
+        >>> load_dense_state_dict(model, torch.load("model.pt", weights_only=True))
+    """
+    _check_model(model)
+    layout = _layout(model)
+    expected = {slot.name for slot in layout.values()}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): missing keys (in the model, not "
+                           f"in the state) {_listed(missing)}; unexpected keys (in the state, not in the model) "
+                           f"{_listed(unexpected)}. Load it into the model it was saved from, built as in the "
+                           f"single-process script")
+    wrong = [f"{s.name!r}: saved {tuple(state[s.name].shape)}, model {s.shape}" for s in layout.values()
+             if s.shape is not None and isinstance(state.get(s.name), torch.Tensor)
+             and tuple(state[s.name].shape) != s.shape]
+    if wrong:
+        raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): size mismatch (dense shapes) "
+                           f"for {_listed(wrong)}; build the model with the sizes it was saved with")
+    local = {key: slot.shard(state[slot.name]) if slot.shape is not None else state[slot.name]
+             for key, slot in layout.items() if slot.name in state}
+    return model.load_state_dict(local, strict=strict)
+
+
+def dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """``optimizer.state_dict()`` in torch's own format (state by parameter index), every per-parameter tensor
+    dense: what one process training the original model holds, so ``optimizer.load_state_dict`` takes it there.
+
+    Every rank must call it (model-parallel shards are gathered, and a sharded optimizer's slices).
+
+    Args:
+        optimizer: built over ``model.parameters()`` after ``parallelize``.
+        model: its model, parallelized or plain.
+
+    Returns:
+        ``{"state": {index: {key: value}}, "param_groups": [...]}``, tensors on the CPU.
+
+    Example:
+        >>> torch.save(dense_optimizer_state_dict(optimizer, model), "optimizer.pt")   # loads in one process
+    """
+    _check_model(model)
+    _check_optimizer(optimizer)
+    params = _param_slots(model, optimizer, _layout(model))
+    packed = optimizer.state_dict()  # a sharded optimizer's post hook has made it dense over the data-parallel ranks
+    state = {index: {k: _dense_value(v, params[index][0], params[index][1]) for k, v in sorted(entries.items(),
+                                                                                             key=str)}
+             for index, entries in sorted(packed["state"].items())}  # one order on every rank: they gather together
+    return {"state": state, "param_groups": packed["param_groups"]}
+
+
+def load_dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
+                                    state: dict[str, Any]) -> None:
+    """Load a dense optimizer state in torch's format (:func:`dense_optimizer_state_dict`'s, or a plain
+    optimizer's ``state_dict()``) into ``optimizer``, each parameter's state cut to this rank's slice of it.
+
+    The state's parameter indices are the optimizer's order, which is the plain model's: build the optimizer
+    over ``model.parameters()`` (after ``parallelize``), with the groups it was saved with. No communication.
+
+    Example:
+        >>> load_dense_optimizer_state_dict(optimizer, model, torch.load("optimizer.pt", weights_only=True))
+    """
+    _check_model(model)
+    _check_optimizer(optimizer)
+    params = _param_slots(model, optimizer, _layout(model))
+    sizes = [len(group["params"]) for group in state["param_groups"]]
+    if sizes != [len(group["params"]) for group in optimizer.param_groups]:
+        raise ValueError(f"the saved optimizer state has parameter groups of {sizes} parameters, "
+                         f"{type(optimizer).__name__} has {[len(g['params']) for g in optimizer.param_groups]}; build "
+                         f"the optimizer with the same groups as when it was saved")
+    local = {}
+    for index, entries in state["state"].items():
+        slot = params[int(index)][1]
+        wrong = [k for k, v in entries.items() if isinstance(v, torch.Tensor) and slot.shape is not None
+                 and v.ndim == len(slot.shape) and v.ndim > 0 and tuple(v.shape) != slot.shape]
+        if wrong:
+            raise ValueError(f"the saved optimizer state of parameter {index} ({slot.name!r}) has {wrong[0]!r} of "
+                             f"shape {tuple(entries[wrong[0]].shape)}, but that parameter's dense shape is "
+                             f"{slot.shape}: the state was saved for another model, or its optimizer held the "
+                             f"parameters in another order")
+        local[int(index)] = _local_entries(entries, slot)
+    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
