@@ -187,7 +187,8 @@ class Bucket:
                     into.append(grad)
                     sources.append(view)
             elif grad is not view:
-                p.grad = view
+                around = getattr(grad, "around", None)  # a split parameter's gradient stays marked (mp=K)
+                p.grad = view if around is None else around(view)
         if into:
             torch._foreach_copy_(into, sources)
 

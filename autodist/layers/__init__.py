@@ -1,6 +1,7 @@
 """layers: the public model-parallel layers, exact drop-ins for ``nn.Linear`` split over ranks, the autograd
-Functions that communicate for them (:mod:`~autodist.layers.comm`), and :class:`~autodist.layers.shard.Shard`,
-how a parameter is split. May import: faults, runtime. Entry points: the classes below.
+Functions that communicate for them (:mod:`~autodist.layers.comm`), :class:`~autodist.layers.shard.Shard`,
+how a parameter is split, and the gradients of split parameters, whose norms over the whole model are the
+model's (:mod:`~autodist.layers.split_grad`: ``clip_grad_norm_`` under mp). May import: faults, runtime. Entry points: the classes below.
 
 ``MPInitialReshape``, ``MPInitialLinear``, ``MPBaseReshape``, ``MPBaseLinear``
 and ``MPTanh`` are TorchAD-NN's layers, done right: each takes a full tensor

@@ -79,13 +79,11 @@ class MPMultiheadAttention(nn.Module):
         self.shards = {"in_proj_weight": Shard.even((3 * e, e), 0, (e, e, e), self.parts, self.rank, group),
                        "in_proj_bias": Shard.even((3 * e,), 0, (e, e, e), self.parts, self.rank, group)}
         weight, bias = dense.in_proj_weight, dense.in_proj_bias
-        self.in_proj_weight = nn.Parameter(self.shards["in_proj_weight"].take(weight.detach()),
-                                           requires_grad=weight.requires_grad)
+        self.in_proj_weight = self.shards["in_proj_weight"].parameter(weight)
         if bias is None:
             self.register_parameter("in_proj_bias", None)
         else:
-            self.in_proj_bias = nn.Parameter(self.shards["in_proj_bias"].take(bias.detach()),
-                                             requires_grad=bias.requires_grad)
+            self.in_proj_bias = self.shards["in_proj_bias"].parameter(bias)
         self.out_proj = RowParallelLinear.from_dense(dense.out_proj, group=group)
         self.sizes = self.shards["in_proj_weight"].widths()  # every rank's rows of the packed weight
 

@@ -145,12 +145,12 @@ class _SplitLinear(nn.Module):
 
     def _take_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Keep this rank's shard of the dense ``weight`` (held as this layer holds it) and ``bias``."""
-        self.weight = nn.Parameter(self.shards["weight"].take(weight.detach()), requires_grad=weight.requires_grad)
+        self.weight = self.shards["weight"].parameter(weight)
         if bias is None:
             self.register_parameter("bias", None)
             return
         # a row split keeps the whole bias
-        self.bias = nn.Parameter(self.shards["bias"].take(bias.detach()), requires_grad=bias.requires_grad)
+        self.bias = self.shards["bias"].parameter(bias)
 
     def _weight(self) -> torch.Tensor:
         """The local weight as F.linear takes it, (out, in)."""

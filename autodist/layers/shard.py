@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 from autodist.layers.comm import all_gather_cat, shard_sizes
+from autodist.layers.split_grad import mark_split
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,14 @@ class Shard:
             return dense.detach().clone()
         parts = [dense.narrow(self.dim, lo, hi - lo) for lo, hi in self.ranges()]
         return torch.cat(parts, self.dim).contiguous() if len(parts) > 1 else parts[0].clone().contiguous()
+
+    def parameter(self, dense: torch.Tensor) -> nn.Parameter:
+        """This rank's part of ``dense`` as a parameter (trainable as ``dense`` is); a split one's gradient norm
+        counts as a part of the model's norm over the group (:mod:`autodist.layers.split_grad`)."""
+        p = nn.Parameter(self.take(dense.detach()), requires_grad=dense.requires_grad)
+        if self.dim is not None and self.parts > 1:
+            mark_split(p, self.group)
+        return p
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The dense tensor from every rank's part. Collective: every rank of the group calls it."""

@@ -24,7 +24,8 @@ import math
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
+
+from autodist.layers.split_grad import SplitNorm, first_rank, split_group, whole_norm
 
 _PASS = (torch.Tensor.requires_grad_, torch.Tensor.detach_)
 
@@ -45,11 +46,12 @@ class ShardedGrad(torch.Tensor):
     local: torch.Tensor
     group: Any
     level: str  # the shard= level: "gradients" or "parameters"
+    split: tuple[Any] | None  # (the model-parallel group,) where the parameter is an MP layer's shard
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, local: torch.Tensor, group: Any, level: str = "gradients") -> "ShardedGrad":
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
-        t.local, t.group, t.level = local, group, level
+        t.local, t.group, t.level, t.split = local, group, level, split_group(like)
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -113,7 +115,7 @@ def _norm(g: Any, ord: float) -> Any:
             value = torch.tensor(0.0 if ord > 0 else math.inf, dtype=local.dtype, device=local.device)
         else:
             value = torch.linalg.vector_norm(local, ord)
-        return PartialNorm(value, ord, g.group)
+        return PartialNorm(value, ord, g.group, g.split)
     return torch.linalg.vector_norm(g, ord)
 
 
@@ -151,12 +153,14 @@ class PartialNorm(torch.Tensor):
 
     local: torch.Tensor
     ord: float
-    group: Any
+    group: Any  # the data-parallel group; once stacked, the group the parts are summed over
+    split: tuple[Any] | None  # (the model-parallel group,) for the norm of an MP layer's shard
+    here: list[bool]  # once stacked: which parts this rank counts (a part other ranks hold alike counts once)
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, ord: float, group: Any) -> "PartialNorm":
+    def __new__(cls, local: torch.Tensor, ord: float, group: Any, split: tuple[Any] | None = None) -> "PartialNorm":
         t = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
-        t.local, t.ord, t.group = local, ord, group
+        t.local, t.ord, t.group, t.split, t.here = local, ord, group, split, []
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -168,7 +172,7 @@ class PartialNorm(torch.Tensor):
         if _passes(func):
             return _plain(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
-            return PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group)
+            return PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group, args[0].split)
         if func is torch.stack and not kwargs.get("dim") and len(args) == 1:
             return _stack(args[0])
         if func is torch.linalg.vector_norm and isinstance(args[0], PartialNorm) and \
@@ -191,24 +195,21 @@ def _stack(norms: list[Any]) -> PartialNorm:
     first = partial[0]
     if any(n.ord != first.ord or n.group is not first.group for n in partial):
         raise RuntimeError("norms of sharded gradients of different orders or groups cannot be stacked")
-    # a whole norm (a gradient every rank holds) is counted on the group's first rank only, where a sum adds up
-    first_rank = dist.get_rank(first.group) == 0 if first.group is not None else dist.get_rank() == 0
-    parts = []
-    for n in norms:
-        local = n.local if isinstance(n, PartialNorm) else n.detach()
-        if not isinstance(n, PartialNorm) and not first_rank and not math.isinf(first.ord):
-            local = torch.zeros_like(local)
-        parts.append(local.to(first.local.device))
-    return PartialNorm(torch.stack(parts), first.ord, first.group)
+    # A part other ranks hold alike counts on one of them: a whole gradient (every data-parallel rank holds it)
+    # on the data-parallel group's first rank; under mp=K, a gradient every rank of the model-parallel group
+    # holds (not an MP layer's shard) on that group's first rank, and the parts are summed over the world.
+    splits = [n.split for n in partial if n.split is not None] + [(n.group,) for n in norms
+                                                                  if isinstance(n, SplitNorm)]
+    first_mp = first_rank(splits[0][0]) if splits else True
+    first_dp = first_rank(first.group)
+    here = [(first_mp or n.split is not None) if isinstance(n, PartialNorm) else
+            first_dp and (first_mp or isinstance(n, SplitNorm)) for n in norms]
+    parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
+    stacked = PartialNorm(torch.stack(parts), first.ord, None if splits else first.group)
+    stacked.here = here
+    return stacked
 
 
 def _whole_norm(stacked: PartialNorm) -> torch.Tensor:
     """The norm over every rank's parts: the sum of their p-th powers (max, min for +-inf), all-reduced."""
-    ord, local = stacked.ord, stacked.local
-    if math.isinf(ord):
-        value = local.max() if ord > 0 else local.min()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX if ord > 0 else dist.ReduceOp.MIN, group=stacked.group)
-        return value
-    value = local.pow(ord).sum()
-    dist.all_reduce(value, group=stacked.group)
-    return value if ord == 1.0 else value.pow(1.0 / ord)
+    return whole_norm(stacked.local, stacked.here, stacked.ord, stacked.group)

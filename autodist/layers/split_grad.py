@@ -1,0 +1,187 @@
+"""Norms over a model split by ``mp=K``: ``clip_grad_norm_`` and ``get_total_norm`` see the whole model.
+
+Each rank of a model-parallel group holds its shard of every split parameter, and that shard's ``.grad`` is
+the whole gradient of the shard: reading it, arithmetic and ``optimizer.step`` need nothing from the other
+ranks. Only a norm over the whole model does. torch takes it as the norm of the stack of every gradient's
+norm, and on one rank that stack holds the norms of its shards only (0.301 and 0.330 on two ranks where one
+process gets 0.4275): each rank would clip by its own factor and the parameters every rank holds whole would
+drift apart.
+
+So after each backward that reaches a split parameter, its ``.grad`` is marked: a :class:`SplitGrad` is the
+same tensor (no copy), whose class knows the group the parameter is split over (a post-accumulate-grad hook,
+nothing sent). Every operation on it runs as on a plain tensor and returns plain tensors; only its norm over
+all elements is a :class:`SplitNorm`, the shard's norm (a plain value to read). ``torch.stack`` of norms
+holding one gives :class:`StackedNorms`, and the norm of that is the model's: the split gradients' parts
+summed over the group (their p-th powers; the maximum for inf), the norms of gradients every rank holds
+counted once, in one all-reduce of one number. A loop that never takes such a norm sends nothing more.
+
+Example:
+    >>> mark_split(layer.weight, group)        # done by the MP layers for every split parameter
+    >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm, on every rank
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
+
+
+def _plain(func: Callable, args: tuple, kwargs: dict) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def mark_split(p: nn.Parameter, group: Any) -> None:
+    """From now on ``p.grad`` is a :class:`SplitGrad` over ``group`` after every backward that reaches ``p``.
+
+    Example:
+        >>> mark_split(self.weight, group)
+    """
+    p.split_over = (group,)  # a tuple: group None is the whole world
+    if p.requires_grad:
+        p.register_post_accumulate_grad_hook(partial(_mark, group))
+
+
+def split_group(p: torch.Tensor) -> tuple[Any] | None:
+    """``(group,)`` for a parameter split over ``group`` by an MP layer; None for one every rank holds whole."""
+    return getattr(p, "split_over", None)
+
+
+def _mark(group: Any, p: nn.Parameter) -> None:
+    grad = p.grad
+    if grad is not None and type(grad) is torch.Tensor:  # a sharded gradient (shard="gradients") knows the split
+        p.grad = as_split(grad, group)
+
+
+def as_split(grad: torch.Tensor, group: Any) -> "SplitGrad":
+    """``grad`` (the same memory) as the gradient of a parameter split over ``group``."""
+    t = grad.as_subclass(SplitGrad)
+    t.group = group
+    return t
+
+
+class SplitGrad(torch.Tensor):
+    """The gradient of a parameter split over ``group``: a plain tensor, except that its norm over all elements
+    is a :class:`SplitNorm` (see the module docstring)."""
+
+    group: Any
+
+    def around(self, other: torch.Tensor) -> "SplitGrad":
+        """``other`` (a tensor that takes this gradient's place, as a view of a bucket) marked as this one is."""
+        return as_split(other, self.group)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = _plain(func, args, kwargs)
+        if func in _NORMS and isinstance(args[0], SplitGrad):
+            ord = _whole_order(func, args, kwargs)
+            return out if ord is None else SplitNorm.of(out, ord, args[0].group)
+        if func is torch._foreach_norm:
+            ord = _whole_order(func, args, kwargs)
+            if ord is not None:
+                return [SplitNorm.of(n, ord, g.group) if isinstance(g, SplitGrad) else n
+                        for n, g in zip(out, args[0])]
+        return out
+
+
+def _whole_order(func: Any, args: tuple, kwargs: dict) -> float | None:
+    """The order of a norm over all of a tensor's elements, as a float; None for any other norm."""
+    name = "ord" if func in (torch.linalg.vector_norm, torch._foreach_norm) else "p"
+    value = kwargs.get(name, args[1] if len(args) > 1 else (2.0 if name == "ord" else "fro"))
+    if len(args) > 2 or kwargs.get("dim") is not None or kwargs.get("keepdim") or kwargs.get("dtype") is not None:
+        return None
+    if value is None or value == "fro":
+        return 2.0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class SplitNorm(torch.Tensor):
+    """The norm of this rank's shard of a split gradient: a plain value to read; stacked with other norms, its
+    part of the model's norm over ``group``."""
+
+    ord: float
+    group: Any
+
+    @staticmethod
+    def of(value: torch.Tensor, ord: float, group: Any) -> "SplitNorm":
+        t = value.as_subclass(SplitNorm)
+        t.ord, t.group = ord, group
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = _plain(func, args, kwargs)
+        if func is torch.Tensor.to and isinstance(args[0], SplitNorm) and out is not args[0]:
+            return SplitNorm.of(out, args[0].ord, args[0].group)
+        if func is torch.stack and len(args) == 1 and not kwargs.get("dim") and not kwargs.get("out"):
+            return StackedNorms.of(out, list(args[0]))
+        return out
+
+
+class StackedNorms(torch.Tensor):
+    """A stack of gradient norms, some of them parts of split gradients' norms: its norm of their order is
+    the model's norm, the same on every rank of the group (one all-reduce; every rank must take it)."""
+
+    split: list[bool]
+    ord: float
+    group: Any
+
+    @staticmethod
+    def of(stacked: torch.Tensor, norms: Sequence[torch.Tensor]) -> "StackedNorms":
+        parts = [n for n in norms if isinstance(n, SplitNorm)]
+        if any(n.ord != parts[0].ord or n.group is not parts[0].group for n in parts):
+            raise RuntimeError("norms of gradients split over different model-parallel groups, or of different "
+                               "orders, cannot be stacked into one norm")
+        t = stacked.as_subclass(StackedNorms)
+        t.split, t.ord, t.group = [isinstance(n, SplitNorm) for n in norms], parts[0].ord, parts[0].group
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        stacked = args[0] if args else None
+        if func in _NORMS and isinstance(stacked, StackedNorms) and _whole_order(func, args, kwargs) == stacked.ord:
+            first = first_rank(stacked.group)  # a gradient every rank holds whole counts there only
+            with torch._C.DisableTorchFunctionSubclass():
+                return whole_norm(stacked, [split or first for split in stacked.split], stacked.ord, stacked.group)
+        return _plain(func, args, kwargs)
+
+
+def first_rank(group: Any) -> bool:
+    """Whether this rank is the first of ``group`` (None: the world)."""
+    return (dist.get_rank(group) if group is not None else dist.get_rank()) == 0
+
+
+def whole_norm(norms: torch.Tensor, here: Sequence[bool], ord: float, group: Any) -> torch.Tensor:
+    """The norm of order ``ord`` of a vector spread over the ranks of ``group``: ``norms`` are the norms of the
+    pieces this rank holds, ``here`` says which of them this rank counts (a piece several ranks hold alike
+    counts on one of them). One all-reduce; inf and -inf keep a NaN (gloo's max would drop it).
+
+    Example:
+        >>> whole_norm(torch.stack([shard_norm, bias_norm]), [True, first_rank(group)], 2.0, mp_group)
+    """
+    norms = norms.detach().reshape(-1)
+    if ord <= 0 and ord != -math.inf:
+        raise RuntimeError(f"a norm of order {ord} over gradients split across the ranks is not their norm in one "
+                           f"process; clip_grad_norm_ and get_total_norm give norms of order > 0, inf and -inf")
+    if math.isinf(ord):
+        sign = 1.0 if ord > 0 else -1.0
+        if norms.numel() == 0:  # no identity in torch: a norm is >= 0, so 0 for max
+            value = torch.tensor(0.0 if ord > 0 else math.inf, dtype=norms.dtype, device=norms.device)
+        else:
+            value = norms.max() if ord > 0 else norms.min()
+        both = torch.stack([value * sign, norms.isnan().any().to(norms.dtype)]).nan_to_num(nan=-math.inf)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        return torch.where(both[1] > 0, torch.nan, both[0] * sign)
+    keep = torch.tensor(list(here), dtype=torch.bool, device=norms.device)
+    value = torch.where(keep, norms, torch.zeros_like(norms)).pow(ord).sum()
+    dist.all_reduce(value, group=group)
+    return value if ord == 1.0 else value.pow(1.0 / ord)
