@@ -140,12 +140,17 @@ def lightning_ddp_init() -> None:
     _lightning("init", 2, "ddp")
 
 
-def rank_skips_a_batch() -> None:
-    model, loader = autodist.parallelize(mlp(), DataLoader(data(), batch_size=8, shuffle=True))
+def rank_skips_a_batch(**options: str) -> None:
+    model, loader = autodist.parallelize(mlp(), DataLoader(data(), batch_size=8, shuffle=True), **options)
     batches = iter(loader)
     if autodist.rank() == 1:
         next(batches)
     train(model, [next(batches)])
+
+
+def rank_skips_a_batch_with_sharded_gradients() -> None:
+    """The mark rides in the reduce-scattered buckets too (their count and flags are staged apart)."""
+    rank_skips_a_batch(shard="gradients")
 
 
 def sampler_seeded_per_rank() -> None:
@@ -163,7 +168,8 @@ def uneven_and_empty_slices() -> None:
 
 CASES = [ddp_before, ddp_after, fsdp_before, fsdp_after, sampler_over_dataset, accelerate_loader, accelerate_model,
          hf_trainer_data, hf_trainer_model, lightning_one_device_setup, lightning_ddp_setup, lightning_ddp_init,
-         rank_skips_a_batch, sampler_seeded_per_rank, uneven_and_empty_slices]
+         rank_skips_a_batch, rank_skips_a_batch_with_sharded_gradients, sampler_seeded_per_rank,
+         uneven_and_empty_slices]
 
 
 def main(out: str) -> None:

@@ -33,6 +33,7 @@ EXPECTED = {
     "lightning_ddp_setup": LIGHTNING,
     "lightning_ddp_init": INSIDE,
     "rank_skips_a_batch": OTHER_BATCH,
+    "rank_skips_a_batch_with_sharded_gradients": OTHER_BATCH,
     "sampler_seeded_per_rank": OTHER_BATCH,
     "uneven_and_empty_slices": None,
 }
