@@ -17,24 +17,16 @@ from __future__ import annotations
 
 from torch.utils.data import Subset
 
-from autodist.runtime.callers import calling_objects
+from autodist.runtime.callers import calling_class
 
 _SPLITTERS = ("DistributedSampler", "BatchSamplerShard", "IterableDatasetShard", "DataLoaderDispatcher")
 _SPLITTER_FILES = ("torch/utils/data/distributed.py", "accelerate/", "lightning/", "lightning_fabric/",
                    "pytorch_lightning/", "transformers/")
 
 
-def splitter_kind(obj: object) -> str | None:
-    """The name of the rank-splitting class ``obj`` is an instance of, or None."""
-    for cls in type(obj).__mro__:
-        if cls.__name__ in _SPLITTERS:
-            return cls.__name__
-    return None
-
-
 def refuse_split_again(what: str) -> None:
     """Raise if a rank-splitting sampler or loader is among the callers (see the module docstring)."""
-    kind = next(filter(None, map(splitter_kind, calling_objects(files=_SPLITTER_FILES))), None)
+    kind = calling_class(_SPLITTERS, files=_SPLITTER_FILES)
     if kind is not None:
         raise RuntimeError(
             f"{what} that parallelize returned is being split by rank again, by {kind}: it holds this rank's share "

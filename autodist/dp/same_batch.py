@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from autodist.dp.buckets import to_device
+
 SLOTS = 3  # the tail of the last bucket these take
 
 
@@ -33,7 +35,7 @@ def pack(region: torch.Tensor, mark: int | None, ranks: int) -> None:
         region.zero_()
         return
     m = mark % _modulus(ranks)
-    region.copy_(torch.tensor([1.0, m, m * m], dtype=region.dtype))
+    region.copy_(to_device([1.0, m, m * m], region), non_blocking=True)
 
 
 def check(region: torch.Tensor) -> None:

@@ -14,12 +14,10 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from autodist.runtime.callers import calling_objects
+from autodist.runtime.callers import calling_class, calling_objects, class_named
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "FSDPModule", "DeepSpeedEngine")
 _WRAPPER_FILES = ("torch/nn/parallel/", "torch/distributed/fsdp/", "deepspeed/")
@@ -27,18 +25,14 @@ _CALLERS = 12  # frames from the forward pre-hook up to a wrapper's (under Light
 _GUIDE = "docs/frameworks.md has the route for Hugging Face Trainer, Accelerate and Lightning"
 
 
-def wrapper_kind(module: Any) -> str | None:
-    """The name of the data-parallel wrapper class ``module`` is an instance of, or None."""
-    for cls in type(module).__mro__:
-        if cls.__name__ in _WRAPPERS:
-            return "fully_shard (FSDPModule)" if cls.__name__ == "FSDPModule" else cls.__name__
-    return None
+def _named(kind: str | None) -> str | None:
+    return "fully_shard (FSDPModule)" if kind == "FSDPModule" else kind
 
 
 def refuse_wrapped(model: nn.Module) -> None:
     """Raise if ``model`` or one of its submodules is already wrapped by a data-parallel wrapper."""
     for name, module in model.named_modules():
-        kind = wrapper_kind(module)
+        kind = _named(class_named(module, _WRAPPERS))
         if kind is not None:
             where = "the model" if not name else f"the model's submodule {name!r}"
             inner = "the plain module" if "FSDPModule" in kind else "its .module"
@@ -50,9 +44,7 @@ def refuse_wrapped(model: nn.Module) -> None:
 def _refuse_wrapper(module: nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():  # frames are Python state dynamo does not trace; the eager call checked
         return
-    kind = wrapper_kind(module)
-    if kind is None:
-        kind = next(filter(None, map(wrapper_kind, calling_objects(_CALLERS, _WRAPPER_FILES))), None)
+    kind = _named(class_named(module, _WRAPPERS) or calling_class(_WRAPPERS, _CALLERS, _WRAPPER_FILES))
     if kind is not None:
         raise RuntimeError(
             f"the model parallelize returned runs inside {kind}: autodist already synchronizes its gradients and "
@@ -66,7 +58,7 @@ def refuse_inside_lightning(model: nn.Module) -> None:
     strategy counts every process as global rank 0 (logging, checkpoints and ``rank_zero_only`` code run on
     every rank, writing the same files). Called only where the world has more than one rank."""
     for owner in (model, *calling_objects()):
-        if not any(cls.__name__ == "LightningModule" for cls in type(owner).__mro__):
+        if class_named(owner, ("LightningModule",)) is None:
             continue
         trainer = getattr(owner, "_trainer", None)
         strategy = type(getattr(trainer, "strategy", None)).__name__

@@ -27,6 +27,11 @@ class AutodistEnvironment(ClusterEnvironment):
         self._world = world
 
     @property
+    def bound(self) -> bool:
+        """Whether the ranks are joined and bound here yet."""
+        return self._world is not None
+
+    @property
     def world(self) -> World:
         if self._world is None:
             raise RuntimeError("the AutodistEnvironment has no ranks yet: build the Trainer with "

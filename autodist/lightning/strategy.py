@@ -103,7 +103,6 @@ class AutodistStrategy(ParallelStrategy):
         super().__init__(cluster_environment=AutodistEnvironment())
         self._options = {"mp": mp, "shard": shard, "checkpoint": checkpoint, **options}
         self._backend = backend
-        self._world: World | None = None
         self._num_nodes = 1
         self._checkpoint_path: str | None = None  # the file being loaded, for errors
 
@@ -122,29 +121,29 @@ class AutodistStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    def _environment(self) -> AutodistEnvironment:
+        assert isinstance(self.cluster_environment, AutodistEnvironment)
+        return self.cluster_environment
+
+    @property
     def is_distributed(self) -> bool:
         """Lightning syncs ``self.log(..., sync_dist=True)`` only for a strategy that says it is distributed."""
-        return self._world is not None and self._world.size > 1
+        return self._environment.bound and self.world.size > 1
 
     @property
     def world(self) -> World:
-        """The ranks, joined when the Trainer was built (``autodist.init``)."""
-        if self._world is None:
-            raise RuntimeError("AutodistStrategy has not joined the ranks yet: pass it to lightning.Trainer("
-                               "strategy=...), which does")
-        return self._world
+        """The ranks, joined when the Trainer was built (``autodist.init``), held by the cluster environment."""
+        return self._environment.world
 
     def set_world_ranks(self) -> None:
         """Called by ``Trainer(...)`` once it knows the accelerator, ``devices`` and ``num_nodes``: join the ranks
         the launcher started and check that Lightning's idea of them is the same."""
-        if self._world is None:
+        if not self._environment.bound:
             # NCCL needs GPUs; a CPU run keeps its tensors on the CPU, so it talks gloo even where GPUs exist
             backend = self._backend or ("gloo" if isinstance(self.accelerator, CPUAccelerator) else None)
-            self._world = init(backend if world_size() > 1 else None)  # a world of one has no backend to choose
-            assert isinstance(self.cluster_environment, AutodistEnvironment)
-            self.cluster_environment.bind(self._world)
-        self._check_devices(self._world)
-        rank_zero_only.rank = utilities_rank_zero_only.rank = self._world.rank  # (one object in Lightning >= 2.1)
+            self._environment.bind(init(backend if world_size() > 1 else None))  # a world of one: no backend
+        self._check_devices(self.world)
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.world.rank  # (one object in Lightning >= 2.1)
 
     def _check_devices(self, world: World) -> None:
         devices = list(self.parallel_devices or [])

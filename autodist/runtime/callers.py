@@ -17,15 +17,18 @@ Example:
 from __future__ import annotations
 
 import sys
-from types import CodeType
+from types import CodeType, FrameType
 
 
 def calling_objects(limit: int = 24, files: tuple[str, ...] = ()) -> list[object]:
     """The ``self`` of each of the ``limit`` frames above the function calling this one, nearest first; with
     ``files``, only of frames whose code lives in a file whose path contains one of them (cheap: a frame's
     locals are read only then)."""
+    return _objects_from(sys._getframe(2), limit, files)
+
+
+def _objects_from(frame: FrameType | None, limit: int, files: tuple[str, ...]) -> list[object]:
     found: list[object] = []
-    frame = sys._getframe(2)
     for _ in range(limit):
         if frame is None:
             break
@@ -47,3 +50,19 @@ def _is_method_in(code: CodeType, files: tuple[str, ...]) -> bool:
         decided = _decided[key] = code.co_varnames[:1] == ("self",) and (
             not files or any(part in code.co_filename.replace("\\", "/") for part in files))
     return decided
+
+
+def class_named(obj: object, names: tuple[str, ...]) -> str | None:
+    """The first class along ``obj``'s class and its bases whose name is one of ``names``, by name, or None (so
+    that the classes looked for need not be imported)."""
+    for cls in type(obj).__mro__:
+        if cls.__name__ in names:
+            return cls.__name__
+    return None
+
+
+def calling_class(names: tuple[str, ...], limit: int = 24, files: tuple[str, ...] = ()) -> str | None:
+    """:func:`class_named` of the nearest of the objects :func:`calling_objects` finds above the function calling
+    this one that has one of ``names``, or None."""
+    owners = _objects_from(sys._getframe(2), limit, files)
+    return next(filter(None, (class_named(owner, names) for owner in owners)), None)

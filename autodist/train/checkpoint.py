@@ -148,15 +148,19 @@ def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
     """The optimizer's state keyed by dense parameter names, shards gathered (collective over MP groups)."""
     params = _param_slots(model, optimizer, layout)
     packed = optimizer.state_dict()  # per-parameter state keyed by position in the param groups
-    state: dict[str, dict[str, Any]] = {}
-    for index, (param, slot) in enumerate(params):
-        entries = packed["state"].get(index)
-        if entries is not None:  # a fixed key order: every rank of a group gathers the same tensor together
-            state[slot.name] = {k: _dense_value(v, param, slot) for k, v in sorted(entries.items(), key=str)}
+    state = {params[index][1].name: entries for index, entries in _dense_entries(packed["state"], params).items()}
     groups = [{**{k: v for k, v in group.items() if k not in ("params", "param_names")},
                "params": [params[i][1].name for i in group["params"]]} for group in packed["param_groups"]]
     check_loadable(groups, "the optimizer's param_groups")
     return {"state": state, "param_groups": groups}
+
+
+def _dense_entries(packed: dict[int, dict[str, Any]], params: list[tuple[nn.Parameter, _Slot]]
+                   ) -> dict[int, dict[str, Any]]:
+    """An optimizer's per-parameter state (by position) with every shard gathered to its dense shape. In one
+    order, of positions and of keys: every rank of a group gathers the same tensor together."""
+    return {index: {k: _dense_value(v, *params[index]) for k, v in sorted(entries.items(), key=str)}
+            for index, entries in sorted(packed.items())}
 
 
 def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> None:
@@ -305,28 +309,32 @@ def _listed(names: list[str], limit: int = 10) -> str:
     return f"[{shown}{f', ... ({len(names) - limit} more)' if len(names) > limit else ''}]"
 
 
-def _check_model_keys(dense: dict[str, Any], layout: dict[str, _Slot], model: nn.Module, path: str) -> None:
+def _check_model_keys(dense: dict[str, Any], layout: dict[str, _Slot], model: nn.Module, where: str,
+                      source: str, strict: bool) -> None:
+    """Raise where ``dense`` (``where``: "the checkpoint 'path'", say; a ``source``) does not fit ``model``: keys
+    missing or unexpected (if ``strict``), or a dense shape that differs."""
     expected = {slot.name for slot in layout.values()}
     missing, unexpected = sorted(expected - dense.keys()), sorted(dense.keys() - expected)
-    if missing or unexpected:
-        raise RuntimeError(f"the checkpoint {path!r} does not fit the model ({type(model).__name__}): missing keys "
-                           f"(in the model, not in the checkpoint) {_listed(missing)}; unexpected keys (in the "
-                           f"checkpoint, not in the model) {_listed(unexpected)}. Load it into the model it was "
-                           f"saved from, built as in the single-process script")
-    wrong = [f"{s.name!r}: checkpoint {tuple(dense[s.name].shape)}, model {s.shape}" for s in layout.values()
-             if s.shape is not None and isinstance(dense[s.name], torch.Tensor)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): missing keys (in the model, "
+                           f"not in the {source}) {_listed(missing)}; unexpected keys (in the {source}, not in the "
+                           f"model) {_listed(unexpected)}. Load it into the model it was saved from, built as in the "
+                           f"single-process script")
+    wrong = [f"{s.name!r}: {source} {tuple(dense[s.name].shape)}, model {s.shape}" for s in layout.values()
+             if s.shape is not None and isinstance(dense.get(s.name), torch.Tensor)
              and tuple(dense[s.name].shape) != s.shape]
     if wrong:
-        raise RuntimeError(f"the checkpoint {path!r} does not fit the model ({type(model).__name__}): size "
-                           f"mismatch (dense shapes) for {_listed(wrong)}; build the model with the sizes it "
-                           f"was saved with")
+        raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): size mismatch (dense shapes) "
+                           f"for {_listed(wrong)}; build the model with the sizes it was saved with")
 
 
-def _load_model(dense: dict[str, Any], model: nn.Module, layout: dict[str, _Slot], path: str) -> None:
-    _check_model_keys(dense, layout, model, path)
+def _load_model(dense: dict[str, Any], model: nn.Module, layout: dict[str, _Slot], where: str,
+                source: str = "checkpoint", strict: bool = True) -> Any:
+    """Check ``dense`` against the model, then load each rank's slice of it; ``model.load_state_dict``'s result."""
+    _check_model_keys(dense, layout, model, where, source, strict)
     local = {key: slot.shard(dense[slot.name]) if slot.shape is not None else dense[slot.name]
-             for key, slot in layout.items()}
-    model.load_state_dict(local, strict=True)
+             for key, slot in layout.items() if slot.name in dense}
+    return model.load_state_dict(local, strict=strict)
 
 
 def _local_entries(entries: dict[str, Any], slot: _Slot) -> dict[str, Any]:
@@ -402,7 +410,7 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     _check_optimizer(optimizer)
     checkpoint = read(path)
     layout = _layout(model)
-    _load_model(checkpoint["model"], model, layout, path)
+    _load_model(checkpoint["model"], model, layout, f"the checkpoint {path!r}")
     if optimizer is not None:
         if checkpoint["optimizer"] is None:
             raise ValueError(f"the checkpoint {path!r} was saved without an optimizer; pass optimizer=None, or "
@@ -505,23 +513,7 @@ def load_dense_state_dict(model: nn.Module, state: dict[str, Any], *, strict: bo
         >>> load_dense_state_dict(model, torch.load("model.pt", weights_only=True))
     """
     _check_model(model)
-    layout = _layout(model)
-    expected = {slot.name for slot in layout.values()}
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): missing keys (in the model, not "
-                           f"in the state) {_listed(missing)}; unexpected keys (in the state, not in the model) "
-                           f"{_listed(unexpected)}. Load it into the model it was saved from, built as in the "
-                           f"single-process script")
-    wrong = [f"{s.name!r}: saved {tuple(state[s.name].shape)}, model {s.shape}" for s in layout.values()
-             if s.shape is not None and isinstance(state.get(s.name), torch.Tensor)
-             and tuple(state[s.name].shape) != s.shape]
-    if wrong:
-        raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): size mismatch (dense shapes) "
-                           f"for {_listed(wrong)}; build the model with the sizes it was saved with")
-    local = {key: slot.shard(state[slot.name]) if slot.shape is not None else state[slot.name]
-             for key, slot in layout.items() if slot.name in state}
-    return model.load_state_dict(local, strict=strict)
+    return _load_model(state, model, _layout(model), where, "state", strict)
 
 
 def dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
@@ -544,10 +536,7 @@ def dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Modul
     _check_optimizer(optimizer)
     params = _param_slots(model, optimizer, _layout(model))
     packed = optimizer.state_dict()  # a sharded optimizer's post hook has made it dense over the data-parallel ranks
-    state = {index: {k: _dense_value(v, params[index][0], params[index][1]) for k, v in sorted(entries.items(),
-                                                                                             key=str)}
-             for index, entries in sorted(packed["state"].items())}  # one order on every rank: they gather together
-    return {"state": state, "param_groups": packed["param_groups"]}
+    return {"state": _dense_entries(packed["state"], params), "param_groups": packed["param_groups"]}
 
 
 def load_dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module,
