@@ -302,6 +302,7 @@ class AutodistStrategy(ParallelStrategy):
         its parameters at rest (``shard="parameters"``) and its gradients (``"gradients"``) are each rank's slices,
         which refuse to move, and the next fit, validate or test finds it in place."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        provenance.announce(None)  # the last batch_to_device's batch is no longer this thread's current one
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         self.precision_plugin.teardown()
