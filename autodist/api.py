@@ -24,6 +24,8 @@ from autodist.planner import search as planner
 from autodist.planner.budget import default_budget
 from autodist.planner.memory import replicated_need
 from autodist.planner.plan import Auto, Layout, ParallelPlan, size_text
+from autodist.pp import cut as pp_cut
+from autodist.pp import pipeline as pp_pipeline
 from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
 from autodist.runtime.rng import share_rng_state
@@ -108,6 +110,31 @@ def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None, checkpoint: 
                          f"pass shard='parameters' or checkpoint=True")
 
 
+def _check_pipeline(pp: int, stages: pp_cut.Stages, microbatches: int | None, strategy: sync_mod.Strategy,
+                    shard: str | None) -> None:
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pp must be a positive int (the number of pipeline stages), got {pp!r}")
+    if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
+                                     or microbatches < 1):
+        raise ValueError(f"microbatches must be a positive int (the pieces pp cuts each batch into), got "
+                         f"{microbatches!r}")
+    if pp == 1:
+        if stages is not None or microbatches is not None:
+            raise ValueError("stages= and microbatches= cut the model into pipeline stages: they need pp > 1")
+        return
+    if not isinstance(strategy, sync_mod.Exact):
+        raise ValueError(f"pp={pp} trains as one process does, with sync='backward' or 'manual'; {strategy!r} "
+                         f"is not built with pipeline stages: use one or the other")
+    if shard == "parameters":
+        raise ValueError(f"pp={pp} with shard='parameters' is not built: each stage holds its blocks whole; use "
+                         f"shard='optimizer' or 'gradients' with pp")
+
+
+def _staged(cut: pp_cut.Cut | None, pieces: int) -> str:
+    """What the summary line says of the pipeline."""
+    return "" if cut is None else f"{cut.stages} pipeline stages ({pieces} micro-batches a batch) x "
+
+
 def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None) -> str:
     """What the summary line says of ``shard``."""
     if shard is None or dp == 1:
@@ -155,7 +182,7 @@ def _hand_placed_mp(model: nn.Module, mp: int, world: World) -> int:
 
 def _check_hand_placed_groups(model: nn.Module, dims: ParallelDims, world: World) -> None:
     """Hand-placed MP layers must be split over this rank's model-parallel group: consecutive ranks."""
-    expected = [dims.dp_rank(world.rank) * dims.mp + m for m in range(dims.mp)]
+    expected = dims.mp_ranks(world.rank)
     for name, layer in rewrite.mp_modules(model):
         ranks = dist.get_process_group_ranks(layer.group) if layer.group is not None else list(range(world.size))
         if ranks != expected:
@@ -325,6 +352,9 @@ def parallelize(
     blocks: sharded_blocks.Choice = None,
     checkpoint: bool = False,
     plan: str | ParallelPlan | Auto | None = None,
+    pp: int = 1,
+    stages: pp_cut.Stages = None,
+    microbatches: int | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -428,7 +458,10 @@ def parallelize(
     """
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
-                   blocks=blocks)
+                   blocks=blocks, pp=pp, stages=stages, microbatches=microbatches)
+    if plan is not None and pp != 1:
+        raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
+                         f"yourself")
     if plan is None:
         return _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
@@ -448,13 +481,15 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            sync: Literal["backward", "manual"] | sync_mod.Strategy, bucket_mb: float, first_bucket_mb: float,
            sync_buffers: bool, batch_dim: int | None, samples: SampleFn | None, example: observe.Example | None,
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
+           pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
            announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
-    _check_blocks(blocks, shard, checkpoint)
+    _check_pipeline(pp, stages, microbatches, strategy, shard)
+    _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
@@ -467,7 +502,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
     wrappers.refuse_inside_lightning(model)
     mp = _hand_placed_mp(model, mp, world)
-    dims = ParallelDims.for_world(world.size, mp)
+    dims = ParallelDims.for_world(world.size, mp, pp)
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
@@ -476,17 +511,24 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)
-    split = None
+    split = cut = None
     if (checkpoint or shard == "parameters") and blocks is None and dims.mp > 1:
         blocks = [name for name, _ in sharded_blocks.find(model)] or None  # before the split makes them differ
-    if dims.mp > 1 and not rewrite.mp_modules(model):
+    if dims.pp > 1 or (dims.mp > 1 and not rewrite.mp_modules(model)):
         split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
+    if dims.pp > 1:  # where the stages begin: measured on the whole model, before mp splits it
+        cut = pp_cut.choose(model, dims.pp, stages, blocks, observe.example_of(data) if example is None else example,
+                            world.rank)
+    if dims.mp > 1 and not rewrite.mp_modules(model):
         _split_layers(model, dims, groups, mp_layers, world.rank,
                       observe.example_of(data) if example is None else example)
     if dims.mp == 1 and shard is None and announce:
         _warn_if_too_big(model, dims.dp, world)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
-        share_rng_state(groups.mp, src=dims.dp_rank(world.rank) * dims.mp, device=world.device)
+        share_rng_state(groups.mp, src=dims.mp_ranks(world.rank)[0], device=world.device)
+    if cut is not None:
+        pp_pipeline.setup(model, cut, dims.stage(world.rank), dims.pp_ranks(world.rank), groups.pp, world.device,
+                          microbatches or 2 * dims.pp, dim, samples)
     recomputed = recompute.setup(model, blocks) if checkpoint else []
     sync_state = at_rest = None
     if dims.dp > 1:
@@ -498,7 +540,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             scatter = BlockScatter(at_rest, groups.dp, dp_rank, dims.dp)
         elif shard == "gradients":
             scatter = Scatter(groups.dp, dp_rank, dims.dp)
-        dp_ranks = tuple(d * dims.mp + dims.mp_rank(world.rank) for d in range(dims.dp))
+        dp_ranks = tuple(dims.dp_ranks(world.rank))
         sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
             groups.dp, dp_ranks, dp_rank, SampleCounter(dim, samples), bucket_mb, first_bucket_mb,
             sync_buffers, scatter=scatter))
@@ -514,9 +556,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     habits.adopt(model)  # model.module (DDP's) says what to write instead
     wrappers.watch(model)  # and a wrapper around it fails at its first forward
     if world.rank == 0 and announce:
-        log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %d model-parallel, "
+        log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %s%d model-parallel, "
                  "sync=%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
-                 f": {world.reason}" if world.reason else "", dims.dp, dims.mp, strategy, _through(sync_state),
+                 f": {world.reason}" if world.reason else "", dims.dp, _staged(cut, microbatches or 2 * dims.pp),
+                 dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))
     return model, data_shard

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("autodist",),  # the public face: autodist/__init__.py and api.py
     ("ps", "planner"),  # siblings: parameter servers (writing train's checkpoint file); the layout chooser
     ("train",),
+    ("pp",),  # pipeline stages: the blocks dealt out, the micro-batches run through them
     ("sync", "sharded"),  # siblings: the data-parallel strategies; the optimizer state of exact sync, sharded
     ("dp", "mp"),  # siblings: neither imports the other
     ("layers",),
@@ -156,7 +157,8 @@ def test_the_rule_catches_an_upward_import_a_sibling_import_and_a_cycle():
 
 def test_the_tree_is_the_diagram_few_entries_and_every_subsystem_says_what_it_may_import():
     entries = sorted(p.name for p in ROOT.iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 15, entries  # 3 files and one folder per subsystem
+    files = [name for name in entries if name.endswith(".py")]
+    assert files == ["__init__.py", "__main__.py", "api.py"], files  # 3 files, and one folder per subsystem
     folders = {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders == set(LEVEL) - {"autodist"}, "a new folder needs its place in LAYERS and docs/architecture.md"
     for name in sorted(folders):

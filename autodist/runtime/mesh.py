@@ -1,4 +1,5 @@
-"""How the ranks are laid out: ``world = dp x mp``, model-parallel groups of consecutive ranks."""
+"""How the ranks are laid out: ``world = dp x pp x mp``, model-parallel groups of consecutive ranks, then the
+pipeline's stages, then the data-parallel replicas."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,41 +7,75 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """A validated ``dp x mp`` layout of ``world_size`` ranks.
+    """A validated ``dp x pp x mp`` layout of ``world_size`` ranks.
 
-    Ranks of one model-parallel group are consecutive (``rank // mp`` is the
-    data-parallel rank) so that they share a node and its fast links.
+    Ranks of one model-parallel group are consecutive so that they share a node and its fast links; the
+    ``pp`` stages of one pipeline come next (rank ``(d * pp + s) * mp + m`` is model-parallel rank ``m`` of
+    stage ``s`` of data-parallel replica ``d``).
 
     Example:
         >>> dims = ParallelDims.for_world(world_size=4, mp=2)
         >>> dims.dp, dims.dp_rank(3), dims.mp_rank(3)
         (2, 1, 1)
+        >>> ParallelDims.for_world(world_size=8, mp=2, pp=2).stage(6)
+        1
     """
 
     dp: int
     mp: int
     world_size: int
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.mp < 1:
-            raise ValueError(f"dp ({self.dp}) and mp ({self.mp}) must be at least 1")
-        if self.dp * self.mp != self.world_size:
-            raise ValueError(f"dp({self.dp}) * mp({self.mp}) != world_size({self.world_size})")
+        if self.dp < 1 or self.mp < 1 or self.pp < 1:
+            raise ValueError(f"dp ({self.dp}), pp ({self.pp}) and mp ({self.mp}) must be at least 1")
+        if self.dp * self.pp * self.mp != self.world_size:
+            raise ValueError(f"dp({self.dp}) * pp({self.pp}) * mp({self.mp}) != world_size({self.world_size})")
 
     @classmethod
-    def for_world(cls, world_size: int, mp: int = 1) -> "ParallelDims":
-        if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
-            raise ValueError(f"mp must be a positive int, got {mp!r}")
-        if world_size % mp:
+    def for_world(cls, world_size: int, mp: int = 1, pp: int = 1) -> "ParallelDims":
+        for name, value in (("mp", mp), ("pp", pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if world_size % (mp * pp):
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(f"mp={mp} does not divide the {world_size} ranks; choose mp from {divisors}")
-        return cls(dp=world_size // mp, mp=mp, world_size=world_size)
+            what = f"mp={mp}" if pp == 1 else f"mp x pp = {mp} x {pp}" if mp > 1 else f"pp={pp}"
+            raise ValueError(f"{what} does not divide the {world_size} ranks; choose "
+                             f"{'mp' if pp == 1 else 'pp' if mp == 1 else 'mp x pp'} from {divisors}")
+        return cls(dp=world_size // (mp * pp), mp=mp, world_size=world_size, pp=pp)
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.mp
+        return rank // (self.mp * self.pp)
 
     def mp_rank(self, rank: int) -> int:
         return rank % self.mp
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage ``rank`` runs (0 without pipeline parallelism)."""
+        return rank // self.mp % self.pp
+
+    def rank_of(self, dp_rank: int, stage: int, mp_rank: int) -> int:
+        return (dp_rank * self.pp + stage) * self.mp + mp_rank
+
+    def mp_ranks(self, rank: int) -> list[int]:
+        """The model-parallel group of ``rank``: consecutive ranks."""
+        return [self.rank_of(self.dp_rank(rank), self.stage(rank), m) for m in range(self.mp)]
+
+    def dp_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same part of the model as ``rank``, in data-parallel order."""
+        return [self.rank_of(d, self.stage(rank), self.mp_rank(rank)) for d in range(self.dp)]
+
+    def pp_ranks(self, rank: int) -> list[int]:
+        """The stages of ``rank``'s pipeline, in stage order."""
+        return [self.rank_of(self.dp_rank(rank), s, self.mp_rank(rank)) for s in range(self.pp)]
+
+    def all_groups(self, kind: str) -> list[list[int]]:
+        """Every group of one kind ("dp", "mp" or "pp"), in the order every rank creates them."""
+        if kind == "mp":
+            return [self.mp_ranks(self.rank_of(d, s, 0)) for d in range(self.dp) for s in range(self.pp)]
+        if kind == "dp":
+            return [self.dp_ranks(self.rank_of(0, s, m)) for s in range(self.pp) for m in range(self.mp)]
+        return [self.pp_ranks(self.rank_of(d, 0, m)) for d in range(self.dp) for m in range(self.mp)]
 
 
 @dataclass(frozen=True)
@@ -48,11 +83,12 @@ class Groups:
     """This rank's process groups; None stands for the whole world (torch's default group).
 
     With dp == 1 there is nothing to average (the caller installs no gradient
-    sync); with mp == 1 there is no model-parallel group.
+    sync); with mp == 1 there is no model-parallel group; with pp == 1 no pipeline.
     """
 
     dp: object | None
     mp: object | None
+    pp: object | None = None
 
 
 _groups_cache: dict[ParallelDims, Groups] = {}
@@ -63,41 +99,34 @@ def built_groups(dims: ParallelDims) -> Groups | None:
     return _groups_cache.get(dims)
 
 
+def _mine(dims: ParallelDims, kind: str, rank: int) -> object | None:
+    """``rank``'s group of one kind, made with every other group of that kind (in the same order on every rank,
+    as new_group requires); None where one group is the whole world or groups of one rank are never used."""
+    from autodist.runtime.world import new_group
+
+    every = dims.all_groups(kind)
+    if len(every) == 1 or len(every[0]) == 1:
+        return None
+    mine = None
+    for ranks in every:
+        g = new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
 def build_groups(dims: ParallelDims, rank: int) -> Groups:
-    """The data-parallel and model-parallel groups holding ``rank``; every rank must call this together.
+    """The data-parallel, model-parallel and pipeline groups holding ``rank``; every rank must call this together.
 
     torch.distributed.new_group is collective over the whole world, so every
     rank creates every group, in the same order; the groups are made once per
     layout and reused.
     """
-    from autodist.runtime.world import new_group
-
     if dims in _groups_cache:
         return _groups_cache[dims]
-    if dims.mp == 1 or dims.dp == 1:  # one of the two is the whole world
-        groups = Groups(dp=None, mp=None)
-    else:
-        dp_group, mp_group = _new_dp_group(dims, rank), None
-        for d in range(dims.dp):  # model-parallel groups: consecutive ranks
-            g = new_group([d * dims.mp + m for m in range(dims.mp)])
-            if dims.dp_rank(rank) == d:
-                mp_group = g
-        groups = Groups(dp=dp_group, mp=mp_group)
+    groups = Groups(dp=_mine(dims, "dp", rank), mp=_mine(dims, "mp", rank), pp=_mine(dims, "pp", rank))
     _groups_cache[dims] = groups
     return groups
-
-
-def _new_dp_group(dims: ParallelDims, rank: int) -> object:
-    """Every data-parallel group (ranks with the same position in their MP group), made in the same order on
-    every rank as new_group requires; ``rank``'s."""
-    from autodist.runtime.world import new_group
-
-    mine = None
-    for m in range(dims.mp):
-        g = new_group([d * dims.mp + m for d in range(dims.dp)])
-        if dims.mp_rank(rank) == m:
-            mine = g
-    return mine
 
 
 def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> object:
@@ -107,11 +136,17 @@ def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> 
     ``state_dict``, ``full_parameters`` and copies, which a rank may enter alone by mistake: it then waits
     there, named, instead of meeting another rank's forward; for the layout with ``mp=1`` that is a group
     over the whole world). Collective over the world; made once per layout and purpose."""
+    from autodist.runtime.world import new_group
+
     key = (dims, purpose)
     if key not in _second_cache:
-        _second_cache[key] = _new_dp_group(dims, rank)
+        mine = None
+        for ranks in dims.all_groups("dp"):
+            g = new_group(ranks)
+            if rank in ranks:
+                mine = g
+        _second_cache[key] = mine
     return _second_cache[key]
 
 
 _second_cache: dict[tuple[ParallelDims, str], object] = {}
-

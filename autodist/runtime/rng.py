@@ -27,7 +27,7 @@ def share_rng_state(group: Any, src: int, device: torch.device) -> None:
             CUDA device also has its own generator to share.
 
     Example:
-        >>> share_rng_state(groups.mp, src=dims.dp_rank(rank) * dims.mp, device=world.device)
+        >>> share_rng_state(groups.mp, src=dims.mp_ranks(rank)[0], device=world.device)
         >>> mask = torch.rand(4) > 0.5    # the same on every rank of the group
 
     Note:

@@ -1,0 +1,328 @@
+"""The stages in the model: each rank keeps its stage's blocks, and the model's forward runs micro-batches
+through the pipeline, GPipe's way, inside the user's ``model(x)`` and ``loss.backward()``.
+
+Every rank runs the model's own forward on each micro-batch. The code around the blocks (embeddings, masks,
+the final norm and head: the *root*) is held by every stage; a block another stage holds is a
+:class:`~autodist.pp.stub.Stub`. On stage s > 0 the first stub hands on the activation stage s - 1 sent; on
+stage s < K - 1 the forward stops after the stage's last block, whose output goes to stage s + 1. The last
+stage puts the micro-batches' outputs together (:mod:`autodist.pp.micro`) and sends the output to every stage,
+so that each computes the loss the user's code computes and has a value to log.
+
+Backward reaches the output on every stage; there the micro-batches' backwards run one after another, last
+first, each as soon as the gradient of its output arrives from the next stage (the last stage cuts its own),
+and each sends the gradient of its input back. The root's gradients are then summed over the stages (each
+stage's use of them: the embedding's on the first, the head's on the last, tied weights on both), before the
+data-parallel sync sees them, so every stage holds the gradient one process would.
+
+Example:
+    >>> pipeline = setup(model, cut, stage=1, ranks=[0, 1], group=None, device=cpu, pieces=4, dim=0)
+    >>> loss_fn(model(x), y).backward()   # 4 micro-batches through both stages, forward and backward
+"""
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autodist.dp.grad_sync import state_of
+from autodist.pp import micro, wire
+from autodist.pp.cut import Cut
+from autodist.pp.stub import Stub
+from autodist.runtime.position import waiting
+from autodist.runtime.world import log
+
+
+class _StageDone(BaseException):
+    """Raised after this stage's last block has sent its output: the rest of the forward is later stages'."""
+
+
+class Flight:
+    """One forward's micro-batches on this stage, kept for its backward."""
+
+    def __init__(self, rows: list[int], counts: list[float]) -> None:
+        self.rows, self.counts = rows, counts
+        self.micro = -1
+        self.next_block = 0
+        self.received: Any = None
+        self.inputs: list[list[torch.Tensor]] = []  # per micro-batch: the received tensors that need a gradient
+        self.sent: list[list[torch.Tensor]] = []  # per micro-batch: the tensors sent on that need one back
+        self.outputs: list[Any] = []  # last stage: per micro-batch, the forward's output
+        self.pending: list[Any] = []
+        self.merged: micro.Merged | None = None
+        self.grad_leaves: list[int] = []  # last stage: the output leaves that carry a gradient
+
+    def begin(self, m: int) -> None:
+        self.micro, self.next_block, self.received = m, 0, None
+        self.inputs.append([])
+        self.sent.append([])
+
+
+class _Output(torch.autograd.Function):
+    """The model's output on every stage: its backward runs the micro-batches' backwards."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[list], None], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.run, ctx.count = run, len(tensors)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.run(list(grads))
+        ctx.run = None
+        return (None, None, *([None] * ctx.count))
+
+
+class Pipeline:
+    """This rank's stage of a model cut into stages (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, cut: Cut, stage: int, ranks: list[int], group: Any, device: torch.device,
+                 pieces: int, dim: int, samples: Callable[..., int] | None) -> None:
+        self.model = weakref.ref(model)
+        self.cut, self.stage, self.ranks, self.group, self.device = cut, stage, ranks, group, device
+        self.pieces, self.dim, self.samples = pieces, dim, samples
+        self.lo, self.hi = cut.bounds[stage], cut.bounds[stage + 1]
+        self.last = stage == cut.stages - 1
+        self.flight: Flight | None = None
+        self.warned: set[str] = set()
+        modules = dict(model.named_modules())
+        self.handles: list[Any] = []
+        own: list[nn.Module] = []
+        for i, name in enumerate(cut.names):
+            block = modules[name]
+            if self.lo <= i < self.hi:
+                own.append(block)
+                self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i)))
+                if i == self.hi - 1 and not self.last:
+                    self.handles.append(block.register_forward_hook(partial(self._stage_ends, i)))
+            else:
+                parent, _, child = name.rpartition(".")
+                holder = modules[parent] if parent else model
+                setattr(holder, child, Stub(i, name, cut.stage_of(i), block.to_empty(device="meta"), self._stub_called))
+        self.own_params = {id(p) for b in own for p in b.parameters()}
+        self.inner = model.forward
+        model.forward = self.forward
+        self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        parts = micro.cut(args, kwargs, self.pieces, self.dim)
+        counts = [float(self.samples(*a, **k)) if self.samples is not None else float(r)
+                  for (a, k), r in zip(parts.calls, parts.rows)]
+        flight = Flight(parts.rows, counts)
+        self.flight = flight
+        try:
+            for m, (a, k) in enumerate(parts.calls):
+                flight.begin(m)
+                try:
+                    out = self.inner(*a, **k)
+                except _StageDone:
+                    out = None
+                if flight.next_block != (len(self.cut.names) if self.last else self.hi):
+                    missing = self.cut.names[flight.next_block]
+                    raise ValueError(f"the model's forward never called block {missing!r}, which pp={self.cut.stages} "
+                                     f"gives to stage {self.cut.stage_of(flight.next_block)}: pp needs a forward "
+                                     f"that calls every block once, in order")
+                flight.outputs.append(out)
+        finally:
+            self.flight = None
+            wire.wait(flight.pending)
+            flight.pending = []
+        return self._output(flight)
+
+    def _arrive(self, index: int) -> None:
+        flight = self.flight
+        assert flight is not None
+        if index != flight.next_block:
+            expected = self.cut.names[flight.next_block] if flight.next_block < len(self.cut.names) else "none"
+            raise ValueError(f"pp needs the model's forward to call each block once, in order: "
+                             f"{self.cut.names[index]!r} ran where {expected!r} was next (a block called twice, "
+                             f"or out of order, cannot be cut into stages); name the blocks with blocks=[...] or "
+                             f"stages=[[...], ...], or use pp=1")
+        flight.next_block += 1
+
+    def _stub_called(self, index: int) -> Any:
+        flight = self.flight
+        name = self.cut.names[index]
+        if flight is None:
+            raise RuntimeError(f"{name} is held by pipeline stage {self.cut.stage_of(index)}, and this rank runs "
+                               f"stage {self.stage}: call the whole model, whose forward runs the pipeline")
+        self._arrive(index)
+        if index >= self.lo:
+            raise RuntimeError(f"{name} ran after stage {self.stage}'s last block, which should have ended its "
+                               f"forward")
+        if flight.received is None:
+            value, description = wire.recv(self.ranks[self.stage - 1], self.group, self.device,
+                                           f"stage {self.stage}'s input (micro-batch {flight.micro}) from stage "
+                                           f"{self.stage - 1}")
+            flat, spec = pytree.tree_flatten(value)
+            wanted = [leaf[3] for leaf in description["leaves"] if leaf[0] == "t"]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            for t, grad in zip(tensors, wanted):
+                if grad and torch.is_grad_enabled():
+                    t.requires_grad_(True)
+                    flight.inputs[-1].append(t)
+            flight.received = value
+        return flight.received
+
+    def _block_begins(self, index: int, module: nn.Module, args: Any) -> None:
+        if self.flight is not None:
+            self._arrive(index)
+
+    def _stage_ends(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        flight = self.flight
+        if flight is None:
+            return
+        what = f"the output of {self.cut.names[index]} (stage {self.stage}'s last block)"
+        flight.pending += wire.send(output, self.ranks[self.stage + 1], self.group, self.device, what)
+        if torch.is_grad_enabled():
+            flight.sent[-1] = [t for _, t in _tensors(output) if t.requires_grad]
+        raise _StageDone
+
+    def _output(self, flight: Flight) -> Any:
+        """The model's output on every stage: merged on the last, sent to the others, tied to the backward."""
+        value = None
+        grad = torch.is_grad_enabled()
+        if self.last:
+            merged = micro.merge(flight.outputs, flight.rows, flight.counts, self.dim, self._dropped)
+            flat, spec = pytree.tree_flatten(merged.value)
+            firsts = pytree.tree_flatten(flight.outputs[0])[0]
+            flight.grad_leaves = [i for i, t in enumerate(firsts) if isinstance(t, torch.Tensor) and t.requires_grad]
+            flight.merged = merged
+            for i in flight.grad_leaves:
+                flat[i] = flat[i].requires_grad_(True) if grad else flat[i]  # said to the other stages as needing one
+            value = pytree.tree_unflatten(flat, spec)
+        value = wire.broadcast(value, self.ranks[-1], self.group, self.device,
+                               f"the model's output, from the last pipeline stage ({self.cut.stages - 1})")
+        if not grad:
+            return value
+        flat, spec = pytree.tree_flatten(value)
+        leaves = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not self.last:
+            flight.grad_leaves = leaves
+        anchor = torch.zeros((), requires_grad=True)
+        tied = _Output.apply(partial(self._backward, flight), anchor, *(flat[i].detach() for i in leaves))
+        for i, t in zip(leaves, tied):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)
+
+    def _dropped(self, where: str, value: Any) -> None:
+        if where not in self.warned:
+            self.warned.add(where)
+            log.warning("%s of the model's forward differs between micro-batches or cannot be sent to another "
+                        "pipeline stage (a %s: a cache of attention keys?), so a model cut into stages (pp) returns "
+                        "None there; a Hugging Face model takes use_cache=False", where,
+                        type(value).__name__)
+
+    # -- backward --------------------------------------------------------------------------------
+    def _backward(self, flight: Flight, grads: list[torch.Tensor | None]) -> None:
+        """Every micro-batch's backward on this stage, last first, as the gradients of their outputs arrive."""
+        model = self.model()
+        sync = state_of(model) if model is not None else None
+        enabled = sync.enabled if sync is not None else None
+        if sync is not None:
+            sync.enabled = False  # the data-parallel sync waits for the last micro-batch and the root's sum
+        count = len(flight.rows)
+        cut_grads = [flight.merged.cut_grad(i, g, flight.rows) for i, g in zip(flight.grad_leaves, grads)] \
+            if self.last and flight.merged is not None else []
+        pending: list[Any] = []
+        try:
+            for m in reversed(range(count)):
+                if self.last:
+                    outs = pytree.tree_flatten(flight.outputs[m])[0]
+                    pairs = [(outs[i], g[m]) for i, g in zip(flight.grad_leaves, cut_grads)]
+                else:
+                    outs = flight.sent[m]
+                    received = wire.recv_tensors(outs, self.ranks[self.stage + 1], self.group,
+                                                 f"the gradient of stage {self.stage}'s output (micro-batch {m}) "
+                                                 f"from stage {self.stage + 1}")
+                    pairs = list(zip(outs, received))
+                pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if self.stage > 0:
+                    back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs[m]]
+                    pending += wire.send_tensors(back, self.ranks[self.stage - 1], self.group)
+                flight.sent[m], flight.inputs[m] = [], []
+                if self.last:
+                    flight.outputs[m] = None
+            with waiting(f"stage {self.stage}'s gradients to stage {self.stage - 1}"):
+                wire.wait(pending)
+        finally:
+            if sync is not None:
+                sync.enabled = enabled
+        self._sum_root()
+
+    def _sum_root(self) -> None:
+        """The root's gradients summed over the stages (each holds its own use of them), and kept None where no
+        stage gave one."""
+        model = self.model()
+        if model is None:
+            return
+        root = [p for p in model.parameters() if p.requires_grad and id(p) not in self.own_params]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in root:
+            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        for (dtype, device), params in by_dtype.items():
+            flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                                for p in params),
+                              torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)])
+            with waiting("the sum of the root's gradients over the pipeline stages"):
+                dist.all_reduce(flat, group=self.group)
+            offset = 0
+            used = flat[-len(params):].tolist()
+            for p, flag in zip(params, used):
+                part = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                if flag == 0:
+                    continue
+                if p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.copy_(part)
+
+    # -- the dense state ------------------------------------------------------------------------------
+    def _dense_state(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        """Each block's entries from the stage that holds it (a collective over the stages)."""
+        me = self.ranks[self.stage]
+        with waiting("model.state_dict() of a model cut into stages gathers every stage's blocks: a collective, "
+                     "call it on every rank"):
+            for i, name in enumerate(self.cut.names):
+                owner = self.ranks[self.cut.stage_of(i)]
+                start = f"{prefix}{name}."
+                keys = [k for k in state_dict if k.startswith(start)]
+                for k in keys:
+                    value = state_dict[k]
+                    if owner == me:
+                        dist.broadcast(value.detach().contiguous().to(self.device), owner, group=self.group)
+                    else:
+                        got = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+                        dist.broadcast(got, owner, group=self.group)
+                        state_dict[k] = got
+
+    def held_blocks(self) -> list[str]:
+        return self.cut.stage_names(self.stage)
+
+
+def _tensors(obj: Any) -> list[tuple[int, torch.Tensor]]:
+    return [(i, t) for i, t in enumerate(pytree.tree_flatten(obj)[0]) if isinstance(t, torch.Tensor)]
+
+
+_pipelines: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDictionary()
+
+
+def setup(model: nn.Module, cut: Cut, stage: int, ranks: list[int], group: Any, device: torch.device, pieces: int,
+          dim: int, samples: Callable[..., int] | None = None) -> Pipeline:
+    """Cut ``model`` into its stages on this rank (see the module docstring) and run its forward as a pipeline."""
+    pipeline = Pipeline(model, cut, stage, ranks, group, device, pieces, dim, samples)
+    _pipelines[model] = pipeline
+    return pipeline
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The pipeline ``parallelize(..., pp=K)`` set up in ``model``; None without one."""
+    return _pipelines.get(model)
