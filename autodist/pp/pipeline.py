@@ -21,8 +21,9 @@ Example:
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autodist.dp.grad_sync import state_of
+from autodist.layers.split_grad import mark_split
 from autodist.pp import micro, wire
 from autodist.pp.cut import Cut
 from autodist.pp.stub import Stub
@@ -90,6 +92,8 @@ class Pipeline:
         self.flight: Flight | None = None
         self.warned: set[str] = set()
         modules = dict(model.named_modules())
+        self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
+        self.gathering = True  # state_dict() fills in the other stages' blocks
         self.handles: list[Any] = []
         own: list[nn.Module] = []
         for i, name in enumerate(cut.names):
@@ -104,6 +108,12 @@ class Pipeline:
                 holder = modules[parent] if parent else model
                 setattr(holder, child, Stub(i, name, cut.stage_of(i), block.to_empty(device="meta"), self._stub_called))
         self.own_params = {id(p) for b in own for p in b.parameters()}
+        for b in own:  # a norm over the model's gradients sums the stages' (clip_grad_norm_), the root's once
+            for p in b.parameters():
+                if getattr(p, "split_over", None) is None:
+                    mark_split(p, group)
+        stubs = [m for m in model.modules() if isinstance(m, Stub)]
+        self.split = any(callable(getattr(m, "dense_state", None)) for s in stubs for m in s.skeleton.modules())
         self.inner = model.forward
         model.forward = self.forward
         self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
@@ -288,6 +298,13 @@ class Pipeline:
     # -- the dense state ------------------------------------------------------------------------------
     def _dense_state(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         """Each block's entries from the stage that holds it (a collective over the stages)."""
+        if not self.gathering:
+            return
+        if self.split:
+            raise NotImplementedError(
+                "model.state_dict() of a model cut into stages (pp) whose blocks mp also split is not built: the "
+                "other stages' blocks hold model-parallel shards this rank cannot name densely. Save with pp or mp "
+                "alone, or each rank's own state with autodist's checkpoint at that layout")
         me = self.ranks[self.stage]
         with waiting("model.state_dict() of a model cut into stages gathers every stage's blocks: a collective, "
                      "call it on every rank"):
@@ -303,6 +320,40 @@ class Pipeline:
                         got = torch.empty(value.shape, dtype=value.dtype, device=self.device)
                         dist.broadcast(got, owner, group=self.group)
                         state_dict[k] = got
+
+    @contextmanager
+    def shapes_only(self) -> Iterator[None]:
+        """``state_dict()`` without the collective: the other stages' entries stay meta tensors of their shape
+        (what a checkpoint needs to know of the layout)."""
+        before, self.gathering = self.gathering, False
+        try:
+            yield
+        finally:
+            self.gathering = before
+
+    def dense_optimizer_state(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer state of the whole model on the first stage of rank 0's pipeline, from each stage's
+        ``mine`` (keyed by parameter names, as a checkpoint holds it; the root's, the same on every stage, from
+        the first); elsewhere ``mine``. A collective over that pipeline's stages."""
+        if 0 not in self.ranks:
+            return mine
+        if self.stage > 0:
+            what = f"stage {self.stage}'s optimizer state, for the checkpoint"
+            wire.wait(wire.send(mine, self.ranks[0], self.group, self.device, what))
+            return mine
+        merged = {"state": dict(mine["state"]), "param_groups": [dict(g) for g in mine["param_groups"]]}
+        for s in range(1, self.cut.stages):
+            theirs, _ = wire.recv(self.ranks[s], self.group, self.device, f"stage {s}'s optimizer state")
+            if len(theirs["param_groups"]) != len(merged["param_groups"]):
+                raise ValueError(f"the optimizer of stage {s} has {len(theirs['param_groups'])} parameter groups "
+                                 f"and stage 0's {len(merged['param_groups'])}: build it the same way on every rank")
+            for name, entries in theirs["state"].items():
+                merged["state"].setdefault(name, pytree.tree_map(
+                    lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, entries))
+            for group, other in zip(merged["param_groups"], theirs["param_groups"]):
+                names = set(group["params"]) | set(other["params"])
+                group["params"] = sorted(names, key=lambda n: self.order.get(n, len(self.order)))
+        return merged
 
     def held_blocks(self) -> list[str]:
         return self.cut.stage_names(self.stage)

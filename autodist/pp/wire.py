@@ -71,7 +71,7 @@ def send(obj: Any, dst: int, group: Any, device: torch.device, what: str) -> lis
     tensors, description = describe(obj, what)
     header = _header(description, device)
     size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-    payload = [size, header, *(t.detach().contiguous() for t in tensors)]
+    payload = [size, header, *(t.detach().to(device).contiguous() for t in tensors)]
     return [dist.isend(t, dst, group=group) for t in payload] + payload  # the tensors stay referenced until waited
 
 
@@ -127,7 +127,7 @@ def broadcast(obj: Any, src: int, group: Any, device: torch.device, what: str) -
             description = _decode(header)
             tensors = empty_tensors(description, device)
         for t in tensors:
-            dist.broadcast(t.detach().contiguous() if mine else t, src, group=group)
+            dist.broadcast(t.detach().to(device).contiguous() if mine else t, src, group=group)
     if mine:
         return obj
     wanted = [leaf[3] for leaf in description["leaves"] if leaf[0] == "t"]

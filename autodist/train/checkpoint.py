@@ -47,6 +47,7 @@ defaults when it does not, so one script both starts and restarts a run.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -57,6 +58,7 @@ from torch import nn
 from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
 from autodist.mp.rewrite import mp_modules
+from autodist.pp.pipeline import pipeline_of
 from autodist.runtime.world import World, init, log
 from autodist.sync import strategy_of
 from autodist.train.checkpoint_file import (FORMAT, VERSION, CheckpointError, atomic_save, check_loadable, checked_path,
@@ -105,8 +107,11 @@ class _Slot:
 
 def _layout(model: nn.Module) -> dict[str, _Slot]:
     """Every key of ``model.state_dict()`` -> its slot in the dense model."""
+    pipeline = pipeline_of(model)
+    with pipeline.shapes_only() if pipeline is not None else nullcontext():  # the shapes: no gathering
+        local = model.state_dict()
     slots = {key: _Slot(key, tuple(value.shape) if isinstance(value, torch.Tensor) else None)
-             for key, value in model.state_dict().items()}
+             for key, value in local.items()}
     for name, layer in mp_modules(model):
         prefix = f"{name}." if name else ""
         original = getattr(layer, "dense_names", {})  # the layer replaced an F.linear call
@@ -295,6 +300,9 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     layout = _layout(model)
     sync = _sync_state(model, layout)
     optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
+    pipeline = pipeline_of(model)
+    if optim is not None and pipeline is not None:  # each stage holds its blocks' state
+        optim = pipeline.dense_optimizer_state(optim)
     state = gather_state_dict(model)
     payload = None
     if world.rank == 0:
@@ -361,9 +369,11 @@ def _local_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimiz
                          f"{type(optimizer).__name__} has {len(optimizer.param_groups)}; build the optimizer "
                          f"with the same groups as when it was saved")
     state, groups, start = {}, [], 0
+    held = {layout[key].name for key, _ in model.named_parameters()} if pipeline_of(model) is not None else None
     for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
         indices = range(start, start + len(group["params"]))  # torch numbers parameters across the groups
-        _check_group_names(i, [params[j][1].name for j in indices], saved_group["params"])
+        names = saved_group["params"] if held is None else [n for n in saved_group["params"] if n in held]
+        _check_group_names(i, [params[j][1].name for j in indices], names)
         for j in indices:
             entries = saved["state"].get(params[j][1].name)
             if entries is not None:
