@@ -1,0 +1,313 @@
+"""Pipeline parallelism (``pp=K``) trains as one process does on the same global batch.
+
+Every case trains a float64 model for two epochs of a dataset whose last global batch is short (21 samples in
+batches of 8), with AdamW and ``clip_grad_norm_`` that bites, on real gloo ranks, beside the same loop in one
+process on the whole batches; the losses every rank logs, the norms it clips by and the dense weights at the
+end must equal the single process's. Models: nanoGPT (tied embedding and head, held by every stage), Hugging
+Face's GPT-2 (a dict batch, its own loss in float32, a ModelOutput), and torch's TransformerEncoder on (seq, batch) inputs.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+from outside.nanogpt import GPT, GPTConfig
+
+GPT_CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32, dropout=0.0, bias=True)
+SAMPLES, BATCH = 21, 8
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    config = GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    return GPT2LMHeadModel(config)
+
+
+class SeqFirst(nn.Module):
+    """torch's own encoder layers on (seq, batch) inputs: a classifier over the mean of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(0))
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = {"gpt": lambda: GPT(GPT_CONFIG), "hf": _hf_gpt2, "seq": SeqFirst}[name]()
+    return model.double()
+
+
+def _loader(name: str) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (SAMPLES, 16), generator=g)
+    if name == "hf":
+        return DataLoader([{"input_ids": row, "labels": row} for row in x], batch_size=BATCH)
+    if name == "seq":  # (seq, batch): the DataLoader's batches are transposed in the step
+        return DataLoader(TensorDataset(x, torch.randint(0, 5, (SAMPLES,), generator=g)), batch_size=BATCH)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=BATCH)
+
+
+def _loss(name: str, model: nn.Module, batch: object) -> torch.Tensor:
+    if name == "hf":
+        return model(**batch).loss
+    x, y = batch
+    if name == "seq":
+        return F.cross_entropy(model(x.t()), y)
+    return model(x, y)[1]
+
+
+def _train(name: str, model: nn.Module, loader: object, clip: bool = True) -> tuple[list[float], list[float]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, norms = [], []
+    for _ in range(2):
+        for batch in loader:
+            opt.zero_grad()
+            loss = _loss(name, model, batch)
+            loss.backward()
+            if clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            losses.append(float(loss))
+    return losses, norms
+
+
+def _dense(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _pipelined(name: str, pp: int, options: dict) -> dict:
+    model, loader = autodist.parallelize(_model(name), _loader(name), pp=pp, microbatches=3,
+                                         batch_dim=1 if name == "seq" else None, **options)
+    losses, norms = _train(name, model, loader, clip=options.get("mp", 1) == 1)
+    held = sum(p.numel() for p in model.parameters())
+    state = _dense(model) if options.get("mp", 1) == 1 else None
+    return {"losses": losses, "norms": norms, "state": state, "held": held, "rank": autodist.init().rank}
+
+
+_REFERENCE: dict[tuple[str, bool], tuple] = {}
+
+
+def _reference(name: str, clip: bool = True) -> tuple[list[float], list[float], dict[str, torch.Tensor], int]:
+    if (name, clip) not in _REFERENCE:
+        model = _model(name)
+        losses, norms = _train(name, model, _loader(name), clip)
+        _REFERENCE[name, clip] = (losses, norms, _dense(model), sum(p.numel() for p in model.parameters()))
+    return _REFERENCE[name, clip]
+
+
+@pytest.mark.parametrize("size,pp,name,options", [
+    (2, 2, "gpt", {}),
+    (2, 2, "hf", {}),
+    (2, 2, "seq", {}),
+    (4, 4, "gpt", {}),
+    (4, 2, "gpt", {}),  # 2 data-parallel replicas of 2 stages
+    (4, 2, "gpt", {"shard": "optimizer"}),
+    (4, 2, "gpt", {"shard": "gradients"}),
+    (4, 2, "hf", {"stages": [3, 1]}),
+    (4, 2, "gpt", {"mp": 2}),  # not clipped: see test_pp_mp_clipping_is_refused
+], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
+        "dp2-pp2-shard-gradients", "dp2-pp2-hf-stages-by-hand", "pp2-mp2-gpt"])
+def test_trains_as_one_process(ranks, size, pp, name, options):
+    losses, norms, state, total = _reference(name)
+    if options.get("mp", 1) > 1:
+        losses, norms, state, total = _reference(name, clip=False)
+    # Hugging Face's loss is float32 even in a float64 model (it upcasts the logits to float32 only), and the
+    # mean of 3 micro-batches' means rounds differently from the batch's: float32's last digits, carried on
+    tol = dict(rtol=1e-5, atol=1e-6) if name == "hf" else dict(rtol=1e-10, atol=1e-12)
+    results = ranks(size, _pipelined, name, pp, options)
+    dp = size // pp // options.get("mp", 1)
+    for result in results:
+        if dp == 1:  # each rank's loss is its data-parallel shard's: the whole batch's without dp
+            assert_close(result["losses"], losses, **tol)
+        assert_close(result["norms"], norms, **tol)  # the whole model's norm, on every stage
+        assert result["held"] < total  # a stage holds its own blocks (and the root), not the model
+        if result["state"] is not None:
+            assert result["state"].keys() == state.keys()
+            for key, value in state.items():
+                assert_close(result["state"][key], value, **tol, msg=key)
+
+
+def _clip_under_pp_mp() -> str:
+    model, loader = autodist.parallelize(_model("gpt"), _loader("gpt"), pp=2, mp=2)
+    _loss("gpt", model, next(iter(loader))).backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_pp_mp_clipping_is_refused(ranks):
+    """A norm over a model both cut into stages and split by mp is not built: it says so instead of clipping each
+    rank by its own part's norm."""
+    for said in ranks(4, _clip_under_pp_mp):
+        assert "cannot be stacked into one norm" in said
+
+
+def _steps(name: str, model: nn.Module, opt: torch.optim.Optimizer, loader: object, skip: int, take: int) -> None:
+    for i, batch in enumerate(loader):
+        if skip <= i < skip + take:
+            opt.zero_grad()
+            _loss(name, model, batch).backward()
+            opt.step()
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def _save_and_resume(pp: int, folder: str) -> dict:
+    """2 steps under pp, a checkpoint, a copy; then a one-process checkpoint resumed under pp, 1 step more."""
+    model, loader = autodist.parallelize(_model("gpt"), _loader("gpt"), pp=pp, microbatches=2)
+    opt = _adamw(model)
+    _steps("gpt", model, opt, loader, 0, 2)
+    autodist.save(os.path.join(folder, f"pp{pp}.pt"), model, opt, step=2)
+    dense = copy.deepcopy(model)  # the whole model, an ordinary module
+    try:
+        pickle.dumps(model)
+        pickled = "pickled"
+    except RuntimeError as err:
+        pickled = str(err)
+    autodist.load(os.path.join(folder, "one.pt"), model, opt)  # written by one process after 2 steps
+    _steps("gpt", model, opt, loader, 2, 1)
+    return {"copy": {k: v.clone() for k, v in dense.state_dict().items()}, "copy_type": type(dense).__name__,
+            "pickled": pickled, "resumed": _dense(model)}
+
+
+def test_checkpoints_are_dense_at_any_layout(ranks, tmp_path):
+    reference = _model("gpt")
+    opt = _adamw(reference)
+    _steps("gpt", reference, opt, _loader("gpt"), 0, 2)
+    autodist.save(str(tmp_path / "one.pt"), reference, opt, step=2)
+    after_two = _dense(reference)
+    _steps("gpt", reference, opt, _loader("gpt"), 2, 1)
+    after_three = _dense(reference)
+    for size, pp in ((2, 2), (4, 2), (4, 4)):
+        results = ranks(size, _save_and_resume, pp, str(tmp_path))
+        for result in results:
+            assert result["copy_type"] == "GPT"
+            for key, value in after_two.items():
+                assert_close(result["copy"][key], value, rtol=1e-10, atol=1e-12, msg=key)
+                assert_close(result["resumed"][key], after_three[key], rtol=1e-10, atol=1e-12, msg=key)
+            assert "pickling a model" in result["pickled"]
+        # the checkpoint written under pp, loaded by one process, goes on as the one process does
+        plain = _model("gpt")
+        plain_opt = _adamw(plain)
+        assert autodist.load(str(tmp_path / f"pp{pp}.pt"), plain, plain_opt) == {"step": 2}
+        _steps("gpt", plain, plain_opt, _loader("gpt"), 2, 1)
+        for key, value in after_three.items():
+            assert_close(plain.state_dict()[key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+class Shared(nn.Module):
+    """ALBERT's habit: one layer called twice in a forward, which no cut into stages can hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in (0, 1, 2, 3, 3):
+            x = self.layers[i](x)
+        return x
+
+
+def _refusals() -> dict[str, str]:
+    said = {}
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    cases = {
+        "odd pp": lambda: autodist.parallelize(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), pp=3),
+        "no blocks": lambda: autodist.parallelize(SeqFirst().head, pp=2),
+        "pp above the blocks": lambda: autodist.parallelize(Shared(), pp=2, blocks=["layers.0"]),
+        "stages do not add up": lambda: autodist.parallelize(Shared(), pp=2, stages=[2, 1]),
+        "stages out of order": lambda: autodist.parallelize(Shared(), pp=2, stages=[["layers.2"], ["layers.0"]]),
+        "stages without pp": lambda: autodist.parallelize(Shared(), stages=[2, 2]),
+        "shard parameters": lambda: autodist.parallelize(Shared(), data, pp=2, shard="parameters"),
+        "local sgd": lambda: autodist.parallelize(Shared(), data, pp=2, sync=autodist.LocalSGD(every=2)),
+        "no microbatches": lambda: autodist.parallelize(Shared(), data, pp=2, microbatches=0),
+    }
+    for name, case in cases.items():
+        try:
+            case()
+            said[name] = "no error"
+        except (ValueError, TypeError) as err:
+            said[name] = f"{type(err).__name__}: {err}"
+    return said
+
+
+def test_bad_cuts_are_clear_errors(ranks):
+    expected = {
+        "odd pp": "pp=3 does not divide the 2 ranks",
+        "no blocks": "autodist found none in Linear",
+        "pp above the blocks": "pp=2 stages need at least 2 blocks, and Shared has 1",
+        "stages do not add up": "stages=[2, 1] deals out 3 blocks, and Shared has 4",
+        "stages out of order": "in the order the forward calls them",
+        "stages without pp": "they need pp > 1",
+        "shard parameters": "with shard='parameters' is not built",
+        "local sgd": "is not built with pipeline stages",
+        "no microbatches": "microbatches must be a positive int",
+    }
+    for said in ranks(2, _refusals):
+        for name, phrase in expected.items():
+            assert said[name].startswith("ValueError") and phrase in said[name], (name, said[name])
+
+
+def _evaluated_between_steps() -> dict:
+    """Validation with and without no_grad between training steps: the same outputs, and training unchanged."""
+    model, loader = autodist.parallelize(_model("gpt"), _loader("gpt"), pp=2, microbatches=2)
+    opt = _adamw(model)
+    x, y = next(iter(_loader("gpt")))
+    seen = {}
+    for i, batch in enumerate(loader):
+        if i == 1:
+            model.eval()
+            with torch.no_grad():
+                seen["no_grad"] = model(x, y)[1].clone()
+            seen["with_grad"] = model(x, y)[1].detach().clone()  # a validation loop that forgot no_grad
+            model.train()
+        opt.zero_grad()
+        _loss("gpt", model, batch).backward()
+        opt.step()
+    return {"seen": seen, "state": _dense(model)}
+
+
+def test_validation_between_steps(ranks):
+    reference = _model("gpt")
+    opt = _adamw(reference)
+    seen = {}
+    x, y = next(iter(_loader("gpt")))
+    for i, batch in enumerate(_loader("gpt")):
+        if i == 1:
+            reference.eval()
+            with torch.no_grad():
+                seen = reference(x, y)[1]
+            reference.train()
+        opt.zero_grad()
+        _loss("gpt", reference, batch).backward()
+        opt.step()
+    for result in ranks(2, _evaluated_between_steps):
+        assert_close(result["seen"]["no_grad"], seen, rtol=1e-10, atol=1e-12)
+        assert_close(result["seen"]["with_grad"], seen, rtol=1e-10, atol=1e-12)
+        for key, value in reference.state_dict().items():
+            assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12, msg=key)
