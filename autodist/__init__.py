@@ -10,11 +10,11 @@ layering rule); this file and :mod:`autodist.api` are its public face.
 """
 import sys
 
-from autodist.api import parallelize, plan
+from autodist.api import explain, parallelize, plan
 from autodist.dp.grad_sync import no_sync, synchronize_model
 from autodist.dp.structure import ModelChanged
 from autodist.mp.gather import gather_state_dict
-from autodist.mp.rewrite import Plan, explain
+from autodist.mp.rewrite import Plan
 from autodist.planner.plan import Auto, ParallelPlan
 from autodist.ps import EASGD, Downpour
 from autodist.runtime import comm

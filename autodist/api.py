@@ -562,7 +562,47 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                  dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))
+        if cut is not None:
+            log.info("%s", cut)
     return model, data_shard
+
+
+def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", batch_size: int | None = None,
+            example: observe.Example | None = None, *, pp: int = 1, stages: pp_cut.Stages = None,
+            blocks: sharded_blocks.Choice = None) -> rewrite.Plan | pp_cut.Cut:
+    """What ``parallelize(model, mp=mp, pp=pp)`` would do, without running anything or needing a process group.
+
+    Args:
+        model: the single-process model.
+        mp: the model-parallel degree.
+        mp_layers: "all", a list of Linear layer names, or a callable (name, module) -> bool.
+        batch_size: rows each Linear sees per step, to turn the bytes per row into bytes per step: the
+            batch size for (batch, features) inputs, batch x sequence length for (batch, seq, features).
+        example: the arguments of one forward (a tuple of positional ones, a dict of keyword ones, or one
+            tensor): for a model torch.fx cannot trace, the plan is read from that forward; with ``pp > 1``
+            the blocks are timed on it (without it, the stages are balanced by parameters).
+        pp / stages / blocks: the pipeline stages, as for ``parallelize``.
+
+    Returns:
+        The model-parallel :class:`Plan` (``pp=1``), or the cut into stages (``pp > 1``; with ``mp > 1`` it holds
+        the plan too); ``print`` it for the table.
+
+    Example:
+        >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
+        >>> print(autodist.explain(net, mp=2, batch_size=128))
+        >>> print(autodist.explain(gpt, pp=2, example=(idx,)))   # the blocks of each stage, and their share
+    """
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pp must be a positive int (the number of pipeline stages), got {pp!r}")
+    if pp == 1:
+        if stages is not None:
+            raise ValueError("stages= cuts the model into pipeline stages: it needs pp > 1")
+        return rewrite.explain(model, mp, mp_layers, batch_size, example)
+    _check_model(model)
+    cut = pp_cut.decide(model, pp, stages, blocks, example)
+    if mp > 1:
+        cut.mp_plan = rewrite.explain(model, mp, mp_layers, batch_size, example)
+    return cut
 
 
 def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | None = None) -> data_mod.DataLike:

@@ -355,30 +355,37 @@ def _saved_plan(path: str) -> int:
 
 
 def explain(argv: Sequence[str]) -> int:
-    """``autodist explain MODULE:NAME --mp K``: print the plan of the model found there; ``autodist explain
-    PLAN.json``: print a saved plan's table."""
+    """``autodist explain MODULE:NAME --mp K``: print the plan of the model found there (``--pp K``: its pipeline
+    stages); ``autodist explain PLAN.json``: print a saved plan's table."""
     parser = _Parser(prog="autodist explain", description="print the model-parallel plan, or a saved plan")
     parser.add_argument("target", help="MODULE:NAME, NAME an nn.Module or a callable returning one; or PLAN.json")
     parser.add_argument("--mp", type=int, default=None, help="model-parallel degree (an integer >= 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (an integer >= 1): the blocks each takes, "
+                        "balanced by their parameters")
     parser.add_argument("--batch-size", type=int, default=None, help="rows through each Linear per step (batch x seq for 3-D inputs), for the bytes column")
     parser.add_argument("--layers", default="all", help="comma-separated Linear names to split (default: all)")
     args = parser.parse_args(list(argv))
     if args.target.endswith(".json"):
         return _saved_plan(args.target)
-    if args.mp is None:
-        raise UsageError("--mp K is needed to explain a model (or give a saved plan: autodist explain PLAN.json)")
+    if args.mp is None and args.pp == 1:
+        raise UsageError("--mp K or --pp K is needed to explain a model (or give a saved plan: autodist explain "
+                         "PLAN.json)")
+    if args.pp < 1:
+        raise UsageError(f"--pp must be an integer >= 1, got {args.pp}")
+    args.mp = 1 if args.mp is None else args.mp
     if args.mp < 1:
         raise UsageError(f"--mp must be an integer >= 1, got {args.mp}")
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     model = _model(args.target)
-    from autodist.mp.rewrite import explain as plan_of
+    from autodist.api import explain as plan_of
 
     layers = "all" if args.layers == "all" else [name for name in args.layers.split(",") if name]
     try:
-        plan = plan_of(model, mp=args.mp, mp_layers=layers, batch_size=args.batch_size)
+        plan = plan_of(model, mp=args.mp, mp_layers=layers, batch_size=args.batch_size, pp=args.pp)
     except (ValueError, TypeError, NotImplementedError) as error:
-        raise UsageError(f"{args.target} with --mp {args.mp}: {error}") from None
+        asked = f"--mp {args.mp}" if args.pp == 1 else f"--pp {args.pp}" + (f" --mp {args.mp}" if args.mp > 1 else "")
+        raise UsageError(f"{args.target} with {asked}: {error}") from None
     print(plan)
     return 0
 

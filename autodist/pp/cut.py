@@ -11,9 +11,10 @@ the whole (the code after the last block, the head, counts to the last stage). W
 alone decide. Every rank takes rank 0's cut.
 
 Example:
-    >>> cut = choose(nanogpt, 2, None, None, example=(idx,), rank=0, group=None)
+    >>> cut = decide(nanogpt, 2, None, None, example=(idx,))
     >>> cut.stage_names(0)
     ['transformer.h.0', 'transformer.h.1']
+    >>> print(cut)          # what autodist.explain(model, pp=2) prints
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from autodist.runtime import plain
+from autodist.runtime.tree import tensor_leaves
 from autodist.sharded import blocks as sharded_blocks
 
 Stages = Sequence[int] | Sequence[Sequence[str]] | None
@@ -39,6 +41,8 @@ class Cut:
     how: str  # "given", "measured" or "parameters"
     seconds: list[float] = field(default_factory=list)  # per block, measured (forward and backward)
     bytes: list[int] = field(default_factory=list)  # per block
+    outputs: list[float] = field(default_factory=list)  # per block, bytes of its output per sample (measured)
+    mp_plan: Any = None  # explain with mp > 1 too: the model-parallel plan, printed below the stages
 
     @property
     def stages(self) -> int:
@@ -62,8 +66,18 @@ class Cut:
                 line += f", {100 * sum(self.seconds[lo:hi]) / sum(self.seconds):.0f}% of the blocks' time"
             if self.bytes and sum(self.bytes):
                 line += f", {100 * sum(self.bytes[lo:hi]) / sum(self.bytes):.0f}% of their bytes"
+            if self.outputs and s < self.stages - 1:
+                line += f"; sends {self.outputs[hi - 1]:,.0f} bytes a sample to stage {s + 1} (and gets its gradient)"
             lines.append(line)
         return lines
+
+    def __str__(self) -> str:
+        why = {"given": "as stages= gives them", "measured": "balanced by the time and bytes measured per block on "
+               "a sample", "parameters": "balanced by the parameters' bytes (no sample to measure on)"}[self.how]
+        lines = [f"pp={self.stages}: {len(self.names)} blocks in {self.stages} stages, {why}; every stage also holds "
+                 f"the root (the code around the blocks: embeddings, head) and runs the code before the blocks",
+                 *self.describe()]
+        return "\n".join(lines + ([str(self.mp_plan)] if self.mp_plan is not None else []))
 
 
 def _no_blocks(model: nn.Module, pp: int) -> ValueError:
@@ -143,19 +157,19 @@ def _call(model: nn.Module, example: Any) -> Any:
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
-    from autodist.runtime.tree import tensor_leaves
-
     return next((t for _, t in tensor_leaves(obj) if t.requires_grad), None)
 
 
-def measure(model: nn.Module, names: list[str], example: Any) -> tuple[list[float], list[int], float]:
+def measure(model: nn.Module, names: list[str], example: Any) -> tuple[list[float], list[int], float, list[int]]:
     """Per block: seconds of one forward and backward on ``example`` and bytes held (see the module docstring);
-    and the seconds after the last block (the head). The model's gradients and RNG are left as they were."""
+    the seconds after the last block (the head); per block, the bytes of its output. The model's gradients and
+    RNG are left as they were."""
     modules = dict(model.named_modules())
     blocks = [modules[n] for n in names]
     params = [sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in b.parameters())
               for b in blocks]
     saved = [0] * len(blocks)
+    sent = [0] * len(blocks)
     forward = [0.0] * len(blocks)
     grads_at = [0.0] * (len(blocks) + 1)  # when the gradient reached block i's output (i), and its input (-1)
     state = {"block": None, "start": 0.0, "end": 0.0}
@@ -170,6 +184,7 @@ def measure(model: nn.Module, names: list[str], example: Any) -> tuple[list[floa
     def post(i: int, module: nn.Module, args: Any, out: Any) -> None:
         forward[i] = time.perf_counter() - state["start"]
         state["block"], state["end"] = None, time.perf_counter()
+        sent[i] = sum(x.numel() * x.element_size() for _, x in tensor_leaves(out))
         t = _first_tensor(out)
         if t is not None:
             t.register_hook(lambda g: grads_at.__setitem__(i, time.perf_counter()))
@@ -205,19 +220,20 @@ def measure(model: nn.Module, names: list[str], example: Any) -> tuple[list[floa
     backward = [max(0.0, (grads_at[i - 1] if i > 0 else grads_at[len(blocks)]) - grads_at[i])
                 for i in range(len(blocks))]
     seconds = [f + 2 * f if b == 0.0 else f + b for f, b in zip(forward, backward)]
-    return seconds, [p + s for p, s in zip(params, saved)], head
+    return seconds, [p + s for p, s in zip(params, saved)], head, sent
 
 
 def _floating(out: Any) -> list[tuple[str, torch.Tensor]]:
-    from autodist.runtime.tree import tensor_leaves
-
     return [(p, t) for p, t in tensor_leaves(out) if t.is_floating_point() and t.requires_grad]
 
 
-def choose(model: nn.Module, pp: int, stages: Stages, blocks: sharded_blocks.Choice, example: Any, rank: int,
-           group: Any = None) -> Cut:
-    """The cut of ``model`` into ``pp`` stages (see the module docstring); a collective over ``group`` (every
-    rank takes rank 0's)."""
+def _rows(example: Any) -> int:
+    first = next((t for _, t in tensor_leaves(example) if t.dim() > 0), None)
+    return first.shape[0] if first is not None else 1
+
+
+def decide(model: nn.Module, pp: int, stages: Stages, blocks: sharded_blocks.Choice, example: Any) -> Cut:
+    """The cut of ``model`` into ``pp`` stages (see the module docstring), decided here: no other rank is asked."""
     if stages is not None:
         return _given(model, pp, stages, blocks)
     names = [n for n, _ in sharded_blocks.find(model, blocks)]
@@ -227,13 +243,22 @@ def choose(model: nn.Module, pp: int, stages: Stages, blocks: sharded_blocks.Cho
         raise ValueError(f"pp={pp} stages need at least {pp} blocks, and {type(model).__name__} has {len(names)} "
                          f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): use pp<={len(names)}, or "
                          f"name finer blocks with blocks=[...]")
-    seconds, sizes, head, how = [0.0] * len(names), [], 0.0, "parameters"
-    if rank == 0:
-        modules = dict(model.named_modules())
-        sizes = [sum(p.numel() * p.element_size() for p in modules[n].parameters()) for n in names]
-        if example is not None:
-            seconds, sizes, head = measure(model, names, example)
-            how = "measured"
-    decided = (balance(seconds, sizes, pp, head), how, seconds, sizes) if rank == 0 else None
-    bounds, how, seconds, sizes = plain.broadcast(decided, src=0, group=group)
-    return Cut(names, list(bounds), how, list(seconds), list(sizes))
+    modules = dict(model.named_modules())
+    sizes = [sum(p.numel() * p.element_size() for p in modules[n].parameters()) for n in names]
+    if example is None:
+        return Cut(names, balance([0.0] * len(names), sizes, pp), "parameters", [], sizes)
+    seconds, sizes, head, sent = measure(model, names, example)
+    rows = _rows(example)
+    return Cut(names, balance(seconds, sizes, pp, head), "measured", seconds, sizes, [b / rows for b in sent])
+
+
+def choose(model: nn.Module, pp: int, stages: Stages, blocks: sharded_blocks.Choice, example: Any, rank: int,
+           group: Any = None) -> Cut:
+    """The cut of ``model`` into ``pp`` stages (see the module docstring); a collective over ``group`` (every
+    rank takes rank 0's)."""
+    if stages is not None:
+        return _given(model, pp, stages, blocks)
+    mine = decide(model, pp, stages, blocks, example if rank == 0 else None)  # every rank checks the blocks
+    decided = (mine.bounds, mine.how, mine.seconds, mine.bytes, mine.outputs) if rank == 0 else None
+    bounds, how, seconds, sizes, outputs = plain.broadcast(decided, src=0, group=group)
+    return Cut(mine.names, list(bounds), how, list(seconds), list(sizes), list(outputs))

@@ -2,7 +2,8 @@
 
 Every tensor of the arguments (through tuples, lists, dicts and whatever ``torch.utils._pytree`` knows) whose
 dimension ``batch_dim`` has the batch's size is cut along it; other values go whole to every micro-batch.
-Outputs come back the other way: a tensor with the micro-batch's rows is concatenated, a number (a loss the
+Outputs come back the other way: a tensor with the micro-batch's rows is concatenated (along ``batch_dim``, or
+the one dimension that holds them), a number (a loss the
 model computes itself, a mean over its micro-batch) becomes the mean weighted by each micro-batch's count, so
 that a mean over the batch is the one the whole batch gives. A gradient arriving at the merged output is cut the
 same way (:meth:`Merged.cut_grad`).
@@ -80,6 +81,19 @@ class Merged:
         return [grad] + [None] * (len(rows) - 1)  # taken from the first micro-batch alone
 
 
+def _rows_dim(leaves: tuple, rows: list[int], dim: int) -> int | None:
+    """The dimension along which the micro-batches' tensors hold their rows: ``dim`` where it does, else the one
+    dimension that does (an output batched along another dimension than the input: (seq, batch) in, (batch,
+    classes) out); None where none does, or several could."""
+    first = leaves[0]
+    shapes = [t.shape for t in leaves]
+    fits = [d for d in range(first.dim()) if [s[d] for s in shapes] == rows
+            and all(s[:d] == first.shape[:d] and s[d + 1:] == first.shape[d + 1:] for s in shapes)]
+    if dim in fits:
+        return dim
+    return fits[0] if len(fits) == 1 else None
+
+
 def merge(outputs: list[Any], rows: list[int], counts: list[float], dim: int,
           dropped: Callable[[str, Any], None]) -> Merged:
     """The micro-batches' outputs as the whole batch's: see the module docstring. ``dropped(path, value)`` is
@@ -96,9 +110,10 @@ def merge(outputs: list[Any], rows: list[int], counts: list[float], dim: int,
     for i, leaves in enumerate(zip(*(flat for flat, _ in flats))):
         first = leaves[0]
         if isinstance(first, torch.Tensor):
-            if first.dim() > dim and [t.shape[dim] for t in leaves] == rows:
-                merged.append(torch.cat([t.detach() for t in leaves], dim))
-                how.append(("cat", dim))
+            along = _rows_dim(leaves, rows, dim)
+            if along is not None:
+                merged.append(torch.cat([t.detach() for t in leaves], along))
+                how.append(("cat", along))
             elif first.dim() == 0 and first.is_floating_point():
                 merged.append(sum(t.detach() * w for t, w in zip(leaves, weights)))
                 how.append(("mean", weights))

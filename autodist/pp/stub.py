@@ -1,7 +1,8 @@
 """What stands in a rank's model for a block another stage holds: no parameters, the block's place and names.
 
 Called before this stage's own blocks, it hands on what the stage before sent (the output of the block before
-this stage's first); its entries of ``state_dict`` are its owner's (:mod:`autodist.pp.pipeline` fills them in,
+this stage's first). What the model's code reads of a block (``layers[0].self_attn.batch_first``) comes from
+the block's skeleton on the meta device. Its entries of ``state_dict`` are its owner's (:mod:`autodist.pp.pipeline` fills them in,
 a collective over the stages), and ``load_state_dict`` checks them and leaves them to the owner.
 
 Example:
@@ -23,6 +24,15 @@ class Stub(nn.Module):
         self.index, self.block_name, self.stage = index, name, stage
         self.__dict__["skeleton"] = skeleton  # the block on the meta device: its names and shapes, no memory
         self.__dict__["called"] = called
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # what the model's code reads of its blocks (a flag, a submodule's setting)
+            skeleton = self.__dict__.get("skeleton")
+            if skeleton is None:
+                raise
+            return getattr(skeleton, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.called(self.index)

@@ -311,3 +311,30 @@ def test_validation_between_steps(ranks):
         assert_close(result["seen"]["with_grad"], seen, rtol=1e-10, atol=1e-12)
         for key, value in reference.state_dict().items():
             assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_explain_shows_the_stages():
+    model = _model("gpt")
+    idx = torch.randint(0, 64, (2, 16))
+    cut = autodist.explain(model, pp=2, example=(idx,))
+    text = str(cut)
+    assert text.startswith("pp=2: 4 blocks in 2 stages, balanced by the time and bytes measured per block")
+    assert "stage 0: 2 blocks (transformer.h.0 .. transformer.h.1)" in text
+    assert "sends 4,096 bytes a sample to stage 1" in text  # 16 positions x 32 float64 features
+    assert cut.stage_names(1) == ["transformer.h.2", "transformer.h.3"]
+    assert str(autodist.explain(model, pp=2, stages=[3, 1])).splitlines()[1].startswith(
+        "stage 0: 3 blocks (transformer.h.0 .. transformer.h.2)")
+    both = str(autodist.explain(model, pp=2, mp=2, example=(idx,)))
+    assert "mp=2:" in both and "stage 1: 2 blocks" in both
+    with pytest.raises(ValueError, match="need at least 5 blocks"):
+        autodist.explain(model, pp=5)
+
+
+def test_the_balance_takes_the_fullest_stage():
+    from autodist.pp.cut import balance
+
+    assert balance([1.0] * 4, [1] * 4, 2) == [0, 2, 4]
+    assert balance([3.0, 1.0, 1.0, 1.0], [0] * 4, 2) == [0, 1, 4]  # by time alone
+    assert balance([3.0, 1.0, 1.0, 1.0], [1] * 4, 2) == [0, 2, 4]  # 67% of the time beats 75% of the bytes
+    assert balance([1.0] * 4, [0] * 4, 2, tail=2.0) == [0, 3, 4]  # the head's time goes to the last stage
+    assert balance([1.0, 1.0, 1.0, 1.0], [5, 1, 1, 1], 2) == [0, 1, 4]  # memory counts as much as time
