@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 import numbers
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -111,16 +111,20 @@ def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None, checkpoint: 
 
 
 def _check_pipeline(pp: int, stages: pp_cut.Stages, microbatches: int | None, strategy: sync_mod.Strategy,
-                    shard: str | None) -> None:
+                    shard: str | None, loss_fn: Callable[..., Any] | None) -> None:
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ValueError(f"pp must be a positive int (the number of pipeline stages), got {pp!r}")
     if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
                                      or microbatches < 1):
         raise ValueError(f"microbatches must be a positive int (the pieces pp cuts each batch into), got "
                          f"{microbatches!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (output) -> loss or (output, target) -> loss, got "
+                        f"{type(loss_fn).__name__}")
     if pp == 1:
-        if stages is not None or microbatches is not None:
-            raise ValueError("stages= and microbatches= cut the model into pipeline stages: they need pp > 1")
+        if stages is not None or microbatches is not None or loss_fn is not None:
+            raise ValueError("stages=, microbatches= and loss_fn= cut the model into pipeline stages: they need "
+                             "pp > 1")
         return
     if not isinstance(strategy, sync_mod.Exact):
         raise ValueError(f"pp={pp} trains as one process does, with sync='backward' or 'manual'; {strategy!r} "
@@ -130,9 +134,10 @@ def _check_pipeline(pp: int, stages: pp_cut.Stages, microbatches: int | None, st
                          f"shard='optimizer' or 'gradients' with pp")
 
 
-def _staged(cut: pp_cut.Cut | None, pieces: int) -> str:
+def _staged(cut: pp_cut.Cut | None, pieces: int, loss_fn: Callable[..., Any] | None) -> str:
     """What the summary line says of the pipeline."""
-    return "" if cut is None else f"{cut.stages} pipeline stages ({pieces} micro-batches a batch) x "
+    how = "1F1B" if loss_fn is not None else "GPipe"
+    return "" if cut is None else f"{cut.stages} pipeline stages ({how}, {pieces} micro-batches a batch) x "
 
 
 def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None) -> str:
@@ -355,6 +360,7 @@ def parallelize(
     pp: int = 1,
     stages: pp_cut.Stages = None,
     microbatches: int | None = None,
+    loss_fn: Callable[..., Any] | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -458,7 +464,7 @@ def parallelize(
     """
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
-                   blocks=blocks, pp=pp, stages=stages, microbatches=microbatches)
+                   blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn)
     if plan is not None and pp != 1:
         raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
                          f"yourself")
@@ -482,13 +488,13 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            sync_buffers: bool, batch_dim: int | None, samples: SampleFn | None, example: observe.Example | None,
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
            pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
-           announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
+           loss_fn: Callable[..., Any] | None = None, announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
-    _check_pipeline(pp, stages, microbatches, strategy, shard)
+    _check_pipeline(pp, stages, microbatches, strategy, shard, loss_fn)
     _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
     observe.check_example(example)
@@ -498,6 +504,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
         if checkpoint:
             recompute.setup(model, blocks)
+        if loss_fn is not None:  # model(x, target=y) is the loss, as under pp
+            pp_pipeline.with_loss(model, loss_fn)
         return model, data_mod.in_one_process(data, dim)
     watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
     wrappers.refuse_inside_lightning(model)
@@ -528,7 +536,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         share_rng_state(groups.mp, src=dims.mp_ranks(world.rank)[0], device=world.device)
     if cut is not None:
         pp_pipeline.setup(model, cut, dims.stage(world.rank), dims.pp_ranks(world.rank), groups.pp, world.device,
-                          microbatches or 2 * dims.pp, dim, samples)
+                          microbatches or 2 * dims.pp, dim, samples, loss_fn)
     recomputed = recompute.setup(model, blocks) if checkpoint else []
     sync_state = at_rest = None
     if dims.dp > 1:
@@ -558,7 +566,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if world.rank == 0 and announce:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %s%d model-parallel, "
                  "sync=%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
-                 f": {world.reason}" if world.reason else "", dims.dp, _staged(cut, microbatches or 2 * dims.pp),
+                 f": {world.reason}" if world.reason else "", dims.dp, _staged(cut, microbatches or 2 * dims.pp, loss_fn),
                  dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))

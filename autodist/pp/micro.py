@@ -27,6 +27,7 @@ from autodist.runtime.tree import tensor_leaves
 class Parts:
     calls: list[tuple[tuple, dict]]  # each micro-batch's (args, kwargs)
     rows: list[int]  # each micro-batch's rows
+    targets: list[Any] | None = None  # each micro-batch's part of the loss's target (``loss_fn``)
 
 
 def _batch_size(flat: list[Any], dim: int, args: tuple, kwargs: dict) -> int:
@@ -38,9 +39,28 @@ def _batch_size(flat: list[Any], dim: int, args: tuple, kwargs: dict) -> int:
                      f"batch as tensors, or batch_dim= where the samples are indexed")
 
 
-def cut(args: tuple, kwargs: dict, pieces: int, dim: int) -> Parts:
+def _cut_target(target: Any, rows: list[int], dim: int) -> list[Any]:
+    """The loss's target cut like the inputs: each tensor along ``dim``, or along its one dimension of the batch's
+    size ((seq, batch) inputs, (batch,) labels); anything else is an error, never handed whole to every piece."""
+    n = sum(rows)
+    flat, spec = pytree.tree_flatten(target)
+    split = []
+    for leaf in flat:
+        if not isinstance(leaf, torch.Tensor):
+            split.append([leaf] * len(rows))
+            continue
+        dims = [d for d in range(leaf.dim()) if leaf.shape[d] == n]
+        along = dim if dim in dims else dims[0] if len(dims) == 1 else None
+        if along is None:
+            raise ValueError(f"target= holds a tensor of shape {tuple(leaf.shape)} that pp cannot cut into the "
+                             f"micro-batches' parts: none or several of its dimensions have the batch's {n} rows")
+        split.append(list(leaf.split(rows, along)))
+    return [pytree.tree_unflatten([parts[i] for parts in split], spec) for i in range(len(rows))]
+
+
+def cut(args: tuple, kwargs: dict, pieces: int, dim: int, target: Any = None) -> Parts:
     """``args, kwargs`` cut into at most ``pieces`` micro-batches along ``dim`` (fewer for a batch with fewer rows;
-    the first ones one row larger where they do not divide)."""
+    the first ones one row larger where they do not divide); ``target`` (the loss's) cut alike."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     n = _batch_size(flat, dim, args, kwargs)
     pieces = max(1, min(pieces, n))
@@ -59,7 +79,7 @@ def cut(args: tuple, kwargs: dict, pieces: int, dim: int) -> Parts:
     for i in range(pieces):
         a, k = pytree.tree_unflatten([leaf if parts is None else parts[i] for leaf, parts in zip(flat, split)], spec)
         calls.append((a, k))
-    return Parts(calls, rows)
+    return Parts(calls, rows, None if target is None else _cut_target(target, rows, dim))
 
 
 @dataclass

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from autodist.dp.grad_sync import state_of
 from autodist.layers.split_grad import mark_split
-from autodist.pp import micro, wire
+from autodist.pp import micro, schedule, wire
 from autodist.pp.cut import Cut
 from autodist.pp.stub import Stub
 from autodist.runtime.position import waiting
@@ -46,8 +46,8 @@ class _StageDone(BaseException):
 class Flight:
     """One forward's micro-batches on this stage, kept for its backward."""
 
-    def __init__(self, rows: list[int], counts: list[float]) -> None:
-        self.rows, self.counts = rows, counts
+    def __init__(self, rows: list[int], counts: list[float], targets: list[Any] | None = None) -> None:
+        self.rows, self.counts, self.targets = rows, counts, targets
         self.micro = -1
         self.next_block = 0
         self.received: Any = None
@@ -57,9 +57,13 @@ class Flight:
         self.pending: list[Any] = []
         self.merged: micro.Merged | None = None
         self.grad_leaves: list[int] = []  # last stage: the output leaves that carry a gradient
+        self.cut_grads: list[list[torch.Tensor | None]] = []  # last stage: per such leaf, its micro-batches' parts
+        self.alive = self.peak = 0  # micro-batches forwarded and not yet backwarded: now, and at most
 
     def begin(self, m: int) -> None:
         self.micro, self.next_block, self.received = m, 0, None
+        self.alive += 1
+        self.peak = max(self.peak, self.alive)
         self.inputs.append([])
         self.sent.append([])
 
@@ -83,13 +87,15 @@ class Pipeline:
     """This rank's stage of a model cut into stages (see the module docstring)."""
 
     def __init__(self, model: nn.Module, cut: Cut, stage: int, ranks: list[int], group: Any, device: torch.device,
-                 pieces: int, dim: int, samples: Callable[..., int] | None) -> None:
+                 pieces: int, dim: int, samples: Callable[..., int] | None,
+                 loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
         self.model = weakref.ref(model)
         self.cut, self.stage, self.ranks, self.group, self.device = cut, stage, ranks, group, device
-        self.pieces, self.dim, self.samples = pieces, dim, samples
+        self.pieces, self.dim, self.samples, self.loss_fn = pieces, dim, samples, loss_fn
         self.lo, self.hi = cut.bounds[stage], cut.bounds[stage + 1]
         self.last = stage == cut.stages - 1
         self.flight: Flight | None = None
+        self.peak = 0  # the last forward's most micro-batches held at once (activations kept for backward)
         self.warned: set[str] = set()
         modules = dict(model.named_modules())
         self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
@@ -120,29 +126,56 @@ class Pipeline:
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        parts = micro.cut(args, kwargs, self.pieces, self.dim)
+        target = kwargs.pop("target", None) if self.loss_fn is not None else None
+        parts = micro.cut(args, kwargs, self.pieces, self.dim, target)
         counts = [float(self.samples(*a, **k)) if self.samples is not None else float(r)
                   for (a, k), r in zip(parts.calls, parts.rows)]
-        flight = Flight(parts.rows, counts)
+        flight = Flight(parts.rows, counts, parts.targets)
+        training = torch.is_grad_enabled() and (self.loss_fn is None or self.model().training)
+        steps = schedule.gpipe_forwards(len(counts)) if self.loss_fn is None or not training else \
+            schedule.one_f_one_b(self.cut.stages, self.stage, len(counts))
         self.flight = flight
         try:
-            for m, (a, k) in enumerate(parts.calls):
-                flight.begin(m)
-                try:
-                    out = self.inner(*a, **k)
-                except _StageDone:
-                    out = None
-                if flight.next_block != (len(self.cut.names) if self.last else self.hi):
-                    missing = self.cut.names[flight.next_block]
-                    raise ValueError(f"the model's forward never called block {missing!r}, which pp={self.cut.stages} "
-                                     f"gives to stage {self.cut.stage_of(flight.next_block)}: pp needs a forward "
-                                     f"that calls every block once, in order")
-                flight.outputs.append(out)
+            with self._sync_held() if self.loss_fn is not None else nullcontext():
+                for kind, m in steps:
+                    if kind == "F":
+                        self._forward_one(flight, m, parts.calls[m], training)
+                    else:
+                        self._backward_one(flight, m)
+                with waiting(f"stage {self.stage}'s sends to the next and the previous stage"):
+                    wire.wait(flight.pending)
+                flight.pending = []
+            if self.loss_fn is not None and training:
+                self._sum_root()
         finally:
             self.flight = None
-            wire.wait(flight.pending)
-            flight.pending = []
-        return self._output(flight)
+            self.peak = flight.peak
+        return self._output(flight) if self.loss_fn is None else self._loss(flight, training)
+
+    def _forward_one(self, flight: Flight, m: int, call: tuple[tuple, dict], training: bool) -> None:
+        """Micro-batch ``m``'s forward on this stage: up to its last block's send, or (last stage) to the output,
+        and with ``loss_fn`` its loss."""
+        flight.begin(m)
+        try:
+            out = self.inner(*call[0], **call[1])
+        except _StageDone:
+            out = None
+        if flight.next_block != (len(self.cut.names) if self.last else self.hi):
+            missing = self.cut.names[flight.next_block]
+            raise ValueError(f"the model's forward never called block {missing!r}, which pp={self.cut.stages} "
+                             f"gives to stage {self.cut.stage_of(flight.next_block)}: pp needs a forward that calls "
+                             f"every block once, in order")
+        if self.last and self.loss_fn is not None:
+            target = flight.targets[m] if flight.targets is not None else None
+            out = self.loss_fn(out) if target is None else self.loss_fn(out, target)
+            if not isinstance(out, torch.Tensor) or out.dim() != 0:
+                raise TypeError(f"loss_fn must return the micro-batch's loss, one number as a tensor (a mean over "
+                                f"its samples), got {type(out).__name__}"
+                                f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}")
+            if training and not out.requires_grad:
+                raise ValueError("loss_fn returned a loss that does not depend on the model's parameters (no "
+                                 "gradient reaches it)")
+        flight.outputs.append(out)
 
     def _arrive(self, index: int) -> None:
         flight = self.flight
@@ -229,43 +262,106 @@ class Pipeline:
                         type(value).__name__)
 
     # -- backward --------------------------------------------------------------------------------
+    @contextmanager
+    def _sync_held(self) -> Iterator[None]:
+        """The data-parallel sync set aside while the micro-batches' gradients accumulate: it sends once they
+        are summed over the micro-batches and the stages (in the backward that reaches the output)."""
+        model = self.model()
+        sync = state_of(model) if model is not None else None
+        if sync is None:
+            yield
+            return
+        enabled, inside = sync.enabled, sync.in_backward
+        sync.enabled = False
+        sync.in_backward = True  # the micro-batches' backwards are parts of one: none ends the sync's backward
+        try:
+            yield
+        finally:
+            sync.enabled = enabled
+            sync.in_backward = inside
+            if self.loss_fn is not None:
+                sync.grads_arrived = False  # until the backward that reaches the loss (see _finish)
+
     def _backward(self, flight: Flight, grads: list[torch.Tensor | None]) -> None:
-        """Every micro-batch's backward on this stage, last first, as the gradients of their outputs arrive."""
+        """Every micro-batch's backward on this stage, last first, as the gradients of their outputs arrive
+        (GPipe: in the backward that reaches the output)."""
+        if self.last and flight.merged is not None:
+            flight.cut_grads = [flight.merged.cut_grad(i, g, flight.rows) for i, g in zip(flight.grad_leaves, grads)]
         model = self.model()
         sync = state_of(model) if model is not None else None
         enabled = sync.enabled if sync is not None else None
         if sync is not None:
             sync.enabled = False  # the data-parallel sync waits for the last micro-batch and the root's sum
-        count = len(flight.rows)
-        cut_grads = [flight.merged.cut_grad(i, g, flight.rows) for i, g in zip(flight.grad_leaves, grads)] \
-            if self.last and flight.merged is not None else []
-        pending: list[Any] = []
         try:
-            for m in reversed(range(count)):
-                if self.last:
-                    outs = pytree.tree_flatten(flight.outputs[m])[0]
-                    pairs = [(outs[i], g[m]) for i, g in zip(flight.grad_leaves, cut_grads)]
-                else:
-                    outs = flight.sent[m]
-                    received = wire.recv_tensors(outs, self.ranks[self.stage + 1], self.group,
-                                                 f"the gradient of stage {self.stage}'s output (micro-batch {m}) "
-                                                 f"from stage {self.stage + 1}")
-                    pairs = list(zip(outs, received))
-                pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if self.stage > 0:
-                    back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs[m]]
-                    pending += wire.send_tensors(back, self.ranks[self.stage - 1], self.group)
-                flight.sent[m], flight.inputs[m] = [], []
-                if self.last:
-                    flight.outputs[m] = None
+            for _, m in schedule.gpipe_backwards(len(flight.rows)):
+                self._backward_one(flight, m)
             with waiting(f"stage {self.stage}'s gradients to stage {self.stage - 1}"):
-                wire.wait(pending)
+                wire.wait(flight.pending)
+            flight.pending = []
         finally:
             if sync is not None:
                 sync.enabled = enabled
         self._sum_root()
+
+    def _backward_one(self, flight: Flight, m: int) -> None:
+        """Micro-batch ``m``'s backward on this stage: from its output's gradient (the next stage's, or the
+        loss's) to its input's, sent to the stage before."""
+        if self.last and self.loss_fn is not None:
+            pairs = [(flight.outputs[m], torch.tensor(flight.counts[m] / sum(flight.counts),
+                                                      dtype=flight.outputs[m].dtype, device=flight.outputs[m].device))]
+        elif self.last:
+            outs = pytree.tree_flatten(flight.outputs[m])[0]
+            pairs = [(outs[i], g[m]) for i, g in zip(flight.grad_leaves, flight.cut_grads)]
+        else:
+            outs = flight.sent[m]
+            received = wire.recv_tensors(outs, self.ranks[self.stage + 1], self.group,
+                                         f"the gradient of stage {self.stage}'s output (micro-batch {m}) from "
+                                         f"stage {self.stage + 1}")
+            pairs = list(zip(outs, received))
+        pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.stage > 0:
+            back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in flight.inputs[m]]
+            flight.pending += wire.send_tensors(back, self.ranks[self.stage - 1], self.group)
+        flight.sent[m], flight.inputs[m] = [], []
+        flight.alive -= 1
+        if self.last and self.loss_fn is None:
+            flight.outputs[m] = None
+        elif self.last:
+            flight.outputs[m] = flight.outputs[m].detach()
+
+    def _loss(self, flight: Flight, training: bool) -> torch.Tensor:
+        """With ``loss_fn``: the batch's loss (the micro-batches' weighted by their counts) on every stage, whose
+        backward has run already; the one ``loss.backward()`` after lets the data-parallel sync send."""
+        loss = None
+        if self.last:
+            weights = [c / sum(flight.counts) for c in flight.counts]
+            loss = sum(w * out.detach() for w, out in zip(weights, flight.outputs))
+        loss = wire.broadcast(loss, self.ranks[-1], self.group, self.device,
+                              f"the loss, from the last pipeline stage ({self.cut.stages - 1})")
+        loss = loss.detach()
+        if not training:
+            return loss
+        anchor = torch.zeros((), requires_grad=True)
+        return _Output.apply(self._finish, anchor, loss)[0]
+
+    def _finish(self, grads: list[torch.Tensor | None]) -> None:
+        """``loss.backward()`` of a model whose step ran in its forward (``loss_fn``): the gradients are there."""
+        grad = grads[0]
+        if grad is not None and float(grad) != 1.0:
+            raise ValueError(f"loss.backward() reached the loss of a model cut into stages with loss_fn (1F1B) "
+                             f"with a gradient of {float(grad):g}: its micro-batches' backwards ran in the forward, "
+                             f"with 1; scale the loss inside loss_fn instead (for gradient accumulation, divide "
+                             f"there)")
+        model = self.model()
+        sync = state_of(model) if model is not None else None
+        if sync is not None:
+            if not sync.enabled or sync.window.backwards:
+                raise NotImplementedError("gradient accumulation (no_sync) with loss_fn (1F1B) is not built: "
+                                          "each step's backward runs in its forward; use more microbatches, or the "
+                                          "default schedule (no loss_fn)")
+            sync.grads_arrived = True
 
     def _sum_root(self) -> None:
         """The root's gradients summed over the stages (each holds its own use of them), and kept None where no
@@ -367,11 +463,25 @@ _pipelines: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDi
 
 
 def setup(model: nn.Module, cut: Cut, stage: int, ranks: list[int], group: Any, device: torch.device, pieces: int,
-          dim: int, samples: Callable[..., int] | None = None) -> Pipeline:
-    """Cut ``model`` into its stages on this rank (see the module docstring) and run its forward as a pipeline."""
-    pipeline = Pipeline(model, cut, stage, ranks, group, device, pieces, dim, samples)
+          dim: int, samples: Callable[..., int] | None = None,
+          loss_fn: Callable[..., torch.Tensor] | None = None) -> Pipeline:
+    """Cut ``model`` into its stages on this rank (see the module docstring) and run its forward as a pipeline:
+    GPipe, or with ``loss_fn`` 1F1B, the whole step in the forward (:mod:`autodist.pp.schedule`)."""
+    pipeline = Pipeline(model, cut, stage, ranks, group, device, pieces, dim, samples, loss_fn)
     _pipelines[model] = pipeline
     return pipeline
+
+
+def with_loss(model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+    """In a world of one: ``model(x, target=y)`` is ``loss_fn(model(x), y)`` (``model(x)``: ``loss_fn(model(x))``),
+    as a model cut into stages with ``loss_fn`` answers, so the same script runs in one process."""
+    inner = model.forward
+
+    def forward(*args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        out = inner(*args, **kwargs)
+        return loss_fn(out) if target is None else loss_fn(out, target)
+
+    model.forward = forward
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:

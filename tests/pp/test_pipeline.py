@@ -66,22 +66,29 @@ def _loader(name: str) -> DataLoader:
     return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=BATCH)
 
 
-def _loss(name: str, model: nn.Module, batch: object) -> torch.Tensor:
+LOSS_FNS = {"gpt": lambda out: out[1], "hf": lambda out: out.loss, "seq": F.cross_entropy}
+
+
+def _loss(name: str, model: nn.Module, batch: object, in_forward: bool = False) -> torch.Tensor:
+    """The step's loss; ``in_forward``: the model was parallelized with ``loss_fn`` (1F1B) and returns it."""
     if name == "hf":
-        return model(**batch).loss
+        out = model(**batch)
+        return out if in_forward else out.loss
     x, y = batch
     if name == "seq":
-        return F.cross_entropy(model(x.t()), y)
-    return model(x, y)[1]
+        return model(x.t(), target=y) if in_forward else F.cross_entropy(model(x.t()), y)
+    out = model(x, y)
+    return out if in_forward else out[1]
 
 
-def _train(name: str, model: nn.Module, loader: object, clip: bool = True) -> tuple[list[float], list[float]]:
+def _train(name: str, model: nn.Module, loader: object, clip: bool = True,
+           in_forward: bool = False) -> tuple[list[float], list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, norms = [], []
     for _ in range(2):
         for batch in loader:
             opt.zero_grad()
-            loss = _loss(name, model, batch)
+            loss = _loss(name, model, batch, in_forward)
             loss.backward()
             if clip:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
@@ -95,9 +102,12 @@ def _dense(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _pipelined(name: str, pp: int, options: dict) -> dict:
+    in_forward = options.pop("1f1b", False)
+    if in_forward:
+        options["loss_fn"] = LOSS_FNS[name]
     model, loader = autodist.parallelize(_model(name), _loader(name), pp=pp, microbatches=3,
                                          batch_dim=1 if name == "seq" else None, **options)
-    losses, norms = _train(name, model, loader, clip=options.get("mp", 1) == 1)
+    losses, norms = _train(name, model, loader, clip=options.get("mp", 1) == 1, in_forward=in_forward)
     held = sum(p.numel() for p in model.parameters())
     state = _dense(model) if options.get("mp", 1) == 1 else None
     return {"losses": losses, "norms": norms, "state": state, "held": held, "rank": autodist.init().rank}
@@ -124,8 +134,13 @@ def _reference(name: str, clip: bool = True) -> tuple[list[float], list[float], 
     (4, 2, "gpt", {"shard": "gradients"}),
     (4, 2, "hf", {"stages": [3, 1]}),
     (4, 2, "gpt", {"mp": 2}),  # not clipped: see test_pp_mp_clipping_is_refused
+    (2, 2, "gpt", {"1f1b": True}),
+    (2, 2, "seq", {"1f1b": True}),  # target=y cut along its own batch dimension (0; the inputs' is 1)
+    (4, 4, "gpt", {"1f1b": True}),
+    (4, 2, "hf", {"1f1b": True, "shard": "optimizer"}),
 ], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
-        "dp2-pp2-shard-gradients", "dp2-pp2-hf-stages-by-hand", "pp2-mp2-gpt"])
+        "dp2-pp2-shard-gradients", "dp2-pp2-hf-stages-by-hand", "pp2-mp2-gpt", "pp2-gpt-1f1b", "pp2-seq-first-1f1b",
+        "pp4-gpt-1f1b", "dp2-pp2-hf-1f1b-shard-optimizer"])
 def test_trains_as_one_process(ranks, size, pp, name, options):
     losses, norms, state, total = _reference(name)
     if options.get("mp", 1) > 1:
@@ -338,3 +353,35 @@ def test_the_balance_takes_the_fullest_stage():
     assert balance([3.0, 1.0, 1.0, 1.0], [1] * 4, 2) == [0, 2, 4]  # 67% of the time beats 75% of the bytes
     assert balance([1.0] * 4, [0] * 4, 2, tail=2.0) == [0, 3, 4]  # the head's time goes to the last stage
     assert balance([1.0, 1.0, 1.0, 1.0], [5, 1, 1, 1], 2) == [0, 1, 4]  # memory counts as much as time
+
+
+def _held_and_refused() -> dict:
+    """How many micro-batches each schedule holds at once, and 1F1B's refusals of a loss it cannot honour."""
+    from autodist.pp.pipeline import pipeline_of
+
+    said = {}
+    x, y = next(iter(_loader("gpt")))
+    for schedule, options in (("gpipe", {}), ("1f1b", {"loss_fn": LOSS_FNS["gpt"]})):
+        model, _ = autodist.parallelize(_model("gpt"), pp=2, microbatches=4, **options)
+        loss = _loss("gpt", model, (x, y), in_forward=schedule == "1f1b")
+        said[schedule] = pipeline_of(model).peak
+        try:
+            (loss * 0.5).backward()
+            said[f"{schedule} scaled"] = "no error"
+        except ValueError as err:
+            said[f"{schedule} scaled"] = str(err)
+    return said
+
+
+def test_1f1b_holds_fewer_micro_batches_and_refuses_a_scaled_loss(ranks):
+    for rank, said in enumerate(ranks(2, _held_and_refused)):
+        assert said["gpipe"] == 4  # every micro-batch's activations until backward
+        assert said["1f1b"] == 2 - rank  # stage s of K holds K - s
+        assert said["gpipe scaled"] == "no error"
+        assert "with a gradient of 0.5" in said["1f1b scaled"] and "scale the loss inside loss_fn" in said["1f1b scaled"]
+
+
+def test_in_one_process_the_loss_fn_script_runs_unchanged():
+    model, _ = autodist.parallelize(_model("seq"), pp=2, loss_fn=F.cross_entropy, batch_dim=1)
+    x, y = next(iter(_loader("seq")))
+    assert_close(model(x.t(), target=y), F.cross_entropy(_model("seq")(x.t()), y))
