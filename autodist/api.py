@@ -431,6 +431,17 @@ def parallelize(
             from predicted memory and times measured on a copy of the model
             (docs/plan.md); a :class:`~autodist.ParallelPlan` or the path of
             one saved as JSON: its layout, without searching.
+        pp: pipeline stages: the model cut at its blocks (as ``blocks=`` finds or names them) into ``pp`` runs
+            of consecutive blocks, each rank holding one stage's (docs/pipeline.md); the world is
+            ``dp x pp x mp``. ``model(x)`` runs the batch's micro-batches through the stages (GPipe) and
+            returns the output on every rank; ``loss.backward()`` runs their backwards.
+        stages: with ``pp``, the cut by hand: ``pp`` counts (blocks per stage) or ``pp`` lists of module names;
+            default: balanced by the time and bytes rank 0 measures per block on two samples of ``data``.
+        microbatches: with ``pp``, the pieces each batch is cut into (default ``2 * pp``; fewer for a batch
+            with fewer rows).
+        loss_fn: with ``pp``, ``(output) -> loss`` or ``(output, target) -> loss`` of one micro-batch: the
+            stages then run 1F1B (a stage holds at most ``pp - s`` micro-batches' activations), the whole step
+            inside ``loss = model(x)`` / ``model(x, target=y)``, which returns the batch's loss on every rank.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -460,7 +471,8 @@ def parallelize(
         ``random`` and NumPy are not touched: seed them alike on every rank).
         Data-parallel replicas keep their own random streams. Build the
         optimizer after parallelize: with mp the Linear parameters are
-        replaced (an optimizer holding the old ones refuses to step).
+        replaced (an optimizer holding the old ones refuses to step), and
+        with pp a rank holds only its stage's blocks.
     """
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
@@ -537,6 +549,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if cut is not None:
         pp_pipeline.setup(model, cut, dims.stage(world.rank), dims.pp_ranks(world.rank), groups.pp, world.device,
                           microbatches or 2 * dims.pp, dim, samples, loss_fn)
+        blocks = cut.stage_names(dims.stage(world.rank))  # what this rank recomputes (checkpoint=True)
     recomputed = recompute.setup(model, blocks) if checkpoint else []
     sync_state = at_rest = None
     if dims.dp > 1:

@@ -21,6 +21,7 @@ from autodist.cli.output import Output, ranks_of
 
 _USAGE = """usage: autodist run [-n N] [torchrun options] script.py [script args]
        autodist explain MODULE:NAME --mp K [--batch-size B] [--layers a,b]
+       autodist explain MODULE:NAME --pp K [--mp K]
        autodist explain PLAN.json
        autodist --version
 
@@ -29,8 +30,9 @@ run      launches N processes of script.py through torchrun, on this machine
          with one line naming the rank, how it ended and its error's last line
          (autodist run --help for the options).
 explain  prints how parallelize(model, mp=K) would split the model NAME (an
-         nn.Module, or a callable returning one) of the importable MODULE; or
-         the table of a plan saved by autodist.plan(...).save(PLAN.json).
+         nn.Module, or a callable returning one) of the importable MODULE (with
+         --pp K: the pipeline stages it would cut); or the table of a plan
+         saved by autodist.plan(...).save(PLAN.json).
 
 examples: autodist run -n 2 examples/cifar/train.py --epochs 3
           autodist explain mypackage.models:build_model --mp 2 --batch-size 128

@@ -122,6 +122,11 @@ class Pipeline:
         self.split = any(callable(getattr(m, "dense_state", None)) for s in stubs for m in s.skeleton.modules())
         self.inner = model.forward
         model.forward = self.forward
+        norms = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+        if norms and stage == 0 and dist.get_rank() == 0:
+            log.warning("%s normalises each micro-batch with its own statistics under pp, as GPipe does: not the "
+                        "batch's (one process's) statistics; use microbatches=1 for the batch's, or GroupNorm / "
+                        "LayerNorm", ", ".join(norms))
         self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
 
     # -- forward ---------------------------------------------------------------------------------

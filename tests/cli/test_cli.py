@@ -68,8 +68,11 @@ BAD_INPUT = [
                                                           "No module named 'missing_dependency_xyz'"),
     (["explain", "cli_nets", "--mp", "2"], "target must look like MODULE:NAME"),
     (["explain", "cli_nets:build", "--mp", "two"], "argument --mp: invalid int value: 'two'"),
+    (["explain", "cli_nets:build", "--pp", "3"], "cli_nets:build with --pp 3: pp=3 stages need at least 3 blocks, "
+                                                 "and Sequential has 2"),
+    (["explain", "cli_nets:build", "--pp", "0"], "--pp must be an integer >= 1, got 0"),
     (["explain", "cli_nets:build", "--mp", "0"], "--mp must be an integer >= 1, got 0"),
-    (["explain", "cli_nets:build"], "--mp K is needed to explain a model (or give a saved plan"),
+    (["explain", "cli_nets:build"], "--mp K or --pp K is needed to explain a model (or give a saved plan"),
     (["explain", "no_such_plan.json"], "cannot read a plan from 'no_such_plan.json'"),
     (["explain", "cli_nets:build", "--mp", "2", "--batch-size", "-3"], "--batch-size must be an integer >= 1"),
     (["explian", "cli_nets:build"], "unknown command 'explian'; the commands are run and explain"),
@@ -116,6 +119,9 @@ def test_explain_builds_the_model_from_a_dotted_name(tmp_path, monkeypatch, caps
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["explain", "cli_zoo:Zoo.mlp", "--mp", "2"]) == 0
     assert "column" in capsys.readouterr().out
+    assert main(["explain", "cli_zoo:Zoo.mlp", "--pp", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["stage 0: 1 block (0), 68% of their bytes",
+                                                         "stage 1: 1 block (2), 32% of their bytes"]
 
 
 # -- what run hands torchrun -----------------------------------------------------------------------

@@ -108,9 +108,16 @@ def _pipelined(name: str, pp: int, options: dict) -> dict:
     model, loader = autodist.parallelize(_model(name), _loader(name), pp=pp, microbatches=3,
                                          batch_dim=1 if name == "seq" else None, **options)
     losses, norms = _train(name, model, loader, clip=options.get("mp", 1) == 1, in_forward=in_forward)
+    from autodist.pp.pipeline import pipeline_of
+    from autodist.sharded.recompute import is_recomputing
+
     held = sum(p.numel() for p in model.parameters())
     state = _dense(model) if options.get("mp", 1) == 1 else None
-    return {"losses": losses, "norms": norms, "state": state, "held": held, "rank": autodist.init().rank}
+    modules = dict(model.named_modules())
+    recomputed = [name for name in pipeline_of(model).held_blocks()
+                  if is_recomputing(modules[name].__dict__.get("forward"))]
+    return {"losses": losses, "norms": norms, "state": state, "held": held, "rank": autodist.init().rank,
+            "recomputed": recomputed}
 
 
 _REFERENCE: dict[tuple[str, bool], tuple] = {}
@@ -128,6 +135,7 @@ def _reference(name: str, clip: bool = True) -> tuple[list[float], list[float], 
     (2, 2, "gpt", {}),
     (2, 2, "hf", {}),
     (2, 2, "seq", {}),
+    (2, 2, "gpt", {"checkpoint": True, "stages": [3, 1]}),  # a stage of one block recomputes it too
     (4, 4, "gpt", {}),
     (4, 2, "gpt", {}),  # 2 data-parallel replicas of 2 stages
     (4, 2, "gpt", {"shard": "optimizer"}),
@@ -138,7 +146,7 @@ def _reference(name: str, clip: bool = True) -> tuple[list[float], list[float], 
     (2, 2, "seq", {"1f1b": True}),  # target=y cut along its own batch dimension (0; the inputs' is 1)
     (4, 4, "gpt", {"1f1b": True}),
     (4, 2, "hf", {"1f1b": True, "shard": "optimizer"}),
-], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
+], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp2-gpt-recomputed", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
         "dp2-pp2-shard-gradients", "dp2-pp2-hf-stages-by-hand", "pp2-mp2-gpt", "pp2-gpt-1f1b", "pp2-seq-first-1f1b",
         "pp4-gpt-1f1b", "dp2-pp2-hf-1f1b-shard-optimizer"])
 def test_trains_as_one_process(ranks, size, pp, name, options):
@@ -155,6 +163,8 @@ def test_trains_as_one_process(ranks, size, pp, name, options):
             assert_close(result["losses"], losses, **tol)
         assert_close(result["norms"], norms, **tol)  # the whole model's norm, on every stage
         assert result["held"] < total  # a stage holds its own blocks (and the root), not the model
+        if options.get("checkpoint"):
+            assert len(result["recomputed"]) == options["stages"][result["rank"]]
         if result["state"] is not None:
             assert result["state"].keys() == state.keys()
             for key, value in state.items():
