@@ -1,11 +1,11 @@
 """One cell of the fault matrix (tests/faults/test_fault_matrix.py): a sync mode, a fault, a checkpoint.
 
 Usage: python matrix_train.py MODE FAULT CHECKPOINT, under a launcher on 2 ranks. MODE: backward, manual,
-localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, shard-optimizer, shard-gradients, shard-parameters
+localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, pp2, shard-optimizer, shard-gradients, shard-parameters
 (and comm: no parallelize).
 FAULT, on rank 1 at step 4: none (the script ends without any flush or close call), raise, kill (SIGKILL),
 stall (sleeps); or on rank 0 at step 4: evaluate (rank 0 evaluates alone for 3 x AUTODIST_TIMEOUT, as
-nanoGPT's estimate_loss does; at mp=2 and shard="parameters", where a forward needs every rank, it computes
+nanoGPT's estimate_loss does; at mp=2, pp=2 and shard="parameters", where a forward needs every rank, it computes
 held-out statistics of its own instead). A checkpoint is written with autodist.save after step 2 (none at the end: saving would
 settle what the end must settle by itself).
 """
@@ -25,7 +25,7 @@ FAULT_STEP = 4
 
 def strategy(mode: str) -> dict:
     return {
-        "backward": lambda: {}, "manual": lambda: {"sync": "manual"}, "mp2": lambda: {"mp": 2},
+        "backward": lambda: {}, "manual": lambda: {"sync": "manual"}, "mp2": lambda: {"mp": 2}, "pp2": lambda: {"pp": 2},
         "localsgd": lambda: {"sync": autodist.LocalSGD(every=2)},
         "diloco": lambda: {"sync": autodist.DiLoCo(every=4, fragments=2, overlap=1)},  # streamed: averages in flight
         "gossip": lambda: {"sync": autodist.Gossip()},
@@ -54,7 +54,7 @@ def evaluate(model: torch.nn.Module, mode: str, seconds: float) -> None:
     end = time.monotonic() + seconds
     with torch.no_grad():
         while time.monotonic() < end:
-            (held_out.std(0) if mode in ("mp2", "shard-parameters") else model(held_out)).sum().item()
+            (held_out.std(0) if mode in ("mp2", "pp2", "shard-parameters") else model(held_out)).sum().item()
             time.sleep(0.02)
     model.train()
 

@@ -147,7 +147,7 @@ class Pipeline:
                         self._forward_one(flight, m, parts.calls[m], training)
                     else:
                         self._backward_one(flight, m)
-                with waiting(f"stage {self.stage}'s sends to the next and the previous stage"):
+                with waiting(self._sends(any(kind == "B" for kind, _ in steps))):
                     wire.wait(flight.pending)
                 flight.pending = []
             if self.loss_fn is not None and training:
@@ -156,6 +156,13 @@ class Pipeline:
             self.flight = None
             self.peak = flight.peak
         return self._output(flight) if self.loss_fn is None else self._loss(flight, training)
+
+    def _sends(self, backwards: bool) -> str:
+        """What a stage waits in when it waits for its sends to be taken."""
+        sent = [f"activations to stage {self.stage + 1}"] if not self.last else []
+        if backwards and self.stage > 0:
+            sent.append(f"gradients to stage {self.stage - 1}")
+        return f"stage {self.stage}'s sends of its {' and '.join(sent) or 'nothing'}"
 
     def _forward_one(self, flight: Flight, m: int, call: tuple[tuple, dict], training: bool) -> None:
         """Micro-batch ``m``'s forward on this stage: up to its last block's send, or (last stage) to the output,
@@ -300,7 +307,7 @@ class Pipeline:
         try:
             for _, m in schedule.gpipe_backwards(len(flight.rows)):
                 self._backward_one(flight, m)
-            with waiting(f"stage {self.stage}'s gradients to stage {self.stage - 1}"):
+            with waiting(self._sends(True)):
                 wire.wait(flight.pending)
             flight.pending = []
         finally:

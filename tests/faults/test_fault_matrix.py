@@ -22,7 +22,7 @@ from test_watchdog import BUSY, TIMEOUT, child_env
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts
 SCRIPT = os.path.join(HERE, "matrix_train.py")
-MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2",
+MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2", "pp2",
          "shard-optimizer", "shard-gradients", "shard-parameters"]
 FAULTS = ["none", "raise", "kill", "stall", "evaluate"]
 LIMIT = 60  # every process of a cell must be gone by then
