@@ -27,7 +27,7 @@ from autodist.planner.plan import Auto, Layout, ParallelPlan, size_text
 from autodist.pp import cut as pp_cut
 from autodist.pp import pipeline as pp_pipeline
 from autodist.runtime.environment import busy_timeout, hang_timeout
-from autodist.runtime.mesh import Groups, ParallelDims, build_groups, second_dp_group
+from autodist.runtime.mesh import Groups, ParallelDims, build_groups, replica_group, second_dp_group
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
@@ -548,7 +548,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         share_rng_state(groups.mp, src=dims.mp_ranks(world.rank)[0], device=world.device)
     if cut is not None:
         pp_pipeline.setup(model, cut, dims.stage(world.rank), dims.pp_ranks(world.rank), groups.pp, world.device,
-                          microbatches or 2 * dims.pp, dim, samples, loss_fn)
+                          microbatches or 2 * dims.pp, dim, samples, loss_fn,
+                          (replica_group(dims, world.rank),) if dims.mp > 1 else None, dims.mp_rank(world.rank))
         blocks = cut.stage_names(dims.stage(world.rank))  # what this rank recomputes (checkpoint=True)
     recomputed = recompute.setup(model, blocks) if checkpoint else []
     sync_state = at_rest = None

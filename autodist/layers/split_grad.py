@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,15 +36,21 @@ def _plain(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
-def mark_split(p: nn.Parameter, group: Any) -> None:
+def mark_split(p: nn.Parameter, group: Any, counted: bool = True) -> None:
     """From now on ``p.grad`` is a :class:`SplitGrad` over ``group`` after every backward that reaches ``p``.
+
+    ``counted``: whether this rank's part counts in a norm over the group; False where another rank of the group
+    holds the same part (a parameter every stage of a pipeline holds counts on one stage). A second call marks
+    the parameter anew (a pipeline over model-parallel layers: one group for both).
 
     Example:
         >>> mark_split(self.weight, group)
     """
+    fresh = getattr(p, "split_over", None) is None
     p.split_over = (group,)  # a tuple: group None is the whole world
-    if p.requires_grad:
-        p.register_post_accumulate_grad_hook(partial(_mark, group))
+    p.split_counted = counted
+    if p.requires_grad and fresh:
+        p.register_post_accumulate_grad_hook(_mark)
 
 
 def split_group(p: torch.Tensor) -> tuple[Any] | None:
@@ -53,16 +58,21 @@ def split_group(p: torch.Tensor) -> tuple[Any] | None:
     return getattr(p, "split_over", None)
 
 
-def _mark(group: Any, p: nn.Parameter) -> None:
+def split_counted(p: torch.Tensor) -> bool:
+    """Whether this rank's part of a split parameter counts in a norm over its group (see :func:`mark_split`)."""
+    return getattr(p, "split_counted", True)
+
+
+def _mark(p: nn.Parameter) -> None:
     grad = p.grad
     if grad is not None and type(grad) is torch.Tensor:  # a sharded gradient (shard="gradients") knows the split
-        p.grad = as_split(grad, group)
+        p.grad = as_split(grad, p.split_over[0], p.split_counted)
 
 
-def as_split(grad: torch.Tensor, group: Any) -> "SplitGrad":
+def as_split(grad: torch.Tensor, group: Any, counted: bool = True) -> "SplitGrad":
     """``grad`` (the same memory) as the gradient of a parameter split over ``group``."""
     t = grad.as_subclass(SplitGrad)
-    t.group = group
+    t.group, t.counted = group, counted
     return t
 
 
@@ -71,10 +81,11 @@ class SplitGrad(torch.Tensor):
     is a :class:`SplitNorm` (see the module docstring)."""
 
     group: Any
+    counted: bool
 
     def around(self, other: torch.Tensor) -> "SplitGrad":
         """``other`` (a tensor that takes this gradient's place, as a view of a bucket) marked as this one is."""
-        return as_split(other, self.group)
+        return as_split(other, self.group, self.counted)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -82,11 +93,11 @@ class SplitGrad(torch.Tensor):
         out = _plain(func, args, kwargs)
         if func in _NORMS and isinstance(args[0], SplitGrad):
             ord = _whole_order(func, args, kwargs)
-            return out if ord is None else SplitNorm.of(out, ord, args[0].group)
+            return out if ord is None else SplitNorm.of(out, ord, args[0].group, args[0].counted)
         if func is torch._foreach_norm:
             ord = _whole_order(func, args, kwargs)
             if ord is not None:
-                return [SplitNorm.of(n, ord, g.group) if isinstance(g, SplitGrad) else n
+                return [SplitNorm.of(n, ord, g.group, g.counted) if isinstance(g, SplitGrad) else n
                         for n, g in zip(out, args[0])]
         return out
 
@@ -108,11 +119,12 @@ class SplitNorm(torch.Tensor):
 
     ord: float
     group: Any
+    counted: bool
 
     @staticmethod
-    def of(value: torch.Tensor, ord: float, group: Any) -> "SplitNorm":
+    def of(value: torch.Tensor, ord: float, group: Any, counted: bool = True) -> "SplitNorm":
         t = value.as_subclass(SplitNorm)
-        t.ord, t.group = ord, group
+        t.ord, t.group, t.counted = ord, group, counted
         return t
 
     @classmethod
@@ -120,7 +132,7 @@ class SplitNorm(torch.Tensor):
         kwargs = kwargs or {}
         out = _plain(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], SplitNorm) and out is not args[0]:
-            return SplitNorm.of(out, args[0].ord, args[0].group)
+            return SplitNorm.of(out, args[0].ord, args[0].group, args[0].counted)
         if func is torch.stack and len(args) == 1 and not kwargs.get("dim") and not kwargs.get("out"):
             return StackedNorms.of(out, list(args[0]))
         return out
@@ -130,7 +142,7 @@ class StackedNorms(torch.Tensor):
     """A stack of gradient norms, some of them parts of split gradients' norms: its norm of their order is
     the model's norm, the same on every rank of the group (one all-reduce; every rank must take it)."""
 
-    split: list[bool]
+    split: list[bool | None]  # per norm: a split gradient's part, counted here or not; None for a whole one
     ord: float
     group: Any
 
@@ -141,7 +153,8 @@ class StackedNorms(torch.Tensor):
             raise RuntimeError("norms of gradients split over different model-parallel groups, or of different "
                                "orders, cannot be stacked into one norm")
         t = stacked.as_subclass(StackedNorms)
-        t.split, t.ord, t.group = [isinstance(n, SplitNorm) for n in norms], parts[0].ord, parts[0].group
+        t.split, t.ord, t.group = [n.counted if isinstance(n, SplitNorm) else None for n in norms], parts[0].ord, \
+            parts[0].group
         return t
 
     @classmethod
@@ -151,7 +164,8 @@ class StackedNorms(torch.Tensor):
         if func in _NORMS and isinstance(stacked, StackedNorms) and _whole_order(func, args, kwargs) == stacked.ord:
             first = first_rank(stacked.group)  # a gradient every rank holds whole counts there only
             with torch._C.DisableTorchFunctionSubclass():
-                return whole_norm(stacked, [split or first for split in stacked.split], stacked.ord, stacked.group)
+                return whole_norm(stacked, [first if split is None else split for split in stacked.split], stacked.ord,
+                                  stacked.group)
         return _plain(func, args, kwargs)
 
 

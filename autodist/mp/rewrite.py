@@ -216,5 +216,15 @@ def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: 
     return plan(model, mp, mp_layers, batch_size, example).plan
 
 def mp_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """The model-parallel layers inside ``model`` (hand-placed or swapped in), with their names."""
-    return [(n, m) for n, m in model.named_modules() if callable(getattr(m, "dense_state", None))]
+    """The model-parallel layers inside ``model`` (hand-placed or swapped in), with their names; also those of a
+    block another pipeline stage holds, in the stand-in's ``skeleton`` (on the meta device: their names and
+    shards, whose values ``state_dict()`` brings from that stage)."""
+    found = []
+    for name, module in model.named_modules():
+        if callable(getattr(module, "dense_state", None)):
+            found.append((name, module))
+        skeleton = module.__dict__.get("skeleton")
+        if isinstance(skeleton, nn.Module):
+            found += [(f"{name}.{inner}" if inner else name, layer) for inner, layer in skeleton.named_modules()
+                      if callable(getattr(layer, "dense_state", None))]
+    return found

@@ -88,7 +88,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, cut: Cut, stage: int, ranks: list[int], group: Any, device: torch.device,
                  pieces: int, dim: int, samples: Callable[..., int] | None,
-                 loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None = None, norms: tuple[Any] | None = None,
+                 mp_rank: int = 0) -> None:
         self.model = weakref.ref(model)
         self.cut, self.stage, self.ranks, self.group, self.device = cut, stage, ranks, group, device
         self.pieces, self.dim, self.samples, self.loss_fn = pieces, dim, samples, loss_fn
@@ -114,12 +115,7 @@ class Pipeline:
                 holder = modules[parent] if parent else model
                 setattr(holder, child, Stub(i, name, cut.stage_of(i), block.to_empty(device="meta"), self._stub_called))
         self.own_params = {id(p) for b in own for p in b.parameters()}
-        for b in own:  # a norm over the model's gradients sums the stages' (clip_grad_norm_), the root's once
-            for p in b.parameters():
-                if getattr(p, "split_over", None) is None:
-                    mark_split(p, group)
-        stubs = [m for m in model.modules() if isinstance(m, Stub)]
-        self.split = any(callable(getattr(m, "dense_state", None)) for s in stubs for m in s.skeleton.modules())
+        self._mark(model, group if norms is None else norms[0], mp_rank, norms)
         self.inner = model.forward
         model.forward = self.forward
         norms = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
@@ -128,6 +124,18 @@ class Pipeline:
                         "batch's (one process's) statistics; use microbatches=1 for the batch's, or GroupNorm / "
                         "LayerNorm", ", ".join(norms))
         self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
+
+    def _mark(self, model: nn.Module, group: Any, mp_rank: int, norms: tuple[Any] | None) -> None:
+        """A norm over the model's gradients (clip_grad_norm_) is summed over ``group``: the stages' (and with mp,
+        the model-parallel ranks') parts, each counted once: the root's on the first stage, a part every
+        model-parallel rank holds alike on the first of them."""
+        for p in model.parameters():
+            split = getattr(p, "split_over", None) is not None  # an MP layer's shard
+            own = id(p) in self.own_params
+            if split or own:
+                mark_split(p, group, (split or mp_rank == 0) and (own or self.stage == 0))
+            elif norms is not None:  # with mp, every parameter's part is summed over the replica
+                mark_split(p, group, mp_rank == 0 and self.stage == 0)
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -408,11 +416,6 @@ class Pipeline:
         """Each block's entries from the stage that holds it (a collective over the stages)."""
         if not self.gathering:
             return
-        if self.split:
-            raise NotImplementedError(
-                "model.state_dict() of a model cut into stages (pp) whose blocks mp also split is not built: the "
-                "other stages' blocks hold model-parallel shards this rank cannot name densely. Save with pp or mp "
-                "alone, or each rank's own state with autodist's checkpoint at that layout")
         me = self.ranks[self.stage]
         with waiting("model.state_dict() of a model cut into stages gathers every stage's blocks: a collective, "
                      "call it on every rank"):
@@ -476,10 +479,13 @@ _pipelines: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDi
 
 def setup(model: nn.Module, cut: Cut, stage: int, ranks: list[int], group: Any, device: torch.device, pieces: int,
           dim: int, samples: Callable[..., int] | None = None,
-          loss_fn: Callable[..., torch.Tensor] | None = None) -> Pipeline:
+          loss_fn: Callable[..., torch.Tensor] | None = None, norms: tuple[Any] | None = None,
+          mp_rank: int = 0) -> Pipeline:
     """Cut ``model`` into its stages on this rank (see the module docstring) and run its forward as a pipeline:
-    GPipe, or with ``loss_fn`` 1F1B, the whole step in the forward (:mod:`autodist.pp.schedule`)."""
-    pipeline = Pipeline(model, cut, stage, ranks, group, device, pieces, dim, samples, loss_fn)
+    GPipe, or with ``loss_fn`` 1F1B, the whole step in the forward (:mod:`autodist.pp.schedule`). ``norms``: with
+    mp, ``(the group over the replica's ranks,)``, where a norm of the model's gradients is summed (None: over
+    ``group``)."""
+    pipeline = Pipeline(model, cut, stage, ranks, group, device, pieces, dim, samples, loss_fn, norms, mp_rank)
     _pipelines[model] = pipeline
     return pipeline
 

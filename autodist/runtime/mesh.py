@@ -69,8 +69,14 @@ class ParallelDims:
         """The stages of ``rank``'s pipeline, in stage order."""
         return [self.rank_of(self.dp_rank(rank), s, self.mp_rank(rank)) for s in range(self.pp)]
 
+    def replica_ranks(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s data-parallel replica: every stage and every model-parallel rank of it."""
+        return [self.rank_of(self.dp_rank(rank), s, m) for s in range(self.pp) for m in range(self.mp)]
+
     def all_groups(self, kind: str) -> list[list[int]]:
-        """Every group of one kind ("dp", "mp" or "pp"), in the order every rank creates them."""
+        """Every group of one kind ("dp", "mp", "pp" or "replica"), in the order every rank creates them."""
+        if kind == "replica":
+            return [self.replica_ranks(self.rank_of(d, 0, 0)) for d in range(self.dp)]
         if kind == "mp":
             return [self.mp_ranks(self.rank_of(d, s, 0)) for d in range(self.dp) for s in range(self.pp)]
         if kind == "dp":
@@ -127,6 +133,15 @@ def build_groups(dims: ParallelDims, rank: int) -> Groups:
     groups = Groups(dp=_mine(dims, "dp", rank), mp=_mine(dims, "mp", rank), pp=_mine(dims, "pp", rank))
     _groups_cache[dims] = groups
     return groups
+
+
+def replica_group(dims: ParallelDims, rank: int) -> object | None:
+    """A process group over ``rank``'s data-parallel replica (None: the whole world), where a norm over a model
+    both cut into stages and split by mp is summed. Collective over the world; made once per layout."""
+    key = (dims, "replica")
+    if key not in _second_cache:
+        _second_cache[key] = _mine(dims, "replica", rank)
+    return _second_cache[key]
 
 
 def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> object:

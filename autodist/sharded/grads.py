@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from autodist.layers.split_grad import SplitNorm, first_rank, split_group, whole_norm
+from autodist.layers.split_grad import SplitNorm, first_rank, split_counted, split_group, whole_norm
 
 _PASS = (torch.Tensor.requires_grad_, torch.Tensor.detach_)
 
@@ -52,6 +52,7 @@ class ShardedGrad(torch.Tensor):
     def __new__(cls, like: torch.Tensor, local: torch.Tensor, group: Any, level: str = "gradients") -> "ShardedGrad":
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
         t.local, t.group, t.level, t.split = local, group, level, split_group(like)
+        t.counted = split_counted(like)  # where split: whether this rank's part counts (pp: one stage's root)
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -115,7 +116,7 @@ def _norm(g: Any, ord: float) -> Any:
             value = torch.tensor(0.0 if ord > 0 else math.inf, dtype=local.dtype, device=local.device)
         else:
             value = torch.linalg.vector_norm(local, ord)
-        return PartialNorm(value, ord, g.group, g.split)
+        return PartialNorm(value, ord, g.group, g.split, g.counted)
     return torch.linalg.vector_norm(g, ord)
 
 
@@ -158,9 +159,10 @@ class PartialNorm(torch.Tensor):
     here: list[bool]  # once stacked: which parts this rank counts (a part other ranks hold alike counts once)
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, ord: float, group: Any, split: tuple[Any] | None = None) -> "PartialNorm":
+    def __new__(cls, local: torch.Tensor, ord: float, group: Any, split: tuple[Any] | None = None,
+                counted: bool = True) -> "PartialNorm":
         t = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
-        t.local, t.ord, t.group, t.split, t.here = local, ord, group, split, []
+        t.local, t.ord, t.group, t.split, t.here, t.counted = local, ord, group, split, [], counted
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -172,7 +174,8 @@ class PartialNorm(torch.Tensor):
         if _passes(func):
             return _plain(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
-            return PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group, args[0].split)
+            return PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group, args[0].split,
+                               args[0].counted)
         if func is torch.stack and not kwargs.get("dim") and len(args) == 1:
             return _stack(args[0])
         if func is torch.linalg.vector_norm and isinstance(args[0], PartialNorm) and \
@@ -202,8 +205,8 @@ def _stack(norms: list[Any]) -> PartialNorm:
                                                                   if isinstance(n, SplitNorm)]
     first_mp = first_rank(splits[0][0]) if splits else True
     first_dp = first_rank(first.group)
-    here = [(first_mp or n.split is not None) if isinstance(n, PartialNorm) else
-            first_dp and (first_mp or isinstance(n, SplitNorm)) for n in norms]
+    here = [(n.counted if n.split is not None else first_mp) if isinstance(n, PartialNorm) else
+            first_dp and (n.counted if isinstance(n, SplitNorm) else first_mp) for n in norms]
     parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
     stacked = PartialNorm(torch.stack(parts), first.ord, None if splits else first.group)
     stacked.here = here
