@@ -97,6 +97,7 @@ class Pipeline:
         self.last = stage == cut.stages - 1
         self.flight: Flight | None = None
         self.peak = 0  # the last forward's most micro-batches held at once (activations kept for backward)
+        self.unfinished = False  # loss_fn: a forward ran its backward, and its loss.backward() has not come
         self.warned: set[str] = set()
         modules = dict(model.named_modules())
         self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
@@ -147,6 +148,11 @@ class Pipeline:
         training = torch.is_grad_enabled() and (self.loss_fn is None or self.model().training)
         steps = schedule.gpipe_forwards(len(counts)) if self.loss_fn is None or not training else \
             schedule.one_f_one_b(self.cut.stages, self.stage, len(counts))
+        if self.unfinished and self.loss_fn is not None and training:
+            log.warning("the last model(...) of this model, cut into stages with loss_fn (1F1B), ran its backward "
+                        "in its forward, and its loss.backward() never came (a validation forward in training mode? "
+                        "use model.eval() or torch.no_grad() there): the gradients it left are added to this "
+                        "step's unless optimizer.zero_grad() came between")
         self.flight = flight
         try:
             with self._sync_held() if self.loss_fn is not None else nullcontext():
@@ -160,6 +166,7 @@ class Pipeline:
                 flight.pending = []
             if self.loss_fn is not None and training:
                 self._sum_root()
+                self.unfinished = True
         finally:
             self.flight = None
             self.peak = flight.peak
@@ -374,6 +381,7 @@ class Pipeline:
                              f"with a gradient of {float(grad):g}: its micro-batches' backwards ran in the forward, "
                              f"with 1; scale the loss inside loss_fn instead (for gradient accumulation, divide "
                              f"there)")
+        self.unfinished = False
         model = self.model()
         sync = state_of(model) if model is not None else None
         if sync is not None:

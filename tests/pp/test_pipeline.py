@@ -8,7 +8,9 @@ Face's GPT-2 (a dict batch, its own loss in float32, a ModelOutput), and torch's
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import os
 import pickle
 
@@ -343,6 +345,20 @@ def test_the_balance_takes_the_fullest_stage():
     assert balance([1.0, 1.0, 1.0, 1.0], [5, 1, 1, 1], 2) == [0, 1, 4]  # memory counts as much as time
 
 
+@contextlib.contextmanager
+def _logged():
+    """The lines autodist logs in the block."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("autodist")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
 def _held_and_refused() -> dict:
     """How many micro-batches each schedule holds at once, and 1F1B's refusals of a loss it cannot honour."""
     from autodist.pp.pipeline import pipeline_of
@@ -353,6 +369,10 @@ def _held_and_refused() -> dict:
         model, _ = autodist.parallelize(_model("gpt"), pp=2, microbatches=4, **options)
         loss = _loss("gpt", model, (x, y), in_forward=schedule == "1f1b")
         said[schedule] = pipeline_of(model).peak
+        if schedule == "1f1b":  # a second forward before the first's backward: the first's gradients are left
+            with _logged() as lines:
+                _loss("gpt", model, (x, y), in_forward=True)
+            said["unfinished"] = lines
         try:
             (loss * 0.5).backward()
             said[f"{schedule} scaled"] = "no error"
@@ -363,6 +383,7 @@ def _held_and_refused() -> dict:
 
 def test_1f1b_holds_fewer_micro_batches_and_refuses_a_scaled_loss(ranks):
     for rank, said in enumerate(ranks(2, _held_and_refused)):
+        assert any("its loss.backward() never came" in line for line in said["unfinished"]), said["unfinished"]
         assert said["gpipe"] == 4  # every micro-batch's activations until backward
         assert said["1f1b"] == 2 - rank  # stage s of K holds K - s
         assert said["gpipe scaled"] == "no error"
