@@ -424,21 +424,16 @@ class Pipeline:
         """Each block's entries from the stage that holds it (a collective over the stages)."""
         if not self.gathering:
             return
-        me = self.ranks[self.stage]
         with waiting("model.state_dict() of a model cut into stages gathers every stage's blocks: a collective, "
                      "call it on every rank"):
-            for i, name in enumerate(self.cut.names):
-                owner = self.ranks[self.cut.stage_of(i)]
-                start = f"{prefix}{name}."
-                keys = [k for k in state_dict if k.startswith(start)]
-                for k in keys:
-                    value = state_dict[k]
-                    if owner == me:
-                        dist.broadcast(value.detach().contiguous().to(self.device), owner, group=self.group)
-                    else:
-                        got = torch.empty(value.shape, dtype=value.dtype, device=self.device)
-                        dist.broadcast(got, owner, group=self.group)
-                        state_dict[k] = got
+            for stage in range(self.cut.stages):  # each stage's entries, as they are there (dtype, device)
+                starts = tuple(f"{prefix}{name}." for name in self.cut.stage_names(stage))
+                mine = {k: v.detach() for k, v in state_dict.items() if k.startswith(starts)} \
+                    if stage == self.stage else None
+                theirs = wire.broadcast(mine, self.ranks[stage], self.group, self.device,
+                                        f"stage {stage}'s blocks for model.state_dict()")
+                if stage != self.stage:
+                    state_dict.update(theirs)  # in the places the stand-ins kept for them
 
     @contextmanager
     def shapes_only(self) -> Iterator[None]:

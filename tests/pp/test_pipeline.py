@@ -294,7 +294,9 @@ def _evaluated_between_steps() -> dict:
         opt.zero_grad()
         _loss("gpt", model, batch).backward()
         opt.step()
-    return {"seen": seen, "state": _dense(model)}
+    state = _dense(model)
+    model.float()  # a dtype change after parallelize: each stage's entries come as they are there
+    return {"seen": seen, "state": state, "dtypes": {v.dtype for v in model.state_dict().values()}}
 
 
 def test_validation_between_steps(ranks):
@@ -316,6 +318,7 @@ def test_validation_between_steps(ranks):
         assert_close(result["seen"]["with_grad"], seen, rtol=1e-10, atol=1e-12)
         for key, value in reference.state_dict().items():
             assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12, msg=key)
+        assert result["dtypes"] == {torch.float32}
 
 
 def test_explain_shows_the_stages():
