@@ -99,32 +99,38 @@ class Pipeline:
         self.peak = 0  # the last forward's most micro-batches held at once (activations kept for backward)
         self.unfinished = False  # loss_fn: a forward ran its backward, and its loss.backward() has not come
         self.warned: set[str] = set()
-        modules = dict(model.named_modules())
         self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
         self.gathering = True  # state_dict() fills in the other stages' blocks
         self.handles: list[Any] = []
+        own = self._install(model)
+        self.own_params = {id(p) for b in own for p in b.parameters()}
+        self._mark(model, group if norms is None else norms[0], mp_rank, norms)
+        self.inner = model.forward
+        model.forward = self.forward
+        self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
+        batch_norms = sorted({type(m).__name__ for m in model.modules()
+                              if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+        if batch_norms and dist.get_rank() == 0:
+            log.warning("%s normalises each micro-batch with its own statistics under pp, as GPipe does: not the "
+                        "batch's (one process's) statistics; use microbatches=1 for the batch's, or GroupNorm / "
+                        "LayerNorm", ", ".join(batch_norms))
+
+    def _install(self, model: nn.Module) -> list[nn.Module]:
+        """Hooks on this stage's blocks, a stand-in for every other block (its memory freed); this stage's."""
+        modules = dict(model.named_modules())
         own: list[nn.Module] = []
-        for i, name in enumerate(cut.names):
+        for i, name in enumerate(self.cut.names):
             block = modules[name]
             if self.lo <= i < self.hi:
                 own.append(block)
                 self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i)))
                 if i == self.hi - 1 and not self.last:
                     self.handles.append(block.register_forward_hook(partial(self._stage_ends, i)))
-            else:
-                parent, _, child = name.rpartition(".")
-                holder = modules[parent] if parent else model
-                setattr(holder, child, Stub(i, name, cut.stage_of(i), block.to_empty(device="meta"), self._stub_called))
-        self.own_params = {id(p) for b in own for p in b.parameters()}
-        self._mark(model, group if norms is None else norms[0], mp_rank, norms)
-        self.inner = model.forward
-        model.forward = self.forward
-        norms = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
-        if norms and stage == 0 and dist.get_rank() == 0:
-            log.warning("%s normalises each micro-batch with its own statistics under pp, as GPipe does: not the "
-                        "batch's (one process's) statistics; use microbatches=1 for the batch's, or GroupNorm / "
-                        "LayerNorm", ", ".join(norms))
-        self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
+                continue
+            parent, _, child = name.rpartition(".")
+            stub = Stub(i, name, self.cut.stage_of(i), block.to_empty(device="meta"), self._stub_called)
+            setattr(modules[parent] if parent else model, child, stub)
+        return own
 
     def _mark(self, model: nn.Module, group: Any, mp_rank: int, norms: tuple[Any] | None) -> None:
         """A norm over the model's gradients (clip_grad_norm_) is summed over ``group``: the stages' (and with mp,
@@ -154,6 +160,7 @@ class Pipeline:
                         "use model.eval() or torch.no_grad() there): the gradients it left are added to this "
                         "step's unless optimizer.zero_grad() came between")
         self.flight = flight
+        before = self._root_before() if self.loss_fn is not None and training else {}
         try:
             with self._sync_held() if self.loss_fn is not None else nullcontext():
                 for kind, m in steps:
@@ -165,7 +172,7 @@ class Pipeline:
                     wire.wait(flight.pending)
                 flight.pending = []
             if self.loss_fn is not None and training:
-                self._sum_root()
+                self._sum_root(before)
                 self.unfinished = True
         finally:
             self.flight = None
@@ -319,6 +326,7 @@ class Pipeline:
         enabled = sync.enabled if sync is not None else None
         if sync is not None:
             sync.enabled = False  # the data-parallel sync waits for the last micro-batch and the root's sum
+        before = self._root_before()
         try:
             for _, m in schedule.gpipe_backwards(len(flight.rows)):
                 self._backward_one(flight, m)
@@ -328,7 +336,7 @@ class Pipeline:
         finally:
             if sync is not None:
                 sync.enabled = enabled
-        self._sum_root()
+        self._sum_root(before)
 
     def _backward_one(self, flight: Flight, m: int) -> None:
         """Micro-batch ``m``'s backward on this stage: from its output's gradient (the next stage's, or the
@@ -391,20 +399,29 @@ class Pipeline:
                                           "default schedule (no loss_fn)")
             sync.grads_arrived = True
 
-    def _sum_root(self) -> None:
-        """The root's gradients summed over the stages (each holds its own use of them), and kept None where no
-        stage gave one."""
+    def _root(self) -> list[nn.Parameter]:
+        """The trainable parameters every stage holds: the code around the blocks."""
         model = self.model()
-        if model is None:
-            return
-        root = [p for p in model.parameters() if p.requires_grad and id(p) not in self.own_params]
+        return [] if model is None else \
+            [p for p in model.parameters() if p.requires_grad and id(p) not in self.own_params]
+
+    def _root_before(self) -> dict[int, torch.Tensor]:
+        """The root's gradients accumulated before this backward (under no_sync), set aside: the stages sum only
+        what this backward adds. Nothing to copy in the usual loop, which zeroes them to None."""
+        return {id(p): p.grad.detach().clone() for p in self._root() if p.grad is not None}
+
+    def _sum_root(self, before: dict[int, torch.Tensor]) -> None:
+        """What this backward added to the root's gradients, summed over the stages (each holds its own use of
+        them), on top of what was there before; kept None where no stage gave one."""
         by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in root:
+        for p in self._root():
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
         for (dtype, device), params in by_dtype.items():
-            flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-                                for p in params),
-                              torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)])
+            added = [None if p.grad is None else p.grad - before[id(p)] if id(p) in before else p.grad
+                     for p in params]
+            flat = torch.cat([*(a.reshape(-1) if a is not None else p.new_zeros(p.numel())
+                                for a, p in zip(added, params)),
+                              torch.tensor([float(a is not None) for a in added], dtype=dtype, device=device)])
             with waiting("the sum of the root's gradients over the pipeline stages"):
                 dist.all_reduce(flat, group=self.group)
             offset = 0
@@ -414,10 +431,11 @@ class Pipeline:
                 offset += p.numel()
                 if flag == 0:
                     continue
+                total = part + before[id(p)] if id(p) in before else part
                 if p.grad is None:
-                    p.grad = part.clone()
+                    p.grad = total.clone()
                 else:
-                    p.grad.copy_(part)
+                    p.grad.copy_(total)
 
     # -- the dense state ------------------------------------------------------------------------------
     def _dense_state(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -397,3 +397,31 @@ def test_in_one_process_the_loss_fn_script_runs_unchanged():
     model, _ = autodist.parallelize(_model("seq"), pp=2, loss_fn=F.cross_entropy, batch_dim=1)
     x, y = next(iter(_loader("seq")))
     assert_close(model(x.t(), target=y), F.cross_entropy(_model("seq")(x.t()), y))
+
+
+def _accumulate(model: nn.Module, batches: list, in_window: object) -> None:
+    """SGD over windows of 2 batches, the first backward of each inside ``in_window`` (no_sync)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(0, len(batches) - 1, 2):
+        opt.zero_grad()
+        with in_window(model):
+            _loss("gpt", model, batches[i]).backward()
+        _loss("gpt", model, batches[i + 1]).backward()
+        opt.step()
+
+
+def _accumulated(pp: int) -> dict[str, torch.Tensor]:
+    loader = DataLoader(_loader("gpt").dataset, batch_size=4)  # 6 batches, the last of 1
+    model, shard = autodist.parallelize(_model("gpt"), loader, pp=pp, microbatches=2)
+    _accumulate(model, list(shard), autodist.no_sync)
+    return _dense(model)
+
+
+def test_gradient_accumulation_with_no_sync(ranks):
+    """The root's gradients are summed over the stages once a backward, only what that backward added."""
+    reference = _model("gpt")
+    _accumulate(reference, list(DataLoader(_loader("gpt").dataset, batch_size=4)), lambda _: contextlib.nullcontext())
+    for size in (2, 4):
+        for state in ranks(size, _accumulated, 2):
+            for key, value in reference.state_dict().items():
+                assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
