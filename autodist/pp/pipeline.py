@@ -34,6 +34,7 @@ from autodist.dp.grad_sync import state_of
 from autodist.layers.split_grad import mark_split
 from autodist.pp import micro, schedule, wire
 from autodist.pp.cut import Cut
+from autodist.pp.hollow import hollow
 from autodist.pp.stub import Stub
 from autodist.runtime.position import waiting
 from autodist.runtime.world import log
@@ -51,6 +52,7 @@ class Flight:
         self.micro = -1
         self.next_block = 0
         self.received: Any = None
+        self.chain: torch.Tensor | None = None  # the last block's output, which the next block must be given
         self.inputs: list[list[torch.Tensor]] = []  # per micro-batch: the received tensors that need a gradient
         self.sent: list[list[torch.Tensor]] = []  # per micro-batch: the tensors sent on that need one back
         self.outputs: list[Any] = []  # last stage: per micro-batch, the forward's output
@@ -61,7 +63,7 @@ class Flight:
         self.alive = self.peak = 0  # micro-batches forwarded and not yet backwarded: now, and at most
 
     def begin(self, m: int) -> None:
-        self.micro, self.next_block, self.received = m, 0, None
+        self.micro, self.next_block, self.received, self.chain = m, 0, None, None
         self.alive += 1
         self.peak = max(self.peak, self.alive)
         self.inputs.append([])
@@ -123,7 +125,8 @@ class Pipeline:
             block = modules[name]
             if self.lo <= i < self.hi:
                 own.append(block)
-                self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i)))
+                self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i), with_kwargs=True))
+                self.handles.append(block.register_forward_hook(partial(self._block_ends, i)))
                 if i == self.hi - 1 and not self.last:
                     self.handles.append(block.register_forward_hook(partial(self._stage_ends, i)))
                 continue
@@ -146,6 +149,7 @@ class Pipeline:
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_outputs(kwargs)
         target = kwargs.pop("target", None) if self.loss_fn is not None else None
         parts = micro.cut(args, kwargs, self.pieces, self.dim, target)
         counts = [float(self.samples(*a, **k)) if self.samples is not None else float(r)
@@ -178,6 +182,22 @@ class Pipeline:
             self.flight = None
             self.peak = flight.peak
         return self._output(flight) if self.loss_fn is None else self._loss(flight, training)
+
+    def _check_outputs(self, kwargs: dict) -> None:
+        """Every block's hidden states or attentions (a Hugging Face model's output_hidden_states /
+        output_attentions) cannot come from a model each rank runs only some blocks of: refused on every rank,
+        before anything is sent."""
+        config = getattr(self.model(), "config", None)
+        asked = []
+        for name in ("output_hidden_states", "output_attentions"):
+            value = kwargs.get(name)
+            if value if value is not None else getattr(config, name, False):
+                asked.append(name)
+        if asked:
+            raise ValueError(f"{' and '.join(asked)}=True asks for every block's outputs, and under pp={self.cut.stages} "
+                             f"each stage runs only its own blocks (stage {self.stage}: "
+                             f"{', '.join(self.held_blocks())}): pass {'=False, '.join(asked)}=False (and set it so "
+                             f"in the model's config), or use pp=1")
 
     def _sends(self, backwards: bool) -> str:
         """What a stage waits in when it waits for its sends to be taken."""
@@ -244,11 +264,25 @@ class Pipeline:
                     t.requires_grad_(True)
                     flight.inputs[-1].append(t)
             flight.received = value
+        if index < self.lo - 1:  # an output only an earlier stage holds: any use of it is an error
+            return hollow(flight.received, name, self.cut.stage_of(index))
+        flight.chain = _first_tensor(flight.received)
         return flight.received
 
-    def _block_begins(self, index: int, module: nn.Module, args: Any) -> None:
+    def _block_begins(self, index: int, module: nn.Module, args: Any, kwargs: dict) -> None:
+        flight = self.flight
+        if flight is None:
+            return
+        self._arrive(index)
+        if flight.chain is not None and all(t is not flight.chain for t in pytree.tree_leaves((args, kwargs))):
+            raise ValueError(f"pp passes each block's output to the next block as it is, and the model's own code "
+                             f"changed it between {self.cut.names[index - 1]!r} and {self.cut.names[index]!r} (a "
+                             f"residual, a scale or a norm outside the blocks?): only the block's output goes "
+                             f"from stage to stage. Name blocks that hold that code (blocks=[...]), or use pp=1")
+
+    def _block_ends(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if self.flight is not None:
-            self._arrive(index)
+            self.flight.chain = _first_tensor(output)
 
     def _stage_ends(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         flight = self.flight
@@ -489,6 +523,10 @@ class Pipeline:
 
     def held_blocks(self) -> list[str]:
         return self.cut.stage_names(self.stage)
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    return next((t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)), None)
 
 
 def _tensors(obj: Any) -> list[tuple[int, torch.Tensor]]:

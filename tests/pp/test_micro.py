@@ -78,3 +78,14 @@ def test_the_schedules():
             held = max(sum(1 if k == "F" else -1 for k, _ in steps[:i + 1]) for i in range(len(steps)))
             assert held == min(stages - stage, 5)
     assert schedule.bubble(2, 4) == pytest.approx(0.2)
+
+
+def test_a_hollow_output_answers_its_shape_and_refuses_its_values():
+    from autodist.pp.hollow import hollow
+
+    h, note = hollow((torch.zeros(2, 3, dtype=torch.float64), "kept"), "layers.0", 0)
+    assert (h.shape, h.dtype, h.device, h.size(1), h.dim(), note) == ((2, 3), torch.float64, torch.device("cpu"), 3,
+                                                                       2, "kept")
+    for use in (lambda: h + 1, lambda: h.sum(), lambda: torch.cat([h]), lambda: h.detach()):
+        with pytest.raises(RuntimeError, match="on the output of layers.0, a block pipeline stage 0 runs"):
+            use()

@@ -425,3 +425,23 @@ def test_gradient_accumulation_with_no_sync(ranks):
         for state in ranks(size, _accumulated, 2):
             for key, value in reference.state_dict().items():
                 assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("residual", "ValueError: pp passes each block's output to the next block as it is, and the model's own code "
+                 "changed it between 'blocks.0' and 'blocks.1'"),
+    ("decoder", "RuntimeError: layer_norm on the output of encoder.1, a block pipeline stage 0 runs: the model's own "
+                "code uses it outside the chain of blocks"),
+    ("hidden-states", "ValueError: output_hidden_states=True asks for every block's outputs, and under pp=2 each "
+                      "stage runs only its own blocks"),
+])
+def test_a_model_whose_own_code_uses_what_another_stage_holds_fails_by_name(case, says):
+    """Never a wrong number: only the output of the block before a stage's first reaches it."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "refused_forward.py")
+    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", "2", script, case], capture_output=True,
+                          text=True, timeout=120)
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+    assert proc.returncode == 1 and says in last, proc.stdout + proc.stderr
