@@ -45,7 +45,7 @@ import time
 
 import harness  # benchmarks/harness.py, next to this file
 import timing  # benchmarks/timing.py
-from live_bytes import live_tensor_bytes  # benchmarks/live_bytes.py
+from live_bytes import live_tensor_bytes, reset_peak, resident  # benchmarks/live_bytes.py
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -125,17 +125,6 @@ def _dense(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def _resident(field: str) -> int:
-    """This process's resident memory (VmRSS) or its peak since the last reset (VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": the peak resident memory starts again from now
-        f.write("5")
-
-
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     return torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
@@ -156,10 +145,10 @@ def alone(args: argparse.Namespace) -> None:
     before = live_tensor_bytes(ranks)
     model, optimizer = contender(args.contender, args)
     x, y = _batch(args)
-    _reset_peak()
+    reset_peak()
     for _ in range(args.steps):
         _step(model, optimizer, x, y)
-    held = {"peak": _resident("VmHWM"),
+    held = {"peak": resident("VmHWM"),
             "live": live_tensor_bytes(ranks) - before - x.numel() * x.element_size() - y.numel() * y.element_size()}
     if args.contender.startswith(("dp", "shard=")):
         held["kinds"] = dict(autodist.memory(model, optimizer))

@@ -43,6 +43,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 import bench_lowcomm as lowcomm  # next to this file: the task, the modes and the training loop
 import harness  # benchmarks/harness.py
@@ -171,6 +172,24 @@ def plot(results: dict, rate: str, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_on_hosts(cluster: Any, script: str, options: list[str]) -> list[int]:
+    """``script --worker OPTIONS`` on both hosts of ``cluster`` (``tests/cluster.py``), one rank on each through
+    ``autodist run --nnodes 2``, one torch thread each, gloo on the link; each host's exit status, A's first.
+
+    Example:
+        >>> run_on_hosts(cluster, parser.script, parser.forwarded(args))
+        [0, 0]
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
+    worker = harness.worker_command(script, options)
+    procs = []
+    for node, host in enumerate(cluster.hosts):
+        cmd = [sys.executable, "-m", "autodist", "run", "--nnodes", "2", "--node-rank", str(node),
+               "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", *worker]
+        procs.append(cluster.popen(host, cmd, env=env | {"GLOO_SOCKET_IFNAME": host.dev}))
+    return [p.wait() for p in procs]
+
+
 def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
     """The two hosts, one rank on each through ``autodist run --nnodes 2``; then the table and the plot."""
     sys.path.insert(0, TESTS)
@@ -192,15 +211,7 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
         out = os.path.abspath(shown)
         if args.rate != "none":
             cluster.limit(args.rate)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTODIST_LOG_LEVEL": "WARNING"}
-        options = parser.forwarded(argparse.Namespace(**vars(args) | {"out": out}))
-        worker = harness.worker_command(parser.script, options)
-        procs = []
-        for node, host in enumerate(cluster.hosts):
-            cmd = [sys.executable, "-m", "autodist", "run", "--nnodes", "2", "--node-rank", str(node),
-                   "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}", "-n", "1", *worker]
-            procs.append(cluster.popen(host, cmd, env=env | {"GLOO_SOCKET_IFNAME": host.dev}))
-        codes = [p.wait() for p in procs]
+        codes = run_on_hosts(cluster, parser.script, parser.forwarded(argparse.Namespace(**vars(args) | {"out": out})))
     if any(codes):
         print(f"bench_slow_link: the job failed (exit status {codes} on hosts A, B)", file=sys.stderr)
         return 1

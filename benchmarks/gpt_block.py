@@ -1,4 +1,5 @@
-"""A nanoGPT-style decoder for bench_mp.py's transformer case, with q, k and v as separate Linears.
+"""A nanoGPT-style decoder for bench_mp.py's transformer case (and bench_pipeline.py's model), with q, k and v as
+separate Linears.
 
 Written as torchtitan writes its attention (separate ``wq``/``wk``/``wv``, ``view(B, T, n_head, head_dim)``),
 so that torch tensor parallelism can split it with torchtitan's plan: it needs ``n_head`` set to the local
@@ -39,10 +40,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) -> logits (B * T, vocab), flattened for cross-entropy."""
+    """Token ids (B, T) -> logits (B * T, vocab), flattened for cross-entropy; with ``flat=False`` (B, T, vocab),
+    the batch dimension kept (pipeline parallelism puts its micro-batches' outputs together along it)."""
 
-    def __init__(self, vocab: int = 256, width: int = 256, heads: int = 4, layers: int = 4, seq: int = 128) -> None:
+    def __init__(self, vocab: int = 256, width: int = 256, heads: int = 4, layers: int = 4, seq: int = 128, *,
+                 flat: bool = True) -> None:
         super().__init__()
+        self.flat = flat
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
@@ -51,7 +55,8 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x)).flatten(0, 1)
+        logits = self.head(self.ln_f(x))
+        return logits.flatten(0, 1) if self.flat else logits
 
 
 def tp_plan(layers: int) -> dict:

@@ -8,9 +8,14 @@ a tensor subclass without storage of its own (autodist's ``ShardedGrad``) counts
 The gradients of parameters are found through their parameters (torch need not have made Python objects
 of them). Independent of autodist's own bookkeeping (``autodist.memory``), which the tests check against it.
 
+The process's resident memory and its peak (:func:`resident`, :func:`reset_peak`), the operating system's view of
+the same, with the interpreter, the libraries and the allocator's free pages in it, are here too.
+
 Example:
     >>> live_tensor_bytes(sharers=2)    # on a rank of two on one host
     134_742_016.0
+    >>> reset_peak(); train_a_few_steps(); resident("VmHWM")   # the peak resident memory in those steps
+    412_880_896
 """
 from __future__ import annotations
 
@@ -88,3 +93,16 @@ def live_tensor_bytes(sharers: int = 1) -> float:
         shared = sum(max(0, min(end, b) - max(start, a)) for a, b in mappings)
         total += (end - start - shared) + shared / sharers
     return total
+
+
+def resident(field: str = "VmRSS") -> int:
+    """This process's resident memory (``VmRSS``) or its peak since the last :func:`reset_peak` (``VmHWM``), in
+    bytes (Linux's /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> None:
+    """Start the peak resident memory (``VmHWM``) again from what the process holds now."""
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak
+        f.write("5")
