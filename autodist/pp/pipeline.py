@@ -256,11 +256,8 @@ class Pipeline:
             value, description = wire.recv(self.ranks[self.stage - 1], self.group, self.device,
                                            f"stage {self.stage}'s input (micro-batch {flight.micro}) from stage "
                                            f"{self.stage - 1}")
-            flat, spec = pytree.tree_flatten(value)
-            wanted = [leaf[3] for leaf in description["leaves"] if leaf[0] == "t"]
-            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            for t, grad in zip(tensors, wanted):
-                if grad and torch.is_grad_enabled():
+            for t, leaf in zip(pytree.tree_leaves(value), description["leaves"]):
+                if leaf[0] == "t" and leaf[3] and torch.is_grad_enabled():  # it needs a gradient sent back
                     t.requires_grad_(True)
                     flight.inputs[-1].append(t)
             flight.received = value

@@ -1,6 +1,7 @@
 """Nested tensors between the stages of a pipeline: a block's output to the next stage, its gradient back, the
 model's output to every stage. A structure goes as JSON (``torch.utils._pytree``'s spec and each leaf's shape
-and dtype, or its plain value), then its tensors one by one; nothing a peer sends is unpickled.
+and dtype, or its plain value; a number without a gradient, such as a loss to log, inside it) in one message
+of ``HEADER`` bytes (a longer one in two), then its tensors one by one; nothing a peer sends is unpickled.
 
 Example:
     >>> send(rank_of_next_stage, (hidden, None), group)        # stage s
@@ -18,6 +19,7 @@ import torch.utils._pytree as pytree
 from autodist.runtime.position import waiting
 
 _PLAIN = (type(None), bool, int, float, str)
+HEADER = 512  # bytes: the length of the JSON, then as much of it as fits
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -32,7 +34,9 @@ def describe(obj: Any, what: str) -> tuple[list[torch.Tensor], dict[str, Any]]:
     flat, spec = pytree.tree_flatten(obj)
     tensors, leaves = [], []
     for leaf in flat:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and not leaf.requires_grad and leaf.device.type == "cpu":
+            leaves.append(["s", leaf.item(), str(leaf.dtype)])  # exact: JSON writes a float as it reads back
+        elif isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             leaves.append(["t", list(leaf.shape), str(leaf.dtype), leaf.requires_grad])
         elif isinstance(leaf, _PLAIN):
@@ -49,7 +53,8 @@ def describe(obj: Any, what: str) -> tuple[list[torch.Tensor], dict[str, Any]]:
 
 def rebuild(description: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
     it = iter(tensors)
-    flat = [next(it) if leaf[0] == "t" else leaf[1] for leaf in description["leaves"]]
+    flat = [next(it) if leaf[0] == "t" else torch.tensor(leaf[1], dtype=_dtype(leaf[2])) if leaf[0] == "s"
+            else leaf[1] for leaf in description["leaves"]]
     return pytree.tree_unflatten(flat, pytree.treespec_loads(description["spec"]))
 
 
@@ -58,31 +63,46 @@ def empty_tensors(description: dict[str, Any], device: torch.device) -> list[tor
             for leaf in description["leaves"] if leaf[0] == "t"]
 
 
-def _header(description: dict[str, Any], device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(description).encode()), dtype=torch.uint8).to(device)
+def _headers(description: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
+    """The JSON of ``description`` in a message of HEADER bytes (its length first), and the rest if it is longer."""
+    text = json.dumps(description).encode()
+    data = len(text).to_bytes(8, "little") + text
+    first = bytearray(data[:HEADER].ljust(HEADER, b"\0"))
+    rest = [torch.frombuffer(bytearray(data[HEADER:]), dtype=torch.uint8).to(device)] if len(data) > HEADER else []
+    return [torch.frombuffer(first, dtype=torch.uint8).to(device), *rest]
 
 
-def _decode(data: torch.Tensor) -> dict[str, Any]:
-    return json.loads(bytes(data.cpu().tolist()).decode())
+def _length(first: torch.Tensor) -> int:
+    return int.from_bytes(bytes(first[:8].cpu().tolist()), "little")
+
+
+def _decode(first: torch.Tensor, rest: torch.Tensor | None) -> dict[str, Any]:
+    data = bytes(first[8:8 + _length(first)].cpu().tolist()) + (bytes(rest.cpu().tolist()) if rest is not None else b"")
+    return json.loads(data.decode())
+
+
+def _rest(first: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """The buffer for what did not fit the first message (None: it all did)."""
+    over = 8 + _length(first) - HEADER
+    return torch.empty(over, dtype=torch.uint8, device=device) if over > 0 else None
 
 
 def send(obj: Any, dst: int, group: Any, device: torch.device, what: str) -> list[Any]:
     """Start sending ``obj`` to global rank ``dst``; the requests to wait for (keep ``obj`` alive until then)."""
     tensors, description = describe(obj, what)
-    header = _header(description, device)
-    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-    payload = [size, header, *(t.detach().to(device).contiguous() for t in tensors)]
+    payload = [*_headers(description, device), *(t.detach().to(device).contiguous() for t in tensors)]
     return [dist.isend(t, dst, group=group) for t in payload] + payload  # the tensors stay referenced until waited
 
 
 def recv(src: int, group: Any, device: torch.device, what: str) -> tuple[Any, dict[str, Any]]:
     """What global rank ``src`` sent with :func:`send`, and its description."""
     with waiting(what):
-        size = torch.empty(1, dtype=torch.int64, device=device)
-        dist.recv(size, src, group=group)
-        header = torch.empty(int(size), dtype=torch.uint8, device=device)
-        dist.recv(header, src, group=group)
-        description = _decode(header)
+        first = torch.empty(HEADER, dtype=torch.uint8, device=device)
+        dist.recv(first, src, group=group)
+        rest = _rest(first, device)
+        if rest is not None:
+            dist.recv(rest, src, group=group)
+        description = _decode(first, rest)
         tensors = empty_tensors(description, device)
         for t in tensors:
             dist.recv(t, src, group=group)
@@ -117,14 +137,16 @@ def broadcast(obj: Any, src: int, group: Any, device: torch.device, what: str) -
     with waiting(what):
         if mine:
             tensors, description = describe(obj, what)
-            header = _header(description, device)
-        size = torch.tensor([header.numel() if mine else 0], dtype=torch.int64, device=device)
-        dist.broadcast(size, src, group=group)
-        if not mine:
-            header = torch.empty(int(size), dtype=torch.uint8, device=device)
-        dist.broadcast(header, src, group=group)
-        if not mine:
-            description = _decode(header)
+            headers = _headers(description, device)
+            for h in headers:
+                dist.broadcast(h, src, group=group)
+        else:
+            first = torch.empty(HEADER, dtype=torch.uint8, device=device)
+            dist.broadcast(first, src, group=group)
+            rest = _rest(first, device)
+            if rest is not None:
+                dist.broadcast(rest, src, group=group)
+            description = _decode(first, rest)
             tensors = empty_tensors(description, device)
         for t in tensors:
             dist.broadcast(t.detach().to(device).contiguous() if mine else t, src, group=group)

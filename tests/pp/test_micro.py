@@ -89,3 +89,23 @@ def test_a_hollow_output_answers_its_shape_and_refuses_its_values():
     for use in (lambda: h + 1, lambda: h.sum(), lambda: torch.cat([h]), lambda: h.detach()):
         with pytest.raises(RuntimeError, match="on the output of layers.0, a block pipeline stage 0 runs"):
             use()
+
+
+def test_a_structure_goes_as_json_in_one_header_message_or_two_and_numbers_inside_it():
+    from autodist.pp import wire
+
+    loss = torch.tensor(0.1, dtype=torch.float32)
+    value = {"loss": loss, "logits": torch.zeros(2, 3), "note": None}
+    tensors, description = wire.describe(value, "the output")
+    assert len(tensors) == 1  # the loss rides in the header, exactly
+    headers = wire._headers(description, torch.device("cpu"))
+    assert [h.numel() for h in headers] == [wire.HEADER]
+    back = wire.rebuild(wire._decode(headers[0], None), tensors)
+    assert back["loss"].dtype == torch.float32 and back["loss"].item() == loss.item() and back["note"] is None
+    long = {f"key {i}": torch.zeros(1) for i in range(40)}  # a description longer than one header
+    _, description = wire.describe(long, "a dict")
+    first, rest = wire._headers(description, torch.device("cpu"))
+    assert first.numel() == wire.HEADER and wire._rest(first, torch.device("cpu")).numel() == rest.numel()
+    assert wire._decode(first, rest) == description
+    with pytest.raises(TypeError, match="holds a object, which cannot go from one pipeline stage to the next"):
+        wire.describe((torch.zeros(1), object()), "the output of h.0")
