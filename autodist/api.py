@@ -110,14 +110,16 @@ def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None, checkpoint: 
                          f"pass shard='parameters' or checkpoint=True")
 
 
+def _check_positive(name: str, value: object, meaning: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int ({meaning}), got {value!r}")
+
+
 def _check_pipeline(pp: int, stages: pp_cut.Stages, microbatches: int | None, strategy: sync_mod.Strategy,
                     shard: str | None, loss_fn: Callable[..., Any] | None) -> None:
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ValueError(f"pp must be a positive int (the number of pipeline stages), got {pp!r}")
-    if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
-                                     or microbatches < 1):
-        raise ValueError(f"microbatches must be a positive int (the pieces pp cuts each batch into), got "
-                         f"{microbatches!r}")
+    _check_positive("pp", pp, "the number of pipeline stages")
+    if microbatches is not None:
+        _check_positive("microbatches", microbatches, "the pieces pp cuts each batch into")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output) -> loss or (output, target) -> loss, got "
                         f"{type(loss_fn).__name__}")
@@ -614,8 +616,7 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
         >>> print(autodist.explain(net, mp=2, batch_size=128))
         >>> print(autodist.explain(gpt, pp=2, example=(idx,)))   # the blocks of each stage, and their share
     """
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ValueError(f"pp must be a positive int (the number of pipeline stages), got {pp!r}")
+    _check_positive("pp", pp, "the number of pipeline stages")
     if pp == 1:
         if stages is not None:
             raise ValueError("stages= cuts the model into pipeline stages: it needs pp > 1")

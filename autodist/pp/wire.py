@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -97,16 +97,22 @@ def send(obj: Any, dst: int, group: Any, device: torch.device, what: str) -> lis
 def recv(src: int, group: Any, device: torch.device, what: str) -> tuple[Any, dict[str, Any]]:
     """What global rank ``src`` sent with :func:`send`, and its description."""
     with waiting(what):
-        first = torch.empty(HEADER, dtype=torch.uint8, device=device)
-        dist.recv(first, src, group=group)
-        rest = _rest(first, device)
-        if rest is not None:
-            dist.recv(rest, src, group=group)
-        description = _decode(first, rest)
-        tensors = empty_tensors(description, device)
-        for t in tensors:
-            dist.recv(t, src, group=group)
+        description, tensors = _take(lambda t: dist.recv(t, src, group=group), device)
     return rebuild(description, tensors), description
+
+
+def _take(fill: Callable[[torch.Tensor], Any], device: torch.device) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """A description and its tensors, each buffer filled by ``fill`` (a receive or a broadcast) in turn."""
+    first = torch.empty(HEADER, dtype=torch.uint8, device=device)
+    fill(first)
+    rest = _rest(first, device)
+    if rest is not None:
+        fill(rest)
+    description = _decode(first, rest)
+    tensors = empty_tensors(description, device)
+    for t in tensors:
+        fill(t)
+    return description, tensors
 
 
 def send_tensors(tensors: list[torch.Tensor], dst: int, group: Any) -> list[Any]:
@@ -133,24 +139,12 @@ def wait(pending: list[Any]) -> None:
 def broadcast(obj: Any, src: int, group: Any, device: torch.device, what: str) -> Any:
     """Global rank ``src``'s ``obj`` on every rank of ``group`` (a collective over it); a tensor that requires a
     gradient at ``src`` is a leaf that requires one on the other ranks."""
-    mine = dist.get_rank() == src
     with waiting(what):
-        if mine:
+        if dist.get_rank() == src:
             tensors, description = describe(obj, what)
-            headers = _headers(description, device)
-            for h in headers:
-                dist.broadcast(h, src, group=group)
-        else:
-            first = torch.empty(HEADER, dtype=torch.uint8, device=device)
-            dist.broadcast(first, src, group=group)
-            rest = _rest(first, device)
-            if rest is not None:
-                dist.broadcast(rest, src, group=group)
-            description = _decode(first, rest)
-            tensors = empty_tensors(description, device)
-        for t in tensors:
-            dist.broadcast(t.detach().to(device).contiguous() if mine else t, src, group=group)
-    if mine:
-        return obj
+            for t in [*_headers(description, device), *(t.detach().to(device).contiguous() for t in tensors)]:
+                dist.broadcast(t, src, group=group)
+            return obj
+        description, tensors = _take(lambda t: dist.broadcast(t, src, group=group), device)
     wanted = [leaf[3] for leaf in description["leaves"] if leaf[0] == "t"]
     return rebuild(description, [t.requires_grad_(w) for t, w in zip(tensors, wanted)])
