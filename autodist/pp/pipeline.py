@@ -52,7 +52,6 @@ class Flight:
         self.micro = -1
         self.next_block = 0
         self.received: Any = None
-        self.chain: torch.Tensor | None = None  # the last block's output, which the next block must be given
         self.inputs: list[list[torch.Tensor]] = []  # per micro-batch: the received tensors that need a gradient
         self.sent: list[list[torch.Tensor]] = []  # per micro-batch: the tensors sent on that need one back
         self.outputs: list[Any] = []  # last stage: per micro-batch, the forward's output
@@ -63,7 +62,7 @@ class Flight:
         self.alive = self.peak = 0  # micro-batches forwarded and not yet backwarded: now, and at most
 
     def begin(self, m: int) -> None:
-        self.micro, self.next_block, self.received, self.chain = m, 0, None, None
+        self.micro, self.next_block, self.received = m, 0, None
         self.alive += 1
         self.peak = max(self.peak, self.alive)
         self.inputs.append([])
@@ -125,8 +124,7 @@ class Pipeline:
             block = modules[name]
             if self.lo <= i < self.hi:
                 own.append(block)
-                self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i), with_kwargs=True))
-                self.handles.append(block.register_forward_hook(partial(self._block_ends, i)))
+                self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i)))
                 if i == self.hi - 1 and not self.last:
                     self.handles.append(block.register_forward_hook(partial(self._stage_ends, i)))
                 continue
@@ -261,25 +259,14 @@ class Pipeline:
                     t.requires_grad_(True)
                     flight.inputs[-1].append(t)
             flight.received = value
-        if index < self.lo - 1:  # an output only an earlier stage holds: any use of it is an error
-            return hollow(flight.received, name, self.cut.stage_of(index))
-        flight.chain = _first_tensor(flight.received)
-        return flight.received
+        # The code between this block and the next runs here, on what it returns: on the received output it
+        # runs once, here, as in one process (an activation between blocks, a residual on the input the root
+        # computed here); an output only an earlier stage holds is hollow, and any use of it an error.
+        return hollow(flight.received, name, self.cut.stage_of(index)) if index < self.lo - 1 else flight.received
 
-    def _block_begins(self, index: int, module: nn.Module, args: Any, kwargs: dict) -> None:
-        flight = self.flight
-        if flight is None:
-            return
-        self._arrive(index)
-        if flight.chain is not None and all(t is not flight.chain for t in pytree.tree_leaves((args, kwargs))):
-            raise ValueError(f"pp passes each block's output to the next block as it is, and the model's own code "
-                             f"changed it between {self.cut.names[index - 1]!r} and {self.cut.names[index]!r} (a "
-                             f"residual, a scale or a norm outside the blocks?): only the block's output goes "
-                             f"from stage to stage. Name blocks that hold that code (blocks=[...]), or use pp=1")
-
-    def _block_ends(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    def _block_begins(self, index: int, module: nn.Module, args: Any) -> None:
         if self.flight is not None:
-            self.flight.chain = _first_tensor(output)
+            self._arrive(index)
 
     def _stage_ends(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         flight = self.flight
@@ -520,10 +507,6 @@ class Pipeline:
 
     def held_blocks(self) -> list[str]:
         return self.cut.stage_names(self.stage)
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    return next((t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)), None)
 
 
 def _tensors(obj: Any) -> list[tuple[int, torch.Tensor]]:
