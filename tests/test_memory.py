@@ -46,8 +46,9 @@ def _resident_mb() -> float:
 def _gone(*refs: weakref.ref) -> bool:
     """Whether every object ``refs`` point to was freed. The watchdog holds the main thread's frame while it sees
     it inside torch.distributed, and lets it go within HELD_FRAME_LOOK_S of the main thread leaving it: where
-    something is still alive, wait a little and collect again."""
-    deadline = time.monotonic() + 20 * watchdog.HELD_FRAME_LOOK_S
+    something is still alive, wait a little and collect again, up to 5 s (on a loaded machine the watchdog's
+    thread may wait that long for a core; a model kept alive by a reference stays alive however long)."""
+    deadline = time.monotonic() + max(20 * watchdog.HELD_FRAME_LOOK_S, 5.0)
     while True:
         gc.collect()
         if all(r() is None for r in refs) or time.monotonic() > deadline:
