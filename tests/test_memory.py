@@ -60,7 +60,8 @@ def _strategy(mode: str) -> dict:
     return {"none": {}, "manual": {"sync": "manual"}, "optimizer": {"shard": "optimizer"},
             "gradients": {"shard": "gradients"}, "parameters": {"shard": "parameters"},
             "local_sgd": {"sync": autodist.LocalSGD(every=2)}, "diloco": {"sync": autodist.DiLoCo(every=2)},
-            "gossip": {"sync": autodist.Gossip()}, "downpour": {"sync": autodist.Downpour()}, "mp2": {"mp": 2}}[mode]
+            "gossip": {"sync": autodist.Gossip()}, "downpour": {"sync": autodist.Downpour()}, "mp2": {"mp": 2},
+            "pp2": {"pp": 2}}[mode]
 
 
 def _one_round(mode: str) -> tuple[weakref.ref, weakref.ref]:
@@ -97,7 +98,7 @@ def _rounds(mode: str) -> tuple[list[float], list[float], list[bool]]:
 
 
 @pytest.mark.parametrize("mode", ["none", "manual", "optimizer", "gradients", "parameters", "local_sgd", "diloco",
-                                  "gossip", "downpour", "mp2"])
+                                  "gossip", "downpour", "mp2", "pp2"])
 def test_nothing_outlives_the_model(ranks, mode):
     """Ten rounds of a sweep in one process: the model, its parameters, buckets and shared memory go with it
     (a model holds 1.1 MB of parameters, 4.4 MB with its gradients and Adam's state: one left behind a round

@@ -106,7 +106,10 @@ class Pipeline:
         own = self._install(model)
         self.own_params = {id(p) for b in own for p in b.parameters()}
         self._mark(model, group if norms is None else norms[0], mp_rank, norms)
-        self.inner = model.forward
+        forward = model.forward  # the model's own, called on the model the weak reference gives back: the
+        # registry's value must not hold its key (a WeakKeyDictionary whose value holds the model keeps it alive)
+        self.inner = forward.__func__ if getattr(forward, "__self__", None) is model else forward
+        self.bound = self.inner is not forward
         model.forward = self.forward
         self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
         batch_norms = sorted({type(m).__name__ for m in model.modules()
@@ -209,7 +212,7 @@ class Pipeline:
         and with ``loss_fn`` its loss."""
         flight.begin(m)
         try:
-            out = self.inner(*call[0], **call[1])
+            out = self.inner(self.model(), *call[0], **call[1]) if self.bound else self.inner(*call[0], **call[1])
         except _StageDone:
             out = None
         if flight.next_block != (len(self.cut.names) if self.last else self.hi):
@@ -316,8 +319,9 @@ class Pipeline:
     # -- backward --------------------------------------------------------------------------------
     @contextmanager
     def _sync_held(self) -> Iterator[None]:
-        """The data-parallel sync set aside while the micro-batches' gradients accumulate: it sends once they
-        are summed over the micro-batches and the stages (in the backward that reaches the output)."""
+        """The data-parallel sync set aside while the micro-batches' gradients accumulate (GPipe's backward, the
+        whole 1F1B step): it sends once they are summed over the micro-batches and the stages, in the backward
+        that reaches the output."""
         model = self.model()
         sync = state_of(model) if model is not None else None
         if sync is None:
@@ -339,21 +343,13 @@ class Pipeline:
         (GPipe: in the backward that reaches the output)."""
         if self.last and flight.merged is not None:
             flight.cut_grads = [flight.merged.cut_grad(i, g, flight.rows) for i, g in zip(flight.grad_leaves, grads)]
-        model = self.model()
-        sync = state_of(model) if model is not None else None
-        enabled = sync.enabled if sync is not None else None
-        if sync is not None:
-            sync.enabled = False  # the data-parallel sync waits for the last micro-batch and the root's sum
         before = self._root_before()
-        try:
+        with self._sync_held():
             for _, m in schedule.gpipe_backwards(len(flight.rows)):
                 self._backward_one(flight, m)
             with waiting(self._sends(True)):
                 wire.wait(flight.pending)
             flight.pending = []
-        finally:
-            if sync is not None:
-                sync.enabled = enabled
         self._sum_root(before)
 
     def _backward_one(self, flight: Flight, m: int) -> None:

@@ -105,20 +105,23 @@ def built_groups(dims: ParallelDims) -> Groups | None:
     return _groups_cache.get(dims)
 
 
-def _mine(dims: ParallelDims, kind: str, rank: int) -> object | None:
+def _made(dims: ParallelDims, kind: str, rank: int) -> object:
     """``rank``'s group of one kind, made with every other group of that kind (in the same order on every rank,
-    as new_group requires); None where one group is the whole world or groups of one rank are never used."""
+    as new_group requires)."""
     from autodist.runtime.world import new_group
 
-    every = dims.all_groups(kind)
-    if len(every) == 1 or len(every[0]) == 1:
-        return None
     mine = None
-    for ranks in every:
+    for ranks in dims.all_groups(kind):
         g = new_group(ranks)
         if rank in ranks:
             mine = g
     return mine
+
+
+def _mine(dims: ParallelDims, kind: str, rank: int) -> object | None:
+    """:func:`_made`, or None where one group is the whole world or groups of one rank are never used."""
+    every = dims.all_groups(kind)
+    return None if len(every) == 1 or len(every[0]) == 1 else _made(dims, kind, rank)
 
 
 def build_groups(dims: ParallelDims, rank: int) -> Groups:
@@ -151,16 +154,9 @@ def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> 
     ``state_dict``, ``full_parameters`` and copies, which a rank may enter alone by mistake: it then waits
     there, named, instead of meeting another rank's forward; for the layout with ``mp=1`` that is a group
     over the whole world). Collective over the world; made once per layout and purpose."""
-    from autodist.runtime.world import new_group
-
     key = (dims, purpose)
     if key not in _second_cache:
-        mine = None
-        for ranks in dims.all_groups("dp"):
-            g = new_group(ranks)
-            if rank in ranks:
-                mine = g
-        _second_cache[key] = mine
+        _second_cache[key] = _made(dims, "dp", rank)
     return _second_cache[key]
 
 
