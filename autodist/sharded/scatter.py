@@ -19,9 +19,9 @@ the last bucket); what changes is the bucket and how it is summed:
   (:mod:`autodist.sharded.gather`);
 * a bucket larger than a buffer of the ring (one parameter larger than the cap, or under
   ``shard="parameters"`` a block, which is one bucket) is packed and summed *window by window* through the
-  ring in shared memory: each window holds the same numbers of every rank's part, the count and flags
-  ride in the last one; across machines the backend reduce-scatters whole buckets, out of buffers of
-  their size;
+  ring: each window holds the same numbers of every rank's part (in shared memory the count and flags
+  ride in the last one; through the backend each window is one reduce-scatter and they are all-reduced
+  after), so the ring is two buffers of the cap at most, whatever the largest parameter or block;
 * :class:`ScatterSum` (every rank on one machine, gloo, CPU): the ring lives in shared memory, one slot per
   rank. When bucket k is packed, a fence (:mod:`autodist.runtime.shared_fence`) says every rank has packed
   it; rank r adds up part r of every rank's slot, in rank order, into its ``part`` (the same bits as the
@@ -29,8 +29,8 @@ the last bucket); what changes is the bucket and how it is summed:
   where bucket k-2 was is safe: every rank entered bucket k-1's fence after summing bucket k-2. One more
   fence at the end of the sync frees the ring for the next;
 * :class:`ReduceScatter` otherwise: the backend's asynchronous ``reduce_scatter`` of the gradients into
-  ``part`` and ``all_reduce`` of the meta, started as each bucket fills; packing bucket k first waits
-  for bucket k-2's, which read the same buffer.
+  ``part`` and ``all_reduce`` of the meta, started as each bucket (or window) fills; packing into a
+  buffer of the ring first waits for the reduce-scatter that last read it.
 
 A gradient still in ``.grad`` from the last sync when a backward adds to it (no ``zero_grad`` in between,
 or ``zero_grad(set_to_none=False)``) is carried: it leaves ``.grad`` before autograd accumulates and its
@@ -197,10 +197,7 @@ class ScatterSum:
         self.ring = shared.slots  # ring buffer k: a slot per rank
         # The ring's buffers are used in turn, a bucket once, a windowed bucket once per window: use u goes into
         # buffer u mod RING. Bucket k's slot of every rank: the first numbers of the buffer of its (first) use.
-        self.first_use, uses = [], 0
-        for b in buckets:
-            self.first_use.append(uses)
-            uses += 1 if b.window is None else len(b.windows())
+        self.first_use = _first_uses(buckets)
         self.slots = [[slot[:b.flat.numel()] for slot in shared.slots[u % len(shared.slots)]]
                       if b.window is None else [] for u, b in zip(self.first_use, buckets)]
 
@@ -263,22 +260,29 @@ class ScatterSum:
 
 
 class ReduceScatter:
-    """The backend's reduce-scatter of each bucket's gradients, all-reduce of its meta, overlapping backward."""
+    """The backend's reduce-scatter of each bucket's gradients out of the ring, all-reduce of its meta,
+    overlapping backward; a bucket larger than a buffer of the ring window by window, as :class:`ScatterSum`
+    does (each window one reduce-scatter of the same numbers of every rank's part)."""
 
     name = "reduce-scatter"
 
     def __init__(self, buckets: list[ScatteredBucket], ring: list[torch.Tensor], group: Any) -> None:
-        self.buckets, self.group = buckets, group
-        self.homes = [ring[k % len(ring)][:b.flat.numel()] for k, b in enumerate(buckets)]
+        self.buckets, self.ring, self.group = buckets, ring, group
+        self.first_use = _first_uses(buckets)
+        self.homes = [None if b.window is not None else ring[u % len(ring)][:b.flat.numel()]
+                      for u, b in zip(self.first_use, buckets)]
         self.works: list[list[Any]] = [[] for _ in buckets]
+        self.reading: list[Any] = [None] * len(ring)  # the reduce-scatter reading each buffer of the ring
 
     def place(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        return self.homes[index]
+        """The buffer of the ring bucket ``index`` is packed into (a windowed bucket is packed in send)."""
+        home = self.homes[index]
+        return flat if home is None else home
 
     def claim(self, index: int) -> None:
-        """Bucket ``index`` is packed into the buffer bucket ``index - RING`` was sent from: wait for that."""
-        if index >= RING:
-            self._wait(index - RING)
+        """Bucket ``index`` is packed into the buffer an earlier use of the ring was sent from: wait for that."""
+        if self.homes[index] is not None:
+            self._free(self.first_use[index] % len(self.ring))
 
     def own(self, index: int) -> None:
         """Every number of a bucket is packed: the whole gradient is freed after packing."""
@@ -286,10 +290,34 @@ class ReduceScatter:
 
     def send(self, index: int, flat: torch.Tensor, own: None = None) -> None:
         bucket = self.buckets[index]
+        if bucket.window is not None:
+            return self._send_windows(index, bucket)
         bucket.meta.copy_(flat[bucket.count_slot:])
-        self.works[index] = [dist.reduce_scatter_single(bucket.part, bucket.gradients(), group=self.group,
-                                                        async_op=True),
-                             dist.all_reduce(bucket.meta, group=self.group, async_op=True)]
+        scatter = dist.reduce_scatter_single(bucket.part, bucket.gradients(), group=self.group, async_op=True)
+        self.reading[self.first_use[index] % len(self.ring)] = scatter
+        self.works[index] = [scatter, dist.all_reduce(bucket.meta, group=self.group, async_op=True)]
+
+    def _send_windows(self, index: int, bucket: ScatteredBucket) -> None:
+        """Each window: numbers [lo, hi) of every rank's part packed into the next buffer of the ring, then
+        reduce-scattered into this rank's ``part[lo:hi]``; the count, flags and buffers all-reduced after."""
+        for w, (lo, hi) in enumerate(bucket.windows()):
+            buffer = (self.first_use[index] + w) % len(self.ring)
+            self._free(buffer)
+            region = self.ring[buffer][:bucket.ranks * (hi - lo)]
+            bucket.pack_window(lo, hi, region)
+            scatter = dist.reduce_scatter_single(bucket.part[lo:hi], region, group=self.group, async_op=True)
+            self.reading[buffer] = scatter
+            self.works[index].append(scatter)
+        assert bucket.staged is not None
+        bucket.meta.copy_(bucket.staged)
+        self.works[index].append(dist.all_reduce(bucket.meta, group=self.group, async_op=True))
+        bucket.packed()
+
+    def _free(self, buffer: int) -> None:
+        """Wait until nothing reads ``buffer`` of the ring."""
+        work, self.reading[buffer] = self.reading[buffer], None
+        if work is not None:
+            work.wait()
 
     def _wait(self, index: int) -> None:
         for work in self.works[index]:
@@ -299,6 +327,7 @@ class ReduceScatter:
     def finish(self) -> None:
         for index in range(len(self.buckets)):
             self._wait(index)
+        self.reading = [None] * len(self.ring)
 
     def abandon(self) -> None:
         self.finish()
@@ -306,7 +335,17 @@ class ReduceScatter:
             bucket.abandon()
 
     def held(self, held: Held) -> None:
-        held.add("autodist buffers", *self.homes)  # views of the ring: each counts its whole buffer
+        held.add("autodist buffers", *self.ring)
+
+
+def _first_uses(buckets: list[ScatteredBucket]) -> list[int]:
+    """The ring's buffers are used in turn, a bucket once, a windowed bucket once per window (use u goes into
+    buffer u mod RING): each bucket's first use."""
+    first, uses = [], 0
+    for b in buckets:
+        first.append(uses)
+        uses += 1 if b.window is None else len(b.windows())
+    return first
 
 
 def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
@@ -363,13 +402,11 @@ class Scatter:
         A collective over ``group``."""
         scattered = [b for b in buckets if isinstance(b, ScatteredBucket)]
         assert len(scattered) == len(buckets), "shard='gradients' builds its own buckets"
-        shared = shared_slots(_ring(scattered, self._windowed(scattered)), group, "the sharded gradient buckets")
+        ring = _ring(scattered, self._windowed(scattered))
+        shared = shared_slots(ring, group, "the sharded gradient buckets")
         if shared is not None:
             return ScatterSum(scattered, shared, self.rank)
-        for bucket in scattered:  # the backend reduce-scatters whole buckets, out of buffers of their size
-            bucket.window, bucket.staged = None, None
-            bucket.extra = bucket.flat[bucket.count_slot + 1 + len(bucket.params):]
-        return ReduceScatter(scattered, _ring(scattered, 0), group)
+        return ReduceScatter(scattered, ring, group)
 
     def _windowed(self, buckets: list[ScatteredBucket]) -> int:
         """The numbers a buffer of the ring in shared memory holds: a cap's worth (and any bucket that fits

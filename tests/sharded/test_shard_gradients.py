@@ -186,10 +186,19 @@ class _Counting(torch.nn.Module):
 
 
 @w.float64
-def _windowed(shard: str):
+def _windowed(shard: str, shared_memory: str):
     """Every bucket larger than the ring's buffers (bucket_mb: 630 bytes), so each is packed and summed window
-    by window, the last window partly full and carrying the count, the flags and a buffer; two micro-batches
-    of uneven sizes per step through no_sync: one process's parameters and buffers."""
+    by window (in shared memory, or each window one reduce-scatter of the backend's), the last window partly
+    full and carrying the count, the flags and a buffer; two micro-batches of uneven sizes per step through
+    no_sync: one process's parameters and buffers."""
+    os.environ["AUTODIST_SHARED_MEMORY"] = shared_memory
+    try:
+        return _windowed_run(shard)
+    finally:
+        del os.environ["AUTODIST_SHARED_MEMORY"]
+
+
+def _windowed_run(shard: str):
     x, y = w.digits_like(48, features=6, classes=3)
     ref = w.seeded(_Counting, 0)
     model, (xs, ys) = autodist.parallelize(w.seeded(_Counting, 100 * w.rank()), (x, y), shard=shard,
@@ -208,13 +217,18 @@ def _windowed(shard: str):
             F.cross_entropy(m(xb[half:]), yb[half:]).backward()
             opt.step()
     windows = [len(b.windows()) for b in buckets if b.window is not None]
-    ring = [slot.numel() for slot in state_of(model).exchange.ring[0]]
+    exchange = state_of(model).exchange
+    ring = [slot.numel() for slot in exchange.ring[0]] if exchange.name == "shared memory" else \
+        [buffer.numel() for buffer in exchange.ring]
     return w.state(ref), model.state_dict(), windows, ring, len(buckets)
 
 
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
 @pytest.mark.parametrize("shard", ["gradients", "parameters"])
-def test_buckets_larger_than_the_ring_are_summed_window_by_window(ranks, shard):
-    for ref, par, windows, ring, count in ranks(3, _windowed, shard):
+def test_buckets_larger_than_the_ring_are_summed_window_by_window(ranks, shard, shared_memory):
+    """The same through shared memory (1) and through the backend's reduce-scatter (0, as across machines): a
+    bucket larger than the ring (a block, a large parameter) never makes a buffer of its size."""
+    for ref, par, windows, ring, count in ranks(3, _windowed, shard, shared_memory):
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
         assert windows and max(windows) >= 3, windows  # several windows to a bucket
         assert max(ring) <= 0.0006 * 2**20 / 8 + 8, ring  # a buffer of the ring holds a bucket's cap, no more
