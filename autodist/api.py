@@ -421,8 +421,9 @@ def parallelize(
         blocks: with ``shard="parameters"``, the modules gathered one at a
             time (and with ``checkpoint=True`` the ones recomputed): a list
             of module names or a callable ``(name, module) -> bool``;
-            default: the members of the model's ModuleLists and Sequentials
-            of one type (its transformer or ResNet blocks).
+            default: each run of two or more consecutive members of one type
+            in the model's ModuleLists and Sequentials (its transformer or
+            ResNet blocks; a stem or head around them is not one).
         checkpoint: recompute each block's activations in backward
             (activation checkpointing, ``torch.utils.checkpoint`` per block):
             less memory, one more forward per block and step, the same

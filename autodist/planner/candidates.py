@@ -20,7 +20,8 @@ def _why_not(layout: Layout, profile: Profile) -> str:
     if layout.shard is not None and layout.dp == 1:
         return f"shard={layout.shard!r} needs 2 or more data-parallel ranks (here dp=1)"
     if layout.checkpoint and not profile.blocks:
-        return "checkpointing needs blocks (the model has no ModuleList or Sequential of one type; pass blocks=)"
+        return ("checkpointing needs blocks (the model has no run of repeated members in a ModuleList or "
+                "Sequential; pass blocks=)")
     return ""
 
 

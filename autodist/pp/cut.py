@@ -81,10 +81,8 @@ class Cut:
 
 
 def _no_blocks(model: nn.Module, pp: int) -> ValueError:
-    return ValueError(f"pp={pp} cuts the model between its blocks, and autodist found none in "
-                      f"{type(model).__name__} (blocks are the members of a ModuleList or Sequential of one type: "
-                      f"transformer layers, ResNet blocks): name them with blocks=[...], or give each stage's "
-                      f"modules with stages=[[...], [...]]")
+    return ValueError(f"pp={pp} cuts the model between its blocks, and {sharded_blocks.none_found(model, 'autodist')}"
+                      f"; or give each stage's modules with stages=[[...], [...]]")
 
 
 def _given(model: nn.Module, pp: int, stages: Any, blocks: sharded_blocks.Choice) -> Cut:

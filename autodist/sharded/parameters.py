@@ -104,10 +104,9 @@ class ParameterSharding:
         if root:
             named.append(("(root)", model, root))
         if not found and rank == 0:
-            log.warning("shard='parameters' found no repeated layers in %s (a ModuleList or Sequential of modules "
-                        "of one type), so the whole model is gathered for every forward and backward and held "
-                        "sharded only between steps; name its blocks with parallelize(..., blocks=[...])",
-                        type(model).__name__)
+            log.warning("%s. Until then the whole model is gathered for every forward and backward (that much "
+                        "memory more while a step runs) and held sharded between steps",
+                        blocks_mod.none_found(model, "shard='parameters'"))
         self.blocks = [Block(i, name, ps, rank, ranks) for i, (name, _, ps) in enumerate(named)]
         self.root = self.blocks[-1] if root else None
         self.block_of = {id(p): blk for blk in self.blocks for p in blk.params}

@@ -1,7 +1,7 @@
 """Activation checkpointing of the model's blocks: ``parallelize(model, data, checkpoint=True)``.
 
-Each block (:func:`autodist.sharded.blocks.find`: the repeated members of the model's ModuleLists and
-Sequentials, or the modules ``blocks=`` names) runs its forward under ``torch.utils.checkpoint`` (the
+Each block (:func:`autodist.sharded.blocks.find`: the runs of repeated members of the model's ModuleLists
+and Sequentials, or the modules ``blocks=`` names) runs its forward under ``torch.utils.checkpoint`` (the
 non-reentrant kind): only its inputs are kept, and backward runs its forward again to get what its own
 backward needs. Less memory for activations, one more forward of every block per step; the numbers are the
 same (the random state of dropout is replayed), so the training stays one process's. Composes with every
@@ -49,10 +49,8 @@ def setup(model: nn.Module, chosen: blocks_mod.Choice = None) -> list[str]:
     """Recompute each block of ``model`` in backward; the blocks' names. Raises where the model has none."""
     found = blocks_mod.find(model, chosen)
     if not found:
-        raise ValueError(
-            f"checkpoint=True recomputes the model's blocks in backward, and {type(model).__name__} has none that "
-            f"autodist finds (the repeated members of a ModuleList or Sequential): name them, "
-            f"parallelize(model, data, checkpoint=True, blocks=['layers.0', 'layers.1', ...])")
+        raise ValueError(f"checkpoint=True recomputes the model's blocks in backward, and "
+                         f"{blocks_mod.none_found(model, 'autodist')}")
     for _, module in found:
         module.forward = Recompute(module)
     return [name for name, _ in found]

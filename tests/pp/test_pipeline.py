@@ -69,9 +69,17 @@ class ResidualMLP(nn.Module):
         return self.head(h)
 
 
+def _stem_blocks_head() -> nn.Module:
+    """The plain shape: Sequential(stem, *blocks, norm, head), the blocks a run of one type between others."""
+    blocks = [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)]
+    return nn.Sequential(nn.Embedding(64, 8), nn.Flatten(), nn.Linear(16 * 8, 32), *blocks, nn.LayerNorm(32),
+                         nn.Linear(32, 5))
+
+
 def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
-    model = {"gpt": lambda: GPT(GPT_CONFIG), "hf": _hf_gpt2, "seq": SeqFirst, "res": ResidualMLP}[name]()
+    model = {"gpt": lambda: GPT(GPT_CONFIG), "hf": _hf_gpt2, "seq": SeqFirst, "res": ResidualMLP,
+             "stem": _stem_blocks_head}[name]()
     return model.double()
 
 
@@ -80,12 +88,13 @@ def _loader(name: str) -> DataLoader:
     x = torch.randint(0, 64, (SAMPLES, 16), generator=g)
     if name == "hf":
         return DataLoader([{"input_ids": row, "labels": row} for row in x], batch_size=BATCH)
-    if name in ("seq", "res"):  # (seq, batch) for "seq": the DataLoader's batches are transposed in the step
+    if name in ("seq", "res", "stem"):  # (seq, batch) for "seq": the DataLoader's batches are transposed in the step
         return DataLoader(TensorDataset(x, torch.randint(0, 5, (SAMPLES,), generator=g)), batch_size=BATCH)
     return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=BATCH)
 
 
-LOSS_FNS = {"gpt": lambda out: out[1], "hf": lambda out: out.loss, "seq": F.cross_entropy, "res": F.cross_entropy}
+LOSS_FNS = {"gpt": lambda out: out[1], "hf": lambda out: out.loss, "seq": F.cross_entropy, "res": F.cross_entropy,
+            "stem": F.cross_entropy}
 
 
 def _loss(name: str, model: nn.Module, batch: object, in_forward: bool = False) -> torch.Tensor:
@@ -94,7 +103,7 @@ def _loss(name: str, model: nn.Module, batch: object, in_forward: bool = False) 
         out = model(**batch)
         return out if in_forward else out.loss
     x, y = batch
-    if name in ("seq", "res"):
+    if name in ("seq", "res", "stem"):
         x = x.t() if name == "seq" else x
         return model(x, target=y) if in_forward else F.cross_entropy(model(x), y)
     out = model(x, y)
@@ -154,6 +163,7 @@ def _reference(name: str) -> tuple[list[float], list[float], dict[str, torch.Ten
     (2, 2, "hf", {}),
     (2, 2, "seq", {}),
     (2, 2, "res", {}),
+    (2, 2, "stem", {}),
     (2, 2, "gpt", {"checkpoint": True, "stages": [3, 1]}),  # a stage of one block recomputes it too
     (4, 4, "gpt", {}),
     (4, 2, "gpt", {}),  # 2 data-parallel replicas of 2 stages
@@ -165,7 +175,7 @@ def _reference(name: str) -> tuple[list[float], list[float], dict[str, torch.Ten
     (2, 2, "seq", {"1f1b": True}),  # target=y cut along its own batch dimension (0; the inputs' is 1)
     (4, 4, "gpt", {"1f1b": True}),
     (4, 2, "hf", {"1f1b": True, "shard": "optimizer"}),
-], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp2-residual-between-blocks", "pp2-gpt-recomputed", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
+], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp2-residual-between-blocks", "pp2-stem-blocks-head", "pp2-gpt-recomputed", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
         "dp2-pp2-shard-gradients", "dp2-pp2-hf-stages-by-hand", "pp2-mp2-gpt", "pp2-gpt-1f1b", "pp2-seq-first-1f1b",
         "pp4-gpt-1f1b", "dp2-pp2-hf-1f1b-shard-optimizer"])
 def test_trains_as_one_process(ranks, size, pp, name, options):
@@ -283,7 +293,7 @@ def _refusals() -> dict[str, str]:
 def test_bad_cuts_are_clear_errors(ranks):
     expected = {
         "odd pp": "pp=3 does not divide the 2 ranks",
-        "no blocks": "autodist found none in Linear",
+        "no blocks": "autodist found no blocks in Linear",
         "pp above the blocks": "pp=2 stages need at least 2 blocks, and Shared has 1",
         "stages do not add up": "stages=[2, 1] deals out 3 blocks, and Shared has 4",
         "stages out of order": "in the order the forward calls them",

@@ -125,7 +125,7 @@ def test_autograd_keeps_less_in_one_process_and_copies_recompute_alike():
 @pytest.mark.parametrize("call, error, words", [
     (lambda: autodist.parallelize(Net(), checkpoint="yes"), TypeError, "checkpoint must be True"),
     (lambda: autodist.parallelize(nn.Linear(3, 3), checkpoint=True), ValueError,
-     "Linear has none that autodist finds"),
+     "autodist found no blocks in Linear"),
     (lambda: autodist.parallelize(Net(), blocks=["blocks.0"]), ValueError, "pass shard='parameters' or checkpoint"),
 ])
 def test_bad_checkpoint_options_are_named(call, error, words):

@@ -33,6 +33,77 @@ def test_the_blocks_of_outside_models_are_their_repeated_layers():
         ["transformer.h.0", "transformer.h.1", "transformer.h.2"]  # a callable sees every module
 
 
+class BasicBlock(nn.Module):
+    """A ResNet block (two 3x3 convolutions and a shortcut, a 1x1 one where the shape changes), as torchvision
+    builds them."""
+
+    def __init__(self, into: int, out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(into, out, 3, stride, 1, bias=False), nn.BatchNorm2d(out)
+        self.conv2, self.bn2 = nn.Conv2d(out, out, 3, 1, 1, bias=False), nn.BatchNorm2d(out)
+        self.downsample = None if stride == 1 and into == out else \
+            nn.Sequential(nn.Conv2d(into, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return torch.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+def _stage(into: int, out: int, count: int) -> nn.Sequential:
+    first = BasicBlock(into, out, 1 if into == out else 2)
+    return nn.Sequential(first, *[BasicBlock(out, out) for _ in range(count - 1)])
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet layout: a stem, layer1..layer4 (each a Sequential of blocks), a pool and a head."""
+
+    def __init__(self, counts: tuple[int, ...] = (2, 2, 2, 2)) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8)
+        widths = [8, 8, 16, 32, 64]
+        for i, count in enumerate(counts):
+            setattr(self, f"layer{i + 1}", _stage(widths[i], widths[i + 1], count))
+        self.fc = nn.Linear(64, 10)
+
+
+def test_blocks_are_found_in_the_shapes_people_write():
+    """A run of repeated members with members of other types before or after it (a stem, a pool, a head), blocks
+    one level down, ResNet's stages of blocks; what no run holds is the root."""
+    def found(model: nn.Module) -> list[str]:
+        return [name for name, _ in blocks.find(model)]
+
+    def tanh_block() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    assert found(nn.Sequential(*[tanh_block() for _ in range(4)], nn.Linear(8, 3))) == ["0", "1", "2", "3"]
+    assert found(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), *[tanh_block() for _ in range(3)],
+                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(8), nn.Linear(8, 3))) == \
+        ["3", "4", "5"]  # Sequential(stem, *blocks, pool, head)
+    vgg = nn.Module()
+    vgg.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.MaxPool2d(2))
+    vgg.classifier = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Dropout(), nn.Linear(8, 3))
+    assert found(vgg) == ["features.0", "features.2", "classifier.0", "classifier.3"]
+    resnet = ResNet((2, 3, 2, 2))
+    assert found(resnet) == [f"layer{i}.{j}" for i, n in zip(range(1, 5), (2, 3, 2, 2)) for j in range(n)]
+    # the same stages in one Sequential with the stem and head: each stage's blocks, not the stages whole
+    flat = nn.Sequential(resnet.conv1, resnet.bn1, resnet.layer1, resnet.layer3, resnet.layer4,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), resnet.fc)
+    assert found(flat) == ["2.0", "2.1", "3.0", "3.1", "4.0", "4.1"]
+    # two different containers are no run; their blocks are found inside each
+    mixed = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    assert found(mixed) == ["0.0", "0.1"]
+    bert = pytest.importorskip("transformers").BertModel(pytest.importorskip("transformers").BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=30))
+    assert found(bert) == ["encoder.layer.0", "encoder.layer.1"]
+
+
+def test_where_no_block_is_found_the_warning_says_what_was_looked_for_and_how_to_name_them():
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 3))
+    said = blocks.none_found(plain, "shard='parameters'")
+    assert "found no blocks in Sequential" in said and "runs of two or more consecutive members of one type" in said
+    assert "blocks=['0', '1', '2']" in said
+
+
 def test_blocks_that_nest_or_do_not_exist_are_clear_errors():
     nanogpt = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=8, dropout=0.0))
     with pytest.raises(ValueError, match="'transformer.h.0' and 'transformer.h.0.attn': one holds the other"):
@@ -174,6 +245,38 @@ def _rnn():
 def test_an_lstm_with_blocks_named_by_hand_trains_as_one_process(ranks):
     for ref, par, names in ranks(2, _rnn):
         assert names == ["rnn", "decoder", "(root)"]
+        assert_close(par, ref, rtol=1e-12, atol=1e-14)
+
+
+@w.float64
+def _stem_blocks_head(options: dict):
+    """Sequential(stem, *blocks, norm, head) on a conv stem, under shard="parameters" (and checkpoint=True): the
+    blocks are the run, the stem, norm and head the root. GroupNorm: BatchNorm in training mode normalizes by
+    each rank's own rows (docs/data-parallel.md), which is no test of the blocks."""
+    x, y = w.digits_like(24, features=16)
+    x = x.view(-1, 1, 4, 4)
+
+    def build():
+        blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)]
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+                             nn.Flatten(), *blocks, nn.LayerNorm(16), nn.Linear(16, 3))
+
+    ref = w.seeded(build, 0)
+    model, loader = autodist.parallelize(w.seeded(build, 100 * w.rank()), w.loader(x, y, 8), **options)
+    for m, batches in ((ref, w.loader(x, y, 8)), (model, loader)):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for xb, yb in batches:
+            opt.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            opt.step()
+    return w.state(ref), w.state(model), [b.name for b in sharding_of(model).blocks]
+
+
+@pytest.mark.parametrize("options", [{"shard": "parameters"}, {"shard": "parameters", "checkpoint": True}],
+                         ids=["parameters", "parameters-checkpoint"])
+def test_blocks_between_a_stem_and_a_head_train_as_one_process(ranks, options):
+    for ref, par, names in ranks(2, _stem_blocks_head, options):
+        assert names == ["5", "6", "7", "(root)"]
         assert_close(par, ref, rtol=1e-12, atol=1e-14)
 
 
