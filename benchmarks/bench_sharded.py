@@ -13,7 +13,12 @@ What it measures
     * ``ZeRO-1 (torch)``: torch's ``DistributedDataParallel`` with ``ZeroRedundancyOptimizer`` (stage 1);
     * ``FSDP2 (torch)``: torch's ``fully_shard`` applied to each Linear layer, then to the model (full).
 
-    ``--frozen K`` freezes the first K layers (fine-tuning a frozen base).
+    ``--frozen K`` freezes the first K layers (fine-tuning a frozen base). ``--shape blocks-head`` makes the
+    model the most common plain shape instead: ``--layers`` blocks (``Sequential(Linear, ReLU)``), then a head
+    of another type (``Linear(width, 10)``): autodist's blocks are the run, the head is the root, and FSDP2
+    shards each block, then the model (torchtitan's way). ``AUTODIST_SHARED_MEMORY=0`` in the environment
+    sums the sharded gradients through the backend's reduce-scatter, as across machines, instead of shared
+    memory.
 
     Each contender first runs alone on fresh processes (``--steps`` steps): the *live* bytes a rank holds
     between steps, every tensor storage alive in the process counted once through the garbage collector
@@ -31,6 +36,7 @@ How to run
     python benchmarks/bench_sharded.py --ranks 4
     python benchmarks/bench_sharded.py --layers 8 --width 2048
     python benchmarks/bench_sharded.py --frozen 7       # the first 7 of 8 layers frozen
+    python benchmarks/bench_sharded.py --shape blocks-head   # repeated blocks, then a head of another type
     python benchmarks/bench_sharded.py --quick          # smoke run: tiny model, a few steps
 """
 from __future__ import annotations
@@ -59,14 +65,24 @@ CONTENDERS = ("dp", "shard=optimizer", "shard=gradients", "shard=parameters", "D
 
 
 def mlp(args: argparse.Namespace) -> nn.Module:
+    """``--shape mlp``: Linear and ReLU layers, the head a Linear too (every Linear a block); ``blocks-head``:
+    blocks of Linear and ReLU, then the head (the blocks are the run, the head the root)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(args.layers):
-        layers += [nn.Linear(args.width, args.width), nn.ReLU()]
+        pair = [nn.Linear(args.width, args.width), nn.ReLU()]
+        layers += [nn.Sequential(*pair)] if getattr(args, "shape", "mlp") == "blocks-head" else pair
     model = nn.Sequential(*layers, nn.Linear(args.width, 10))
-    for layer in [m for m in model if isinstance(m, nn.Linear)][:getattr(args, "frozen", 0)]:
+    for layer in [m for m in model.modules() if isinstance(m, nn.Linear)][:getattr(args, "frozen", 0)]:
         layer.requires_grad_(False)
     return model
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one before the model: each Linear layer, or each block before the head."""
+    if isinstance(model[0], nn.Sequential):
+        return list(model)[:-1]
+    return [layer for layer in model if isinstance(layer, nn.Linear)]
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -95,9 +111,8 @@ def contender(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.opt
         world = autodist.init()
         mesh = init_device_mesh("cpu", (world.size,))
         model = mlp(args)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
+        for layer in fsdp_blocks(model):
+            fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(_trainable(model), lr=1e-4)
     model, _ = autodist.parallelize(mlp(args), shard=name.removeprefix("shard=") if name.startswith("shard") else None)
@@ -199,8 +214,11 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
     os.remove(result)
     total = sum(p.numel() for p in mlp(args).parameters())
     frozen = f", the first {args.frozen} layers frozen" if args.frozen else ""
-    print(f"\n{ranks} ranks, MLP of {args.layers} x {args.width} ({total / 1e6:.1f} M parameters, float32, Adam{frozen}), "
-          f"{args.batch} rows per rank\n")
+    shape = "MLP" if args.shape == "mlp" else "blocks (Linear + ReLU) then a Linear head,"
+    exchange = "" if os.environ.get("AUTODIST_SHARED_MEMORY", "1") != "0" else \
+        ", sharded gradients through the backend's reduce-scatter (AUTODIST_SHARED_MEMORY=0)"
+    print(f"\n{ranks} ranks, {shape} {args.layers} x {args.width} ({total / 1e6:.1f} M parameters, float32, "
+          f"Adam{frozen}), {args.batch} rows per rank{exchange}\n")
     print("| contender | live / rank (MB) | ideal (MB) | live / ideal | parameters | gradients | optimizer state | "
           "autodist buffers | shared memory | peak RSS in steps (MB) | step (ms) | step vs dp |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -229,6 +247,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
     parser.add_argument("--frozen", type=int, default=0, help="freeze the first FROZEN Linear layers")
+    parser.add_argument("--shape", choices=("mlp", "blocks-head"), default="mlp",
+                        help="Linear layers (each a block), or blocks of Linear + ReLU then a head of another type")
     parser.add_argument("--steps", type=int, default=5, help="steps per block (and of each run alone)")
     parser.add_argument("--rounds", type=int, default=6, help="blocks of each contender")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")
