@@ -14,7 +14,7 @@ from autodist.api import explain, parallelize, plan
 from autodist.dp.grad_sync import no_sync, synchronize_model
 from autodist.dp.structure import ModelChanged
 from autodist.mp.gather import gather_state_dict
-from autodist.mp.rewrite import Plan
+from autodist.mp.rewrite import SplitPlan
 from autodist.planner.plan import Auto, ParallelPlan
 from autodist.ps import EASGD, Downpour
 from autodist.runtime import comm
@@ -31,8 +31,21 @@ for _public in (engine, comm, checkpoint):
     sys.modules[f"{__name__}.{_public.__name__.rsplit('.', 1)[1]}"] = _public
 del _public
 
-__all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "Plan", "gather_state_dict",
+__all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "SplitPlan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
            "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters", "plan", "Auto",
            "ParallelPlan"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``autodist.Plan``, the model-parallel split's old name (beside ``autodist.plan()``, the layout search, it
+    read as the same thing): still there, with a DeprecationWarning."""
+    if name == "Plan":
+        import warnings
+
+        warnings.warn("autodist.Plan is now autodist.SplitPlan (what explain(model, mp=K) returns: how each layer "
+                      "is split); autodist.plan() and autodist.ParallelPlan are the layout search", DeprecationWarning,
+                      stacklevel=2)
+        return SplitPlan
+    raise AttributeError(f"module 'autodist' has no attribute {name!r}")

@@ -225,7 +225,7 @@ def _split_layers(model: nn.Module, dims: ParallelDims, groups: Groups, mp_layer
                     type(model).__name__, planned.plan.untraced, swapped or "none", dims.mp)
 
 
-def _check_split_pays(model: nn.Module, plan: rewrite.Plan, rank: int) -> None:
+def _check_split_pays(model: nn.Module, plan: rewrite.SplitPlan, rank: int) -> None:
     """mp > 1 that splits nothing raises; one that splits little of the model warns, naming what stays whole."""
     total = sum(p.numel() for p in model.parameters())
     split = [r for r in plan.layers if r.split in ("column", "row", "full")]
@@ -594,7 +594,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
 
 def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", batch_size: int | None = None,
             example: observe.Example | None = None, *, pp: int = 1, stages: pp_cut.Stages = None,
-            blocks: sharded_blocks.Choice = None) -> rewrite.Plan | pp_cut.Cut:
+            blocks: sharded_blocks.Choice = None) -> rewrite.SplitPlan | pp_cut.Cut:
     """What ``parallelize(model, mp=mp, pp=pp)`` would do, without running anything or needing a process group.
 
     Args:
@@ -609,7 +609,7 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
         pp / stages / blocks: the pipeline stages, as for ``parallelize``.
 
     Returns:
-        The model-parallel :class:`Plan` (``pp=1``), or the cut into stages (``pp > 1``; with ``mp > 1`` it holds
+        The model-parallel :class:`SplitPlan` (``pp=1``), or the cut into stages (``pp > 1``; with ``mp > 1`` it holds
         the plan too); ``print`` it for the table.
 
     Example:

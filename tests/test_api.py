@@ -68,3 +68,14 @@ def test_the_public_names_import_as_they_always_did():
     )
     # a fresh interpreter: `import autodist.engine` must work before anything imported the module by its new path
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_model_parallel_split_plan_and_the_layout_plan_have_names_apart():
+    """explain(model, mp=K) returns a SplitPlan (how each layer is split); plan() a ParallelPlan (the layout). The
+    split's old name, autodist.Plan, still works, with a DeprecationWarning naming the new one."""
+    split = autodist.explain(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), mp=2)
+    assert isinstance(split, autodist.SplitPlan) and "SplitPlan" in autodist.__all__ and "Plan" not in autodist.__all__
+    with pytest.warns(DeprecationWarning, match="autodist.Plan is now autodist.SplitPlan"):
+        assert autodist.Plan is autodist.SplitPlan
+    with pytest.raises(AttributeError, match="no attribute 'Plann'"):
+        autodist.Plann  # noqa: B018

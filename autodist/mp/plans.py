@@ -29,7 +29,7 @@ class LayerPlan:
     note: str = ""
 
 @dataclass
-class Plan:
+class SplitPlan:
     """What ``parallelize(model, mp=K)`` will do to each layer; ``str()`` is a table.
 
     Example:
@@ -76,7 +76,7 @@ class Plan:
 class Rewrite:
     """A plan and what applying it needs: each planned layer's role and, when traced, its graph node."""
 
-    plan: Plan
+    plan: SplitPlan
     roles: dict[str, str]  # layer name -> "column" | "row" | "full" | "heads" (nn.MultiheadAttention)
     first: set[str]  # layers whose input needs no gradient
     graph: fx.Graph | None = None

@@ -10,7 +10,7 @@ from torch import nn
 
 from autodist.mp import observe, regions, torch_layers
 from autodist.mp.fx_plan import where_tracing_stopped
-from autodist.mp.plans import HOOKED, LayerPlan, Plan, Rewrite, count_params, hooked, linear_row
+from autodist.mp.plans import HOOKED, LayerPlan, Rewrite, SplitPlan, count_params, hooked, linear_row
 
 
 def plan_recorded(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException | None,
@@ -111,7 +111,7 @@ def plan_recorded(model: nn.Module, mp: int, selected: Callable[[str, nn.Module]
                       for note, names in by_reason.items())
         raise NotImplementedError(f"torch.fx cannot trace {type(model).__name__} and no nn.Linear module can be "
                                   f"swapped in its place; tracing stopped at {where}{why}")
-    return Rewrite(Plan(mp, rows, traced=False, untraced=where), roles, first, regions=found.regions,
+    return Rewrite(SplitPlan(mp, rows, traced=False, untraced=where), roles, first, regions=found.regions,
                    orientation=found.orientation)
 
 def _attention_row(name: str, module: nn.MultiheadAttention, mp: int, seen: observe.Observation) -> LayerPlan:

@@ -18,10 +18,10 @@ from torch import nn
 
 from autodist.mp import observe, regions, torch_layers
 from autodist.mp.fx_plan import Planner, depends_on_training, linear_args, linear_input, plan_rows
-from autodist.mp.plans import LayerPlan, MPLayers, Plan, Rewrite
+from autodist.mp.plans import LayerPlan, MPLayers, Rewrite, SplitPlan
 from autodist.mp.recorded_plan import plan_recorded
 
-__all__ = ["LayerPlan", "MPLayers", "Plan", "Rewrite", "plan", "apply", "explain", "mp_modules", "check_selection"]
+__all__ = ["LayerPlan", "MPLayers", "SplitPlan", "Rewrite", "plan", "apply", "explain", "mp_modules", "check_selection"]
 
 def _selector(mp_layers: MPLayers) -> Callable[[str, nn.Module], bool]:
     if isinstance(mp_layers, str) and mp_layers == "all":
@@ -65,7 +65,7 @@ def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int
         why = "F.linear in a forward that depends on model.training: rewriting it would freeze the mode"
         planner = Planner(model, graph, mp, selected, explicit, functions=why)
         planner.plan()
-    traced = Rewrite(Plan(mp, plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
+    traced = Rewrite(SplitPlan(mp, plan_rows(planner, graph), batch_size=batch_size), planner.role, planner.first,
                      graph, planner.nodes, planner.swaps)
     attention = bool(torch_layers.attention_modules(model))
     if ("full" in planner.role.values() or attention) and not planner.swaps \
@@ -185,7 +185,7 @@ def apply(model: nn.Module, rewrite: Rewrite, group: object | None) -> list[tupl
     return replaced
 
 def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None,
-            example: observe.Example | None = None) -> Plan:
+            example: observe.Example | None = None) -> SplitPlan:
     """What ``parallelize(model, mp=mp)`` would do, without running anything or needing a process group.
 
     Args:
@@ -198,7 +198,7 @@ def explain(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: 
             ones, a dict of keyword ones, or one tensor): the plan is then read from that forward.
 
     Returns:
-        A :class:`Plan`; ``print`` it for the table.
+        A :class:`SplitPlan`; ``print`` it for the table.
 
     Example:
         >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
