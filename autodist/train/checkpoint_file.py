@@ -183,11 +183,15 @@ def _machine_id() -> str:
     """8 hex digits naming this machine, boot and PID namespace: where a PID in a temporary's name means
     this process table's PID (a reboot or another container gives another id)."""
     parts = [socket.gethostname()]
-    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(os.readlink(source) if source.endswith("ns/pid") else open(source).read().strip())
-        except OSError:
-            parts.append("")
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("")
+    try:
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        parts.append("")
     return f"{zlib.crc32('|'.join(parts).encode()):08x}"
 
 
