@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -220,6 +221,9 @@ def run_script(argv: list[str]) -> None:
         _kept_alive.append(_stay_on_loopback())  # the store lives as long as the rank
     else:
         _reach_the_other_hosts()
+    from autodist.runtime import ending
+
+    atexit.register(ending.end_a_group_left_alive)  # first registered, last run: after autodist's own end
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python script.py` puts the script's folder first
@@ -229,8 +233,6 @@ def run_script(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (None, 0):  # sys.exit("why"), or argparse's error, whose line went to stderr
-            from autodist.runtime import ending
-
             line = stop.code if isinstance(stop.code, str) else tail.last
             if line:  # with the status: the launcher may stop this rank while it exits (see failure_of)
                 ending.record_error(line, line, path=error_file, status=stop.code if isinstance(stop.code, int) else 1)

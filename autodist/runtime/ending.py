@@ -334,8 +334,28 @@ def shutdown(destroy: bool = True) -> None:
         finally:
             bound.cancel()
     if destroy:
-        dist.destroy_process_group()
-        gc.collect()
-        time.sleep(0.1)
+        _tear_down()
     if not fine:
         leave(1)
+
+
+def _tear_down() -> None:
+    """The process group destroyed and its finished work collected while the interpreter is whole, with a moment
+    for gloo's threads to let go of it (see :func:`shutdown`)."""
+    dist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.1)
+
+
+def end_a_group_left_alive() -> None:
+    """At the very end of a rank of ``autodist run`` (registered before the script runs, so after autodist's own
+    end): a gloo process group that the script started itself and left alive (Hugging Face Trainer's,
+    Accelerate's, a DDP script without ``destroy_process_group``) is torn down as :func:`shutdown` tears down
+    autodist's, instead of aborting the process at exit now and then ("terminate called without an active
+    exception": gloo's threads releasing work after the interpreter began finalizing). NCCL's is left to its
+    starter: destroying it alone can wait for the other ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        try:
+            _tear_down()
+        except Exception as exc:  # noqa: BLE001 - the process is ending; a peer gone already is no error here
+            log.debug("at exit: %s", exc)
