@@ -262,8 +262,19 @@ def run(argv: Sequence[str]) -> int:
     if "--keep-going" in argv:
         return _keep_going([a for a in argv if a != "--keep-going"])
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
-        launch = torchrun_args(argv, workdir)
-        return supervise(launch, os.path.join(workdir, "failures.json"), _world(launch), output_of(argv))
+        return supervise(list(argv), workdir)  # the launcher reads the arguments: this process never loads torch
+
+
+def _launch_job(workdir: str, argv: list[str]) -> int:
+    """The launcher child of ``autodist run``: ``run``'s arguments read (torchrun's parser checks them), then
+    torchrun; a bad argument is one line and status 2."""
+    try:
+        torchrun = torchrun_args(argv, workdir)
+        output = output_of(argv)
+    except UsageError as error:
+        print(f"autodist run: {error}", file=sys.stderr, flush=True)
+        return 2
+    return launch(os.path.join(workdir, "failures.json"), torchrun, output, _world(torchrun))
 
 
 def _keep_going(argv: list[str]) -> int:
@@ -436,8 +447,8 @@ def _main(argv: list[str]) -> int:
         if command == "_rank":  # inside each rank of `autodist run` (see autodist.cli.launch)
             run_script(rest)
             return 0
-        if command == "_launch":  # the launcher child of `autodist run`: report, output, torchrun's arguments
-            return launch(rest[0], rest[2:], Output.parse(rest[1]))
+        if command == "_launch":  # the launcher child of `autodist run`: its folder, then run's arguments
+            return _launch_job(rest[0], rest[1:])
         raise UsageError(f"unknown command {command!r}; the commands are run and explain (see autodist --help)")
     except UsageError as error:
         name = f"autodist {command}" if command in ("run", "explain") else "autodist"

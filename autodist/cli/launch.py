@@ -2,12 +2,13 @@
 
 Three processes take part, each a function here:
 
-* :func:`supervise` (the ``autodist run`` process) starts the launcher in a
-  process group of its own, turns Ctrl-C / SIGTERM / SIGHUP into one SIGTERM
-  for it (its ranks die quietly instead of each printing a KeyboardInterrupt
-  traceback), and when the job failed prints :func:`summary` after the
-  launcher's output;
-* :func:`launch` (the launcher) is torchrun's ``run``; what torchrun raises
+* :func:`supervise` (the ``autodist run`` process, which loads nothing of
+  torch) starts the launcher in a process group of its own, turns Ctrl-C /
+  SIGTERM / SIGHUP into one SIGTERM for it (its ranks die quietly instead of
+  each printing a KeyboardInterrupt traceback), and when the job failed prints
+  :func:`summary` after the launcher's output;
+* :func:`launch` (the launcher, which reads ``run``'s arguments first: a bad
+  one is its one line and status 2) is torchrun's ``run``; what torchrun raises
   when ranks fail is written to a report file instead of a traceback; the
   ranks' lines it tails come out labelled with their rank, those of the ranks
   shown only (:mod:`autodist.cli.output`);
@@ -16,9 +17,7 @@ Three processes take part, each a function here:
   torchrun gives every rank (``TORCHELASTIC_ERROR_FILE``).
 
 Example:
-    >>> from autodist.cli.command import output_of, torchrun_args
-    >>> argv = ["-n", "2", "--show-ranks", "0", "train.py"]
-    >>> code = supervise(torchrun_args(argv, "/tmp/run"), "/tmp/run/failures.json", world=2, output=output_of(argv))
+    >>> code = supervise(["-n", "2", "--show-ranks", "0", "train.py"], tempfile.mkdtemp())
 """
 from __future__ import annotations
 
@@ -274,8 +273,9 @@ def _quiet_shutdown(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
 
 
-def launch(report: str, torchrun_argv: list[str], output: Output = LABELLED) -> int:
-    """torchrun's ``run`` with ``torchrun_argv``; failed ranks go to the JSON file ``report``.
+def launch(report: str, torchrun_argv: list[str], output: Output = LABELLED, world: int | None = None) -> int:
+    """torchrun's ``run`` with ``torchrun_argv``; failed ranks go to the JSON file ``report``, with ``world``, the
+    number of ranks where this machine's options tell it, for the summary.
 
     With ``output`` labelled, the ranks' lines that torchrun tails (``--tee``) carry their global rank, and
     only the ranks ``output`` shows are printed (see :mod:`autodist.cli.output`).
@@ -307,7 +307,7 @@ def launch(report: str, torchrun_argv: list[str], output: Output = LABELLED) -> 
         if isinstance(sys.stderr, RankLines):
             sys.stderr.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary
         with open(report, "w") as f:
-            json.dump([vars(failure) for failure in failures], f)
+            json.dump({"world": world, "failures": [vars(failure) for failure in failures]}, f)
         return 1
     except SignalException as stopped:
         return 128 + int(stopped.sigval)
@@ -391,20 +391,19 @@ def _kill_now(pid: int) -> None:
         pass
 
 
-def supervise(torchrun_argv: list[str], report: str, world: int | None = None, output: Output = LABELLED) -> int:
+def supervise(argv: list[str], workdir: str) -> int:
     """Run the launcher as a child; forward a stop request; return the job's exit status.
 
     Args:
-        torchrun_argv: torchrun's arguments.
-        report: where the launcher writes the failed ranks (a file that does not exist yet).
-        world: the number of ranks, for the summary, when known.
-        output: how the ranks' lines are printed (labelled ones need torchrun's ``--tee``).
+        argv: ``autodist run``'s arguments, which the launcher reads (this process loads nothing of torch).
+        workdir: the run's folder (empty), where the launcher writes the failed ranks (``failures.json``).
 
     Returns:
-        0 on success; the failed rank's exit status (128 + signal when killed);
-        130 after Ctrl-C (143 after SIGTERM).
+        0 on success; the failed rank's exit status (128 + signal when killed); 2 for a bad argument (the
+        launcher said which); 130 after Ctrl-C (143 after SIGTERM).
     """
-    cmd = [*python_command("_launch"), report, str(output), *torchrun_argv]
+    report = os.path.join(workdir, "failures.json")
+    cmd = [*python_command("_launch"), workdir, *argv]
     child = subprocess.Popen(cmd, preexec_fn=_own_group_dying_with_parent)
     stopped_by: list[int] = []
 
@@ -427,10 +426,11 @@ def supervise(torchrun_argv: list[str], report: str, world: int | None = None, o
         return 128 + stopped_by[0]
     if code == 1 and os.path.isfile(report):
         with open(report) as f:
-            failures = [Failure(**entry) for entry in json.load(f)]
+            said = json.load(f)
+        failures = [Failure(**entry) for entry in said["failures"]]
         if failures:
             sys.stdout.flush()
-            print("\n".join(summary(failures, world)), file=sys.stderr, flush=True)
+            print("\n".join(summary(failures, said["world"])), file=sys.stderr, flush=True)
             return root_cause(failures).status
     return code if code >= 0 else 128 - code
 

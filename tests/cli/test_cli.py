@@ -90,7 +90,9 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("argv, says", BAD_INPUT, ids=[" ".join(a[:2]) for a, _ in BAD_INPUT])
-def test_bad_input_is_one_line_and_status_2(argv, says, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_status_2(argv, says, tmp_path, monkeypatch, capfd):
+    """``run``'s arguments are read by its launcher child (the supervising process loads nothing of torch), so
+    the line is read from the file descriptors."""
     _write(tmp_path, "cli_nets", "import torch.nn as nn\nWIDTH = 3\n"
            "def build():\n    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))\n"
            "def needs_width(width):\n    return nn.Linear(width, width)\n"
@@ -100,7 +102,7 @@ def test_bad_input_is_one_line_and_status_2(argv, says, tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(argv) == 2
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and err.startswith(("autodist explain: ", "autodist run: ", "autodist: ")), err
     assert says in err and "Traceback" not in err, err
