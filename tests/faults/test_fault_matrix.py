@@ -1,8 +1,10 @@
 """The fault matrix: every sync mode and mp=2, each ending normally (no flush, no close) or with a fault on
 rank 1 (an exception, SIGKILL, a stall), run for real under `autodist run` on 2 ranks (tests/matrix_train.py).
 
-Every cell: every process is gone within 60 s, the job's exit status is non-zero exactly when something
-failed, the last line names the failed rank and its cause, and the checkpoint written along the way loads.
+Every cell: every process is gone within its bound (twice its mode's fault-free job in the same run, plus what
+the fault waits by design, plus 20 s: the machine's pace now, not a fixed number a slower or busier machine
+would miss), the job's exit status is non-zero exactly when something failed, the last line names the failed
+rank and its cause, and the checkpoint written along the way loads.
 The cells run three at a time (most of a cell is processes starting); the outcomes table of the faults
 docs page is what this prints with ``-s``.
 """
@@ -25,7 +27,9 @@ SCRIPT = os.path.join(HERE, "matrix_train.py")
 MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2", "pp2",
          "shard-optimizer", "shard-gradients", "shard-parameters"]
 FAULTS = ["none", "raise", "kill", "stall", "evaluate"]
-LIMIT = 60  # every process of a cell must be gone by then
+LIMIT = 90  # seconds a cell may take where its mode's fault-free cell did not run (a cell run alone)
+HANG = 300  # a cell still running then is stopped: a hang
+WAITS = {"stall": BUSY, "evaluate": 3 * TIMEOUT}  # what a fault waits by design
 
 
 @dataclass
@@ -51,9 +55,9 @@ def _run(mode: str, fault: str, folder: str, ranks: int = 2) -> Cell:
     start = time.time()
     try:
         proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", str(ranks), SCRIPT, mode, fault,
-                               checkpoint], env=env, capture_output=True, text=True, timeout=LIMIT + 30)
+                               checkpoint], env=env, capture_output=True, text=True, timeout=HANG)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{mode} x {fault}: the job was still running after {LIMIT + 30} s:\n{e.stdout}\n{e.stderr}")
+        pytest.fail(f"{mode} x {fault}: the job was still running after {HANG} s:\n{e.stdout}\n{e.stderr}")
     end = time.time()
     output = proc.stdout + proc.stderr
     marks = [float(t) for t in re.findall(r"(?:fault at|done at) ([\d.]+)", output)]
@@ -83,6 +87,16 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _bound(cells: dict[tuple[str, str], Cell], mode: str, fault: str) -> tuple[float, str]:
+    """How long the cell may take, and why: twice its mode's fault-free job in this run, plus what the fault
+    waits by design, plus 20 s; LIMIT where the fault-free cell did not run."""
+    plain = cells.get((mode, "none"))
+    if plain is None:
+        return LIMIT, f"{LIMIT} s (its mode's fault-free cell did not run)"
+    bound = 2 * plain.seconds + WAITS.get(fault, 0) + 20
+    return bound, f"{bound:.0f} s (twice the {plain.seconds:.0f} s of its mode's fault-free job, + its wait, + 20 s)"
+
+
 def _checkpoint_intact(cell: Cell, fault: str) -> None:
     """Written at step 2, before the fault: it loads, whole; nothing half-written lies beside it."""
     saved = torch.load(cell.checkpoint, weights_only=True)
@@ -92,12 +106,16 @@ def _checkpoint_intact(cell: Cell, fault: str) -> None:
     assert os.listdir(os.path.dirname(cell.checkpoint)) == ["ckpt.pt"]
 
 
+QUICK = {("backward", "kill")}  # the quick tier's cell: a real job, a rank killed, the others named
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode, fault", [
+    pytest.param(m, f, id=f"{m}-{f}", marks=() if (m, f) in QUICK else pytest.mark.slow) for m in MODES for f in FAULTS])
 def test_cell(cells, mode, fault):
     cell = cells[mode, fault]
-    assert cell.seconds < LIMIT, f"{cell.seconds:.0f} s:\n{cell.output}"
+    bound, why = _bound(cells, mode, fault)
+    assert cell.seconds < bound, f"{mode} x {fault} took {cell.seconds:.0f} s, expected under {why}:\n{cell.output}"
     assert "Traceback" not in cell.output or fault == "raise", cell.output
     if fault == "none":
         assert cell.code == 0, cell.output
@@ -121,7 +139,11 @@ def test_cell(cells, mode, fault):
         assert cell.last.startswith("autodist run: the ranks were stopped: rank 0 "), cell.output
         assert "rank 1 is in its own code after step 4 of epoch 0" in cell.last, cell.output
         assert f"(AUTODIST_BUSY_TIMEOUT={BUSY} s: how long a rank alive" in cell.last, cell.output
-        assert BUSY <= cell.after_fault < BUSY + 6, cell.output
+        plain = cells.get((mode, "none"))
+        ending = 2 * plain.after_fault if plain is not None and plain.after_fault is not None else 6
+        assert BUSY <= cell.after_fault < BUSY + 6 + ending, (  # stopped at the busy limit, not at a timeout
+            f"ended {cell.after_fault:.1f} s after the stall; expected from {BUSY} s to {BUSY + 6 + ending:.1f} s "
+            f"(+ twice its mode's fault-free end)", cell.output)
     else:  # rank 0 evaluating alone for 3 x TIMEOUT: rank 1 says whom it waits for, and the job finishes
         assert cell.code == 0, cell.output
         assert cell.output.count(" done at ") == 2, cell.output
@@ -131,6 +153,7 @@ def test_cell(cells, mode, fault):
     _checkpoint_intact(cell, fault)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_gossip_on_four_ranks_ends_without_flush(tmp_path):
     """The reported hang: Gossip on 4 ranks, no gossip.flush() at the end. The last exchange is waited for at
@@ -138,11 +161,14 @@ def test_gossip_on_four_ranks_ends_without_flush(tmp_path):
     cell = _run("gossip", "none", str(tmp_path), ranks=4)
     print(f"Gossip on 4 ranks without flush: the job ended {_seconds(cell.after_fault)} s after the loops")
     assert cell.code == 0, cell.output  # a hang would have been stopped by the watchdog: status 1
-    # in seconds (4 ranks on 2 cores beside the rest of the suite: 1-6 s), well before the exit timeout's end
-    assert cell.after_fault is not None and cell.after_fault < 2 * TIMEOUT, cell.output
+    # in seconds (4 ranks on 2 cores beside the rest of the suite: 1-6 s); had it waited for the exit timeout,
+    # the status would be 1 (above), so this bound only catches a hang, with room for a slow or busy machine
+    assert cell.after_fault is not None and cell.after_fault < 4 * TIMEOUT, (
+        f"ended {_seconds(cell.after_fault)} s after the loops, expected under {4 * TIMEOUT} s", cell.output)
     assert "the script ended with its last exchange under way; autodist waited for it at exit" in cell.output
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_the_end_is_bounded_without_parallelize_too(tmp_path):
     """No watchdog (only autodist.init and autodist.comm): rank 1 never reaches its end; rank 0 waits at its
@@ -153,4 +179,5 @@ def test_the_end_is_bounded_without_parallelize_too(tmp_path):
     assert cell.last == ("autodist run: the ranks were stopped: rank 0 reached the end of its script and waited 5 s "
                          "for the others: rank 1 did not reach the end of the script (AUTODIST_EXIT_TIMEOUT=5 s; "
                          "raise it if a rank legitimately finishes this much later)"), cell.output
-    assert TIMEOUT <= cell.after_fault < TIMEOUT + 5, cell.output
+    assert TIMEOUT <= cell.after_fault < TIMEOUT + 10, (  # the exit timeout, then the teardown (a few seconds)
+        f"ended {cell.after_fault:.1f} s after the loops, expected from {TIMEOUT} to {TIMEOUT + 10} s", cell.output)
