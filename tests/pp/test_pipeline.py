@@ -158,31 +158,36 @@ def _reference(name: str) -> tuple[list[float], list[float], dict[str, torch.Ten
     return _REFERENCE[name]
 
 
+CASES = [  # id, ranks, pp, model, options
+    ("pp2-gpt", 2, 2, "gpt", {}),
+    ("pp2-hf", 2, 2, "hf", {}),
+    ("pp2-seq-first", 2, 2, "seq", {}),
+    ("pp2-residual-between-blocks", 2, 2, "res", {}),
+    ("pp2-stem-blocks-head", 2, 2, "stem", {}),
+    ("pp2-gpt-recomputed", 2, 2, "gpt", {"checkpoint": True, "stages": [3, 1]}),  # a stage of one block recomputes
+    ("pp4-gpt", 4, 4, "gpt", {}),
+    ("dp2-pp2-gpt", 4, 2, "gpt", {}),  # 2 data-parallel replicas of 2 stages
+    ("dp2-pp2-shard-optimizer", 4, 2, "gpt", {"shard": "optimizer"}),
+    ("dp2-pp2-shard-gradients", 4, 2, "gpt", {"shard": "gradients"}),
+    ("dp2-pp2-hf-stages-by-hand", 4, 2, "hf", {"stages": [3, 1]}),
+    ("pp2-mp2-gpt", 4, 2, "gpt", {"mp": 2}),
+    ("pp2-gpt-1f1b", 2, 2, "gpt", {"1f1b": True}),
+    ("pp2-seq-first-1f1b", 2, 2, "seq", {"1f1b": True}),  # target=y cut along its own batch dimension (0; inputs' 1)
+    ("pp4-gpt-1f1b", 4, 4, "gpt", {"1f1b": True}),
+    ("dp2-pp2-hf-1f1b-shard-optimizer", 4, 2, "hf", {"1f1b": True, "shard": "optimizer"}),
+]
+
+
 @pytest.mark.parametrize("size,pp,name,options", [
-    (2, 2, "gpt", {}),
-    (2, 2, "hf", {}),
-    (2, 2, "seq", {}),
-    (2, 2, "res", {}),
-    (2, 2, "stem", {}),
-    (2, 2, "gpt", {"checkpoint": True, "stages": [3, 1]}),  # a stage of one block recomputes it too
-    (4, 4, "gpt", {}),
-    (4, 2, "gpt", {}),  # 2 data-parallel replicas of 2 stages
-    (4, 2, "gpt", {"shard": "optimizer"}),
-    (4, 2, "gpt", {"shard": "gradients"}),
-    (4, 2, "hf", {"stages": [3, 1]}),
-    (4, 2, "gpt", {"mp": 2}),
-    (2, 2, "gpt", {"1f1b": True}),
-    (2, 2, "seq", {"1f1b": True}),  # target=y cut along its own batch dimension (0; the inputs' is 1)
-    (4, 4, "gpt", {"1f1b": True}),
-    (4, 2, "hf", {"1f1b": True, "shard": "optimizer"}),
-], ids=["pp2-gpt", "pp2-hf", "pp2-seq-first", "pp2-residual-between-blocks", "pp2-stem-blocks-head", "pp2-gpt-recomputed", "pp4-gpt", "dp2-pp2-gpt", "dp2-pp2-shard-optimizer",
-        "dp2-pp2-shard-gradients", "dp2-pp2-hf-stages-by-hand", "pp2-mp2-gpt", "pp2-gpt-1f1b", "pp2-seq-first-1f1b",
-        "pp4-gpt-1f1b", "dp2-pp2-hf-1f1b-shard-optimizer"])
+    pytest.param(*case, id=ident, marks=() if ident == "pp2-gpt" else pytest.mark.slow) for ident, *case in CASES])
 def test_trains_as_one_process(ranks, size, pp, name, options):
     losses, norms, state, total = _reference(name)
     # Hugging Face's loss is float32 even in a float64 model (it upcasts the logits to float32 only), and the
     # mean of 3 micro-batches' means rounds differently from the batch's: float32's last digits, carried on
-    tol = dict(rtol=1e-5, atol=1e-6) if name == "hf" else dict(rtol=1e-10, atol=1e-12)
+    # Elsewhere float64: rtol 1e-10 of each element, and an absolute floor of 1e-10 for the elements near zero
+    # (a bias of about 8e-13 came out 1.08e-12 off on another CPU: rounding at the float floor, which Adam
+    # spreads; the parameters themselves are of order 0.1, so 1e-10 is still nine digits of theirs)
+    tol = dict(rtol=1e-5, atol=1e-6) if name == "hf" else dict(rtol=1e-10, atol=1e-10)
     results = ranks(size, _pipelined, name, pp, options)
     dp = size // pp // options.get("mp", 1)
     for result in results:
@@ -229,6 +234,7 @@ def _save_and_resume(pp: int, mp: int, folder: str) -> dict:
             "pickled": pickled, "resumed": autodist.gather_state_dict(model, all_ranks=True)}
 
 
+@pytest.mark.slow
 def test_checkpoints_are_dense_at_any_layout(ranks, tmp_path):
     reference = _model("gpt")
     opt = _adamw(reference)
@@ -356,9 +362,14 @@ def test_explain_shows_the_stages():
     cut = autodist.explain(model, pp=2, example=(idx,))
     text = str(cut)
     assert text.startswith("pp=2: 4 blocks in 2 stages, balanced by the time and bytes measured per block")
-    assert "stage 0: 2 blocks (transformer.h.0 .. transformer.h.1)" in text
-    assert "sends 4,096 bytes a sample to stage 1" in text  # 16 positions x 32 float64 features
-    assert cut.stage_names(1) == ["transformer.h.2", "transformer.h.3"]
+    # where the measured cut falls depends on this machine's timings (a loaded machine moves it); what each stage
+    # sends does not: 16 positions x 32 float64 features
+    assert "sends 4,096 bytes a sample to stage 1" in text
+    assert cut.stage_names(0) + cut.stage_names(1) == [f"transformer.h.{i}" for i in range(4)]
+    assert all(cut.stage_names(s) for s in (0, 1)), text
+    by_bytes = autodist.explain(model, pp=2)  # no sample: the parameters' bytes alone decide, the same anywhere
+    assert str(by_bytes).splitlines()[1].startswith("stage 0: 2 blocks (transformer.h.0 .. transformer.h.1)")
+    assert by_bytes.stage_names(1) == ["transformer.h.2", "transformer.h.3"]
     assert str(autodist.explain(model, pp=2, stages=[3, 1])).splitlines()[1].startswith(
         "stage 0: 3 blocks (transformer.h.0 .. transformer.h.2)")
     both = str(autodist.explain(model, pp=2, mp=2, example=(idx,)))
@@ -456,6 +467,7 @@ def test_gradient_accumulation_with_no_sync(ranks):
                 assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, says", [
     ("residual", "RuntimeError: add on the output of blocks.0, a block pipeline stage 0 runs: the model's own "
                  "code uses it outside the chain of blocks"),
