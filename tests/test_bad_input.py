@@ -66,6 +66,7 @@ except ValueError as err:
 """
 
 
+@pytest.mark.slow
 def test_mp_layer_built_before_init_is_named(tmp_path):
     # two ranks as mpirun starts them (no torchrun), each building its layer before autodist.init()
     with socket.socket() as s:

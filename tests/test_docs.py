@@ -210,7 +210,8 @@ def page_outcomes(docs_pages: Pages) -> dict[str, Future]:
     return docs_pages.all_at_once()
 
 
-@pytest.mark.parametrize("page", [str(p.relative_to(ROOT)) for p in pages()])
+@pytest.mark.parametrize("page", [pytest.param(name, marks=() if name == "README.md" else pytest.mark.slow)
+                                  for name in (str(p.relative_to(ROOT)) for p in pages())])  # the front page: quick
 def test_every_block_of_the_page_runs(page, page_outcomes):
     failure = page_outcomes[page].result()
     if failure is not None:

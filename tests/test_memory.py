@@ -24,6 +24,8 @@ from autodist.sharded import parameters as sharded_parameters
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from live_bytes import live_tensor_bytes  # noqa: E402
 
+pytestmark = pytest.mark.slow  # rounds of training counted through the garbage collector: the full tier
+
 ROUNDS = 10
 
 

@@ -164,6 +164,7 @@ def _own_lines(text: str, word: str) -> dict[int, int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", [[], ["--keep-going"]], ids=["torchrun", "keep-going"])
 def test_every_line_is_whole_and_labelled_with_its_rank(tmp_path, mode):
@@ -178,6 +179,7 @@ def test_every_line_is_whole_and_labelled_with_its_rank(tmp_path, mode):
     assert "[rank0]: rank 0 half a line\n" in proc.stdout and "[rank1]: rank 1 meanwhile\n" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", [[], ["--keep-going"]], ids=["torchrun", "keep-going"])
 def test_show_ranks_prints_rank_0_only_and_still_a_crash_of_rank_1(tmp_path, mode):
@@ -195,6 +197,7 @@ def test_show_ranks_prints_rank_0_only_and_still_a_crash_of_rank_1(tmp_path, mod
     assert proc.stderr.rstrip().endswith("\n".join(shown) + "\n" + last), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_raw_output_is_what_the_ranks_write(tmp_path):
     proc = _run("-n", "2", "--raw-output", _script(tmp_path), "alone", cwd=tmp_path)

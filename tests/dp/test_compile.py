@@ -13,6 +13,8 @@ from torch.testing import assert_close
 import autodist
 import workloads as w
 
+pytestmark = pytest.mark.slow  # torch.compile takes seconds a model: the full tier
+
 
 def _build() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),

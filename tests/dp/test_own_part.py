@@ -127,6 +127,7 @@ def _accumulated(build, whole: list, loader: torch.utils.data.DataLoader, loss) 
     return w.state(model), w.state(ref)
 
 
+@pytest.mark.slow
 def test_nanogpt_accumulating_through_the_own_part_gives_the_same_bits(ranks):
     direct, packed = ranks(2, _run, True, _nanogpt), ranks(2, _run, False, _nanogpt)
     for (par, ref, used), (par_packed, _, used_packed) in zip(direct, packed):
@@ -149,6 +150,7 @@ def _hf_gpt2() -> tuple[dict, dict]:
                         torch.utils.data.DataLoader(rows, batch_size=8), loss)
 
 
+@pytest.mark.slow
 def test_hugging_face_gpt2_accumulating_dict_batches_through_the_own_part(ranks):
     direct = ranks(2, _run, True, _hf_gpt2)
     for par, ref, used in direct:

@@ -21,6 +21,8 @@ import torch
 
 from autodist import engine
 
+pytestmark = pytest.mark.slow  # jobs through the real launcher: the full tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "cifar")
 

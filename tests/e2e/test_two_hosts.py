@@ -18,6 +18,8 @@ from torch.testing import assert_close
 import two_hosts_train
 from cluster import Cluster, ClusterUnavailable, make_cluster
 
+pytestmark = pytest.mark.slow  # jobs through the real launcher: the full tier
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 SCRIPT = os.path.join(HERE, "two_hosts_train.py")
 TIMEOUT = 5  # AUTODIST_TIMEOUT: how long the watchdog lets a rank wait for one that sends no heartbeat

@@ -56,6 +56,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], l
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_every_rank_fails_loudly_naming_the_fix(results: dict, case: str) -> None:
     for rank in (0, 1):

@@ -57,6 +57,7 @@ def _steps(folder: str, case: str, world: int) -> list[dict]:
     return [json.load(open(os.path.join(folder, f"{case}.rank{rank}.json"))) for rank in range(world)]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", ["even", "drop_last"])
 def test_trainer_under_autodist_run_trains_as_one_process_on_the_global_batch(runs, case):

@@ -168,6 +168,7 @@ def _assert_trained_as_one_process(results: list[dict]) -> None:
     assert_close(results[1]["parallel"], results[0]["parallel"], rtol=0, atol=0)  # the same model on every rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["MLP", "Copying"])
 def test_data_parallel_fit_is_one_process_and_syncs_once_a_step(ranks, kind):
     results = ranks(2, _fit, {}, "sgd", 1, kind)
@@ -286,6 +287,7 @@ def test_checkpoints_are_dense_and_resume_at_any_world_size(ranks, tmp_path, opt
         assert_close(r["reloaded"], two_epochs, **TIGHT)
 
 
+@pytest.mark.slow
 def test_import_autodist_leaves_lightning_out_and_a_missing_lightning_says_what_to_install():
     script = ("import sys, autodist\n"
               "assert 'lightning' not in sys.modules, 'import autodist imported lightning'\n"

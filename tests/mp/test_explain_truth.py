@@ -176,6 +176,7 @@ def _hf_without_example(kind: str, source: str):
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict(), len(mp_modules(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["loader", "nothing"])
 @pytest.mark.parametrize("kind", list(HF_TRAINED))
 def test_hugging_face_models_parallelize_with_no_example_as_one_process(ranks, kind, source):

@@ -75,8 +75,10 @@ def _chosen(pins: dict):
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("pins", [{}, {"checkpoint": True}, {"shard": "parameters"}, {"mp": 2}],
-                         ids=["free", "checkpoint", "parameters", "mp2"])
+@pytest.mark.parametrize("pins", [pytest.param({}, id="free"),  # the quick tier's search and training
+                                  *(pytest.param(pins, id=ident, marks=pytest.mark.slow) for pins, ident in
+                                    (({"checkpoint": True}, "checkpoint"), ({"shard": "parameters"}, "parameters"),
+                                     ({"mp": 2}, "mp2")))])
 def test_the_chosen_layout_trains_as_one_process(ranks, pins):
     plans = ranks(2, _chosen, pins)
     assert plans[0] == plans[1]  # every rank ends with the same plan
@@ -97,6 +99,7 @@ def _with_budget(budget_gb: float | None):
     return autodist.plan(w.seeded(lambda: Net(width=256), 0), _data(), auto).to_json()
 
 
+@pytest.mark.slow
 def test_a_budget_rules_out_what_does_not_fit(ranks):
     free = autodist.ParallelPlan.from_json(ranks(2, _with_budget, None)[0])
     replicated = next(r for r in free.rows if r.layout == autodist.planner.plan.Layout(2, 1, None, False))
@@ -155,6 +158,7 @@ def _saved(path: str):
     return loaded == plan, recomputed(model), errors
 
 
+@pytest.mark.slow
 def test_a_saved_plan_is_reused_without_searching(ranks, tmp_path):
     for same, names, errors in ranks(2, _saved, str(tmp_path / "plan.json")):
         assert same and names == ["blocks.0", "blocks.1", "blocks.2"]
@@ -176,6 +180,7 @@ def _untouched():
     return before, w.state(model), grads, {n: p.grad for n, p in model.named_parameters()}, after_plan, expected
 
 
+@pytest.mark.slow
 def test_the_search_leaves_model_gradients_buffers_and_random_streams_alone(ranks):
     for before, after, grads, grads_after, drawn, expected in ranks(2, _untouched):
         assert_close(after, before, rtol=0, atol=0)
@@ -191,6 +196,7 @@ def _nanogpt_peaks():
     return [(str(r.layout), r.peak, r.measured_peak) for r in plan.rows if r.measured_peak], str(plan)
 
 
+@pytest.mark.slow
 def test_predicted_peaks_are_within_10_percent_of_the_measured_on_nanogpt(ranks):
     (peaks, table), _ = ranks(2, _nanogpt_peaks)
     print(table)
@@ -283,6 +289,7 @@ def _hf_auto():
     return reference, (autodist.gather_state_dict(model, all_ranks=True) if split else w.state(trained))
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_with_dict_batches_trains_as_one_process(ranks):
     for reference, trained in ranks(2, _hf_auto):
         assert_close(trained, reference, rtol=1e-7, atol=1e-9)

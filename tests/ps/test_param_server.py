@@ -229,6 +229,7 @@ def _launch(size: int, victim: int, out: str, *how: str) -> tuple[list[int], lis
     return [p.returncode for p in procs], outputs, time.time() - killed_at
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_killed_worker_does_not_stop_the_others(tmp_path):
     out = str(tmp_path / "final.pt")
@@ -241,6 +242,7 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path):
     assert final["accuracy"] > 0.8  # the two survivors trained on: the servers' final model learned
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_message_that_would_run_code_is_refused_and_the_others_train_on(tmp_path):
     out = str(tmp_path / "final.pt")
@@ -254,6 +256,7 @@ def test_a_message_that_would_run_code_is_refused_and_the_others_train_on(tmp_pa
     assert final["lost"] == [2] and final["epochs"] == 3 and final["accuracy"] > 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_killed_worker_under_autodist_run_keep_going(tmp_path):
     # torchrun would stop every rank when one dies; --keep-going starts the ranks without it
@@ -269,6 +272,7 @@ def test_a_killed_worker_under_autodist_run_keep_going(tmp_path):
     assert final["lost"] == [2] and final["epochs"] == 3 and final["accuracy"] > 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_killed_server_ends_the_job_with_the_last_checkpoint_intact(tmp_path):
     out = str(tmp_path / "final.pt")
@@ -282,6 +286,7 @@ def test_a_killed_server_ends_the_job_with_the_last_checkpoint_intact(tmp_path):
     plain.load_state_dict(torch.load(out + ".ckpt", weights_only=True)["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_server_killed_between_epochs_is_named_by_the_workers_that_begin_the_next(tmp_path):
     # The job's store lives in rank 0 too: the loader's bookkeeping of the new epoch finds it gone first, and
@@ -383,6 +388,7 @@ def _digits_accuracy(mode: str) -> float:
         return (model(x[test]).argmax(1) == y[test]).float().mean().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["downpour", "easgd"])
 def test_converges_on_real_digits(ranks, mode):
     accuracies = ranks(2, _digits_accuracy, mode)

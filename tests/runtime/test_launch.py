@@ -91,6 +91,7 @@ def _child_env() -> dict:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_autodist_run_trains_like_one_process(tmp_path):
     out = tmp_path / "state.pt"
@@ -108,6 +109,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_open_mpi_style_launch_trains_like_one_process(tmp_path):
     # What mpirun -np 2 -x MASTER_PORT=... gives each process: no torchrun variables at all.
@@ -131,6 +133,7 @@ def test_open_mpi_style_launch_trains_like_one_process(tmp_path):
     assert f"backend gloo: {choose_backend(None, gpus, 2)[1]}" in outputs[0]  # the reason for this machine
 
 
+@pytest.mark.slow
 def test_explain_command_prints_the_plan(tmp_path):
     (tmp_path / "netdef.py").write_text("import torch.nn as nn\n"
                                         "def build():\n"

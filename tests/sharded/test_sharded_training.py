@@ -215,6 +215,7 @@ def _assert_near(par: dict, ref: dict, tol: float) -> None:
         assert (par[name] - value).abs().max().item() <= tol * max(scale, 1e-30), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "encoder"])
 def test_outside_models_train_as_one_process(ranks, kind, shard):

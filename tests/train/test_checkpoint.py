@@ -424,6 +424,7 @@ def _kill_mid_write(path) -> str:
     return leftovers[0]
 
 
+@pytest.mark.slow
 def test_a_save_killed_mid_write_leaves_the_last_checkpoint_and_the_next_save_cleans_up(tmp_path, autodist_log):
     path = tmp_path / "ckpt.pt"
     leftover = _kill_mid_write(path)

@@ -291,6 +291,7 @@ ALONE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["parameters", "mp"])
 def test_a_copy_on_one_rank_alone_is_a_named_error_not_a_hang(tmp_path, what):
     script = tmp_path / "alone.py"

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # jobs through the real launcher: the full tier
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts and shared helpers
 
 
