@@ -16,6 +16,7 @@ What it measures
 How to run
     python benchmarks/bench_dp.py            # both parts, a couple of minutes on 2 cores
     python benchmarks/bench_dp.py --quick    # smoke run of seconds, timing nothing
+    python benchmarks/bench_dp.py --device cuda   # on the GPU (two ranks share one where there is one)
 
 How to read it
     Each line gives min / first quartile / median / third quartile of the step
@@ -74,12 +75,13 @@ def run_worker(args: argparse.Namespace) -> None:
     """One of the two torchrun ranks: DDP and autodist side by side on the same process group."""
     world = autodist.init()  # starts the gloo group that DDP then shares
     assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
-    reference = build_model(seed=0)
+    device = harness.device_of(args)
+    reference = build_model(seed=0).to(device)
     contender = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference)
     contender, _ = autodist.parallelize(contender)
     # One fixed batch per rank, reused: data loading stays out of the timed step.
-    x, y = random_batch(args.batch // world.size, seed=1 + world.rank)
+    x, y = (t.to(device) for t in random_batch(args.batch // world.size, seed=1 + world.rank))
     # The barrier lines the ranks up, so one rank's lag does not land in the next block's first step.
     times, paired = interleave({"ddp": make_step(ddp, x, y), "autodist": make_step(contender, x, y)},
                                args.steps, args.rounds, args.warmup, before_block=dist.barrier)
@@ -90,7 +92,8 @@ def run_worker(args: argparse.Namespace) -> None:
                                    msg=lambda m, n=name: f"autodist and DDP disagree on {n} after the run: {m}")
     if world.rank == 0:
         ours, theirs = bucket_layouts(ddp, contender)
-        report(f"2 ranks (gloo, {args.threads} thread(s) each), global batch {args.batch}:", times, paired, 1.00)
+        report(f"2 ranks ({world.backend}, {device}, {args.threads} thread(s) each), global batch {args.batch}:",
+               times, paired, 1.00)
         print(f"  autodist: {ours}\n  ddp:      {theirs}", flush=True)
         steps = args.warmup + args.rounds * args.steps
         print(f"  after {steps} steps each, autodist's and DDP's weights agree (rtol 1e-4)", flush=True)
@@ -98,18 +101,19 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_solo(args: argparse.Namespace) -> None:
     """World of one: the plain model against what ``parallelize`` returns for a copy of it."""
-    plain = build_model(seed=0)
+    device = harness.device_of(args)
+    plain = build_model(seed=0).to(device)
     returned, _ = autodist.parallelize(copy.deepcopy(plain))
     assert autodist.init().size == 1, "the world-of-one part must run without a launcher"
-    x, y = random_batch(args.batch, seed=1)
+    x, y = (t.to(device) for t in random_batch(args.batch, seed=1))
     times, paired = interleave({"plain": make_step(plain, x, y), "autodist": make_step(returned, x, y)},
                                args.steps, args.rounds, args.warmup)
-    report(f"world of one ({args.threads} thread(s)), batch {args.batch}:", times, paired, 1.02)
+    report(f"world of one ({device}, {args.threads} thread(s)), batch {args.batch}:", times, paired, 1.02)
 
 
 def main() -> int:
     """Both parts one after the other, each in processes of its own, so they never share the cores."""
-    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True, solo=True)
+    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True, solo=True, device=True)
     parser.blocks(steps=10, rounds=20, warmup=5)
     parser.add_argument("--batch", type=int, default=128, help="global batch, split over the 2 ranks")
     args = parser.parse(quick={"steps": 1, "rounds": 2, "warmup": 1})

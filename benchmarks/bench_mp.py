@@ -155,8 +155,9 @@ def run_gpt_worker(args: argparse.Namespace, world: autodist.World, mesh: Device
     import gpt_block  # benchmarks/gpt_block.py
 
     torch.manual_seed(0)
-    dense = gpt_block.GPT(layers=args.layers, seq=args.seq)
-    x, y = gpt_block.batch(args.batch, args.seq)
+    device = harness.device_of(args)
+    dense = gpt_block.GPT(layers=args.layers, seq=args.seq).to(device)
+    x, y = (t.to(device) for t in gpt_block.batch(args.batch, args.seq))
     if world.rank == 0:
         print(f"autodist's plan, autodist.explain(model, mp={RANKS}, example=(x[:2],)):")
         print(autodist.explain(copy.deepcopy(dense), mp=RANKS, example=(x[:2],), batch_size=args.batch * args.seq),
@@ -175,14 +176,15 @@ def run_worker(args: argparse.Namespace) -> None:
     """One of the two torchrun ranks: torch TP and autodist side by side on the same process group."""
     world = autodist.init()  # starts the gloo group that the device mesh then shares
     assert world.size == RANKS, f"expected {RANKS} ranks, got {world.size}"
-    mesh = init_device_mesh("cpu", (RANKS,))
+    device = harness.device_of(args)
+    mesh = init_device_mesh(device.type, (RANKS,))
     if args.model == "gpt":
         run_gpt_worker(args, world, mesh)
         return
-    dense = build_model(seed=0)
+    dense = build_model(seed=0).to(device)
     # One fixed batch, the same full batch on both ranks (pure model parallelism), reused:
     # data loading stays out of the timed step.
-    x, y = random_batch(args.batch, seed=1)
+    x, y = (t.to(device) for t in random_batch(args.batch, seed=1))
     mp_layers = "all" if args.mp_layers == "all" else args.mp_layers.split(",")
     if world.rank == 0:
         option = "" if mp_layers == "all" else f", mp_layers={mp_layers}"
@@ -195,7 +197,8 @@ def run_worker(args: argparse.Namespace) -> None:
     times, paired, losses = race(dense, reference, contender, x, y, args)
     if world.rank == 0:
         option = "" if mp_layers == "all" else f", autodist mp_layers={mp_layers}"
-        report(f"2 ranks (gloo, {args.threads} thread(s) each), mp=2, the same batch of {args.batch} on both, "
+        report(f"2 ranks ({world.backend}, {device}, {args.threads} thread(s) each), mp=2, the same batch of "
+               f"{args.batch} on both, "
                f"torch TP plan {plan}{option}:", times, paired, GOAL)
         steps = args.warmup + args.rounds * args.steps
         print(f"  after {steps} steps each, the loss on the batch agrees: torch-tp "
@@ -204,7 +207,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     """The two ranks through torchrun, in processes of their own."""
-    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True)
+    parser = harness.Parser(__file__, __doc__, ranks=RANKS, threads=True, device=True)
     parser.blocks(steps=10, rounds=40, warmup=5)
     parser.add_argument("--batch", type=int, default=128, help="rows per step, the same on both ranks")
     parser.add_argument("--tp-plan", choices=["auto", *TP_PLANS], default="auto",

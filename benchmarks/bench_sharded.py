@@ -38,6 +38,7 @@ How to run
     python benchmarks/bench_sharded.py --frozen 7       # the first 7 of 8 layers frozen
     python benchmarks/bench_sharded.py --shape blocks-head   # repeated blocks, then a head of another type
     python benchmarks/bench_sharded.py --quick          # smoke run: tiny model, a few steps
+    python benchmarks/bench_sharded.py --device cuda    # on the GPU (the ranks share one where there is one)
 """
 from __future__ import annotations
 
@@ -90,32 +91,34 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def contender(name: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """(model, optimizer) for ``name``."""
+    """(model, optimizer) for ``name``, on ``--device``."""
+    device = harness.device_of(args)
     if name == "DDP (torch)":
         from torch.nn.parallel import DistributedDataParallel
 
         autodist.init()
-        model = DistributedDataParallel(mlp(args))
+        model = DistributedDataParallel(mlp(args).to(device))
         return model, torch.optim.Adam(_trainable(model), lr=1e-4)
     if name == "ZeRO-1 (torch)":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
         autodist.init()
-        model = DistributedDataParallel(mlp(args))
+        model = DistributedDataParallel(mlp(args).to(device))
         return model, ZeroRedundancyOptimizer(_trainable(model), optimizer_class=torch.optim.Adam, lr=1e-4)
     if name == "FSDP2 (torch)":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         world = autodist.init()
-        mesh = init_device_mesh("cpu", (world.size,))
-        model = mlp(args)
+        mesh = init_device_mesh(device.type, (world.size,))
+        model = mlp(args).to(device)
         for layer in fsdp_blocks(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(_trainable(model), lr=1e-4)
-    model, _ = autodist.parallelize(mlp(args), shard=name.removeprefix("shard=") if name.startswith("shard") else None)
+    model, _ = autodist.parallelize(mlp(args).to(device),
+                                    shard=name.removeprefix("shard=") if name.startswith("shard") else None)
     return model, torch.optim.Adam(_trainable(model), lr=1e-4)
 
 
@@ -142,14 +145,18 @@ def _dense(model: nn.Module) -> torch.Tensor:
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    return torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    device = harness.device_of(args)
+    return (torch.randn(args.batch, args.width, generator=g).to(device),
+            torch.randint(0, 10, (args.batch,), generator=g).to(device))
 
 
 def _step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    timing.settle(x)
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=False)
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
+    timing.settle(x)
     return time.perf_counter() - start
 
 
@@ -217,8 +224,8 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
     shape = "MLP" if args.shape == "mlp" else "blocks (Linear + ReLU) then a Linear head,"
     exchange = "" if os.environ.get("AUTODIST_SHARED_MEMORY", "1") != "0" else \
         ", sharded gradients through the backend's reduce-scatter (AUTODIST_SHARED_MEMORY=0)"
-    print(f"\n{ranks} ranks, {shape} {args.layers} x {args.width} ({total / 1e6:.1f} M parameters, float32, "
-          f"Adam{frozen}), {args.batch} rows per rank{exchange}\n")
+    print(f"\n{ranks} ranks on {args.device}, {shape} {args.layers} x {args.width} ({total / 1e6:.1f} M parameters, "
+          f"float32, Adam{frozen}), {args.batch} rows per rank{exchange}\n")
     print("| contender | live / rank (MB) | ideal (MB) | live / ideal | parameters | gradients | optimizer state | "
           "autodist buffers | shared memory | peak RSS in steps (MB) | step (ms) | step vs dp |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -242,7 +249,7 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = harness.Parser(__file__, __doc__, ranks=2, ranks_option=True)
+    parser = harness.Parser(__file__, __doc__, ranks=2, ranks_option=True, device=True)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")

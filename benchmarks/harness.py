@@ -44,10 +44,11 @@ NOT_FORWARDED = {"help", "quick", "worker", "solo"}  # the launch's own business
 class Parser(argparse.ArgumentParser):
     """A benchmark's options: the first line of its docstring as the description, ``--quick``, the hidden
     ``--worker`` (and ``--solo`` with ``solo=True``); ``--ranks`` (default ``ranks``) with
-    ``ranks_option=True``, else ``ranks`` is fixed; ``--threads`` with ``threads=True``."""
+    ``ranks_option=True``, else ``ranks`` is fixed; ``--threads`` with ``threads=True``; ``--device`` with
+    ``device=True`` (see :func:`device_of`)."""
 
     def __init__(self, script: str, doc: str, *, ranks: int = 2, ranks_option: bool = False,
-                 threads: bool = False, solo: bool = False) -> None:
+                 threads: bool = False, solo: bool = False, device: bool = False) -> None:
         super().__init__(description=doc.strip().splitlines()[0])
         self.script, self.ranks = os.path.abspath(script), ranks
         self.min_steps: int | None = None  # set by blocks()
@@ -57,6 +58,10 @@ class Parser(argparse.ArgumentParser):
             self.add_argument("--ranks", type=int, default=ranks, help=f"processes to start (default {ranks})")
         if threads:
             self.add_argument("--threads", type=int, default=1, help="torch threads per process")
+        if device:
+            self.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                              help="where the models and batches live (cuda: the GPU each rank is pinned to, "
+                                   "shared by the ranks where there are fewer GPUs than ranks)")
         self.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
         if solo:
             self.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
@@ -79,6 +84,8 @@ class Parser(argparse.ArgumentParser):
         if args.quick:
             for name, value in quick.items():
                 setattr(args, name, value)
+        if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+            self.error("--device cuda: this machine has no CUDA device (torch sees none)")
         if self.min_steps is not None and (args.steps < self.min_steps or args.rounds < 2):
             self.error(f"need --steps >= {self.min_steps} and --rounds >= 2 (the quartiles need at least two values)")
         return args
@@ -106,6 +113,19 @@ class Parser(argparse.ArgumentParser):
 
     def ranks_of(self, args: argparse.Namespace) -> int:
         return getattr(args, "ranks", self.ranks)
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    """Where a worker puts its models and batches: with ``--device cuda`` the GPU ``autodist.init`` pinned this
+    rank to (several ranks share one where there are fewer GPUs: gloo on CUDA tensors, as tests/gpu does),
+    otherwise the CPU."""
+    if getattr(args, "device", "cpu") == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA device")
+    import autodist
+
+    return autodist.init().device
 
 
 def some_of(choices: list[str]) -> Callable[[str], list[str]]:

@@ -24,17 +24,26 @@ Step = Callable[[], float]
 
 
 def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
-    """A closure that runs one full training step and returns its wall time in seconds."""
+    """A closure that runs one full training step and returns its wall time in seconds (on a GPU, from an idle
+    device to an idle device: what the step queued is counted)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> float:
+        settle(x)
         start = time.perf_counter()
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
+        settle(x)
         return time.perf_counter() - start
 
     return step
+
+
+def settle(t: torch.Tensor) -> None:
+    """Wait for the GPU ``t`` lives on to finish its queued work (nothing on the CPU), before reading a clock."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def interleave(steps: dict[str, Step], block: int, rounds: int, warmup: int,

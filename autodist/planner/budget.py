@@ -1,6 +1,7 @@
 """The memory a rank may use, by default: ``AUTODIST_BUDGET_GB`` where it is set; else on CUDA the GPU's free
-memory, on CPU the host's available memory (or what the process's cgroup still allows, where that is less)
-shared by this host's ranks; plus what the model already holds there (a layout's prediction counts the
+memory shared by the ranks on that GPU (several processes may share one), on CPU the host's available memory
+(or what the process's cgroup still allows, where that is less) shared by this host's ranks; plus what the
+model already holds there (a layout's prediction counts the
 model's bytes, which are held now and freed or kept by the layout). The planner takes the smallest over
 the ranks.
 
@@ -40,6 +41,18 @@ def _available_host_bytes() -> float:
     return available
 
 
+def sharing_a_gpu(local_rank: int, local_ranks: int, gpus: int) -> int:
+    """How many of a host's ``local_ranks`` share the GPU of ``local_rank`` (ranks are pinned to its ``gpus``
+    round-robin: :func:`autodist.runtime.world.pin_device`).
+
+    Example:
+        >>> sharing_a_gpu(0, 2, 1), sharing_a_gpu(5, 8, 8), sharing_a_gpu(0, 3, 2), sharing_a_gpu(1, 3, 2)
+        (2, 1, 2, 1)
+    """
+    gpus = max(1, gpus)
+    return max(1, len(range(local_rank % gpus, local_ranks, gpus)))
+
+
 def default_budget(model: nn.Module, world: World) -> float:
     """Bytes this rank may hold for the model by default (not yet the minimum over the ranks)."""
     told = memory_budget()
@@ -50,5 +63,5 @@ def default_budget(model: nn.Module, world: World) -> float:
     held = nbytes(tensors)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free + held
+        return free / sharing_a_gpu(world.local_rank, world.local_size, torch.cuda.device_count()) + held
     return _available_host_bytes() / max(1, world.local_size) + held

@@ -178,3 +178,47 @@ def test_nccl_data_parallel_matches_one_process(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (out.stdout + out.stderr).count("nccl run matches one process") == 2
+
+
+# -- every layout on the GPU: pp, checkpoint=True, plan="auto" ------------------------------------------------
+
+def _layout_on_gpu(options: dict):
+    """One process's training and the parallel one's with ``options`` on this rank's GPU (two ranks share it:
+    gloo on CUDA tensors), float64, Adam; both dense states on the CPU."""
+    world = autodist.init()
+    device = world.device
+    x, y = w.digits_like(24)
+    ref = w.seeded(w.mlp, 0).double().to(device)
+    _train(ref, w.loader(x, y, 8), w.optimizer("adam", ref), device)
+    model = w.seeded(w.mlp, w.rank() * 7).double().to(device)  # ranks differ: rank 0's weights must win
+    model, data = autodist.parallelize(model, w.loader(x, y, 8), **options)
+    _train(model, data, w.optimizer("adam", model), device)
+    held = [p for p in model.parameters() if p.numel() > 1]
+    on_gpu = all(p.is_cuda for p in held)
+    return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu, str(device)
+
+
+@pytest.mark.parametrize("options", [{"pp": 2}, {"checkpoint": True}, {"checkpoint": True, "shard": "parameters"},
+                                     {"plan": "auto"}], ids=["pp2", "checkpoint", "checkpoint-parameters", "auto"])
+def test_each_layout_on_one_shared_gpu_trains_as_one_process(ranks, options):
+    """pp=2 (activations and gradients between the stages on the GPU), the blocks recomputed in backward
+    (also fully sharded), and the layout plan="auto" chooses: one process's training, on the GPU."""
+    for ref, par, on_gpu, device in ranks(2, _layout_on_gpu, options):
+        assert on_gpu and device == "cuda:0"
+        assert_close(par, ref, rtol=1e-9, atol=1e-12)
+
+
+def _budget():
+    from autodist.planner.budget import default_budget
+
+    world = autodist.init()
+    model = w.seeded(w.mlp, 0).to(world.device)
+    free, _ = torch.cuda.mem_get_info(world.device)
+    return default_budget(model, world), free, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_the_planners_gpu_budget_is_the_free_memory_shared_by_the_ranks_on_the_gpu(ranks):
+    """Two ranks on one GPU may each plan for half its free memory (plus what the model holds), not all of it."""
+    for budget, free, held in ranks(2, _budget):
+        sharing = 2 if torch.cuda.device_count() == 1 else 1
+        assert abs(budget - (free / sharing + held)) <= 0.05 * free, (budget, free, held)

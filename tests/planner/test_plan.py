@@ -293,3 +293,14 @@ def _hf_auto():
 def test_a_hugging_face_model_with_dict_batches_trains_as_one_process(ranks):
     for reference, trained in ranks(2, _hf_auto):
         assert_close(trained, reference, rtol=1e-7, atol=1e-9)
+
+
+def test_ranks_sharing_a_gpu_share_its_free_memory():
+    """The default budget on CUDA divides the GPU's free memory among the ranks pinned to it (round-robin by local
+    rank); tests/gpu checks it on a real GPU."""
+    from autodist.planner.budget import sharing_a_gpu
+
+    assert [sharing_a_gpu(r, 2, 1) for r in range(2)] == [2, 2]  # two processes on one GPU
+    assert [sharing_a_gpu(r, 8, 8) for r in range(8)] == [1] * 8
+    assert [sharing_a_gpu(r, 3, 2) for r in range(3)] == [2, 1, 2]  # ranks 0 and 2 on GPU 0
+    assert sharing_a_gpu(0, 1, 0) == 1
