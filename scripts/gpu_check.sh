@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs CUDA, in one call (about 8 minutes on one GPU): run it first whenever a GPU is at hand.
+# Everything that needs CUDA, in one call of at most 8 minutes (its steps' limits add up to that): run it first
+# whenever a GPU is at hand.
 #   1. tests/gpu: several processes on one GPU (gloo on CUDA tensors), NCCL where there are two GPUs, and every
 #      layout on CUDA against one process: dp, each shard= level, mp, pp, checkpoint=True, plan="auto" (its
 #      budget from the GPU's free memory, shared by the ranks on it), checkpoints;
@@ -65,10 +66,10 @@ bench() {  # bench NAME SECONDS COMMAND...: a step whose printed table goes to t
       echo '```'; } >>"$figures"
 }
 
-step "tests/gpu" 240 "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/gpu
-bench "bench_dp" 90 "$PY" benchmarks/bench_dp.py --device cuda --steps 5 --rounds 6 --warmup 3
+step "tests/gpu" 210 "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/gpu
+bench "bench_dp" 75 "$PY" benchmarks/bench_dp.py --device cuda --steps 5 --rounds 6 --warmup 3
 bench "bench_sharded" 120 "$PY" benchmarks/bench_sharded.py --device cuda --steps 3 --rounds 4 --warmup 2
-bench "bench_mp" 90 "$PY" benchmarks/bench_mp.py --device cuda --steps 5 --rounds 6 --warmup 3
+bench "bench_mp" 75 "$PY" benchmarks/bench_mp.py --device cuda --steps 5 --rounds 6 --warmup 3
 
 echo
 if [ ${#failed[@]} -eq 0 ]; then
