@@ -122,21 +122,30 @@ LEVELS = (None, "optimizer", "gradients", "parameters")
 def _trained(shard: str | None, mp: int = 1) -> tuple[dict, float, float, float]:
     """autodist.memory after two Adam steps, the live bytes the model and its optimizer added (counted through
     the garbage collector), the parameters' bytes and the largest block's."""
+    held, total, live, params, _ = _counted(
+        lambda: (nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]), torch.randn(32, WIDTH)),
+        {"shard": shard, "mp": mp})
+    return held, total, live, params
+
+
+def _counted(build, options: dict) -> tuple[dict, float, float, float, nn.Module]:
+    """``build()`` (a model and its input, seeded) parallelized with ``options`` and two Adam steps: autodist.memory,
+    its total, the live bytes the model and its optimizer added (through the garbage collector), the parameters'
+    bytes, and the model."""
     sharers = autodist.init().size
     before = live_tensor_bytes(sharers)
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    model, x = build()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    model, _ = autodist.parallelize(model, shard=shard, mp=mp)
+    model, _ = autodist.parallelize(model, **options)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(32, WIDTH)
     for _ in range(2):
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
     held = autodist.memory(model, optimizer)
     live = live_tensor_bytes(sharers) - before - x.numel() * x.element_size()
-    return dict(held), held.total, live, params
+    return dict(held), held.total, live, params, model
 
 
 def _levels(mp: int = 1) -> dict:
@@ -181,20 +190,19 @@ class _Nested(nn.Module):
         return self.head(self.encoder(self.embed(ids)))
 
 
-def _shape(name: str) -> tuple[nn.Module, torch.Tensor, dict]:
-    """A model of a usual shape, its input and its parallelize options; ``SHAPE_BLOCKS`` says which blocks."""
+def _shape(name: str) -> tuple[nn.Module, torch.Tensor]:
+    """A model of a usual shape and its input (SHAPE_OPTIONS: its parallelize options, SHAPE_BLOCKS: its blocks)."""
     width = SHAPE_WIDTH
     if name == "nested":
-        return _Nested(width), torch.randint(0, 64, (4, 8)), {}
+        return _Nested(width), torch.randint(0, 64, (4, 8))
     blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(LAYERS)]
     if name == "stem":  # Sequential(stem, *blocks, norm, head)
-        model = nn.Sequential(nn.Linear(16, width), *blocks, nn.LayerNorm(width), nn.Linear(width, 10))
-        return model, torch.randn(32, 16), {}
-    model = nn.Sequential(*blocks, nn.Linear(width, 10))  # the most common: repeated blocks, then a head
-    options = {"head": {}, "named": {"blocks": [str(i) for i in range(LAYERS)]}, "root": {"blocks": []}}[name]
-    return model, torch.randn(32, width), options
+        stem, tail = nn.Linear(16, width), [nn.LayerNorm(width), nn.Linear(width, 10)]
+        return nn.Sequential(stem, *blocks, *tail), torch.randn(32, 16)
+    return nn.Sequential(*blocks, nn.Linear(width, 10)), torch.randn(32, width)  # repeated blocks, then a head
 
 
+SHAPE_OPTIONS = {"named": {"blocks": [str(i) for i in range(LAYERS)]}, "root": {"blocks": []}}
 SHAPE_BLOCKS = {"head": [str(i) for i in range(LAYERS)], "named": [str(i) for i in range(LAYERS)],
                 "stem": [str(i) for i in range(1, LAYERS + 1)], "root": [],
                 "nested": [f"encoder.layers.{i}" for i in range(4)]}
@@ -203,22 +211,11 @@ SHAPE_BLOCKS = {"head": [str(i) for i in range(LAYERS)], "named": [str(i) for i 
 def _shape_trained(name: str, shard: str | None) -> tuple[dict, float, float, float, list[str]]:
     """autodist.memory after two Adam steps of the model ``name``, the live bytes it and its optimizer added,
     its parameters' bytes and the blocks it was gathered in."""
-    sharers = autodist.init().size
-    before = live_tensor_bytes(sharers)
-    torch.manual_seed(0)
-    model, x, options = _shape(name)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    model, _ = autodist.parallelize(model, shard=shard, **(options if shard == "parameters" else {}))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(x).square().mean().backward()
-        optimizer.step()
-    held = autodist.memory(model, optimizer)
-    live = live_tensor_bytes(sharers) - before - x.numel() * x.element_size()
+    options = SHAPE_OPTIONS.get(name, {}) if shard == "parameters" else {}
+    held, total, live, params, model = _counted(lambda: _shape(name), {"shard": shard, **options})
     sharding = sharded_parameters.sharding_of(model)
     blocks = [] if sharding is None else [b.name for b in sharding.blocks if b is not sharding.root]
-    return dict(held), held.total, live, params, blocks
+    return held, total, live, params, blocks
 
 
 def _shapes(shared_memory: str) -> dict:
