@@ -1,9 +1,8 @@
 """The memory a rank may use, by default: ``AUTODIST_BUDGET_GB`` where it is set; else on CUDA the GPU's free
 memory shared by the ranks on that GPU (several processes may share one), on CPU the host's available memory
 (or what the process's cgroup still allows, where that is less) shared by this host's ranks; plus what the
-model already holds there (a layout's prediction counts the
-model's bytes, which are held now and freed or kept by the layout). The planner takes the smallest over
-the ranks.
+model already holds there (a layout's prediction counts the model's bytes, which are held now and freed or
+kept by the layout). The planner takes the smallest over the ranks.
 
 Example:
     >>> default_budget(model, world)          # bytes
