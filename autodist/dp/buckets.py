@@ -15,6 +15,19 @@ from autodist.dp.own_part import OwnPart, segments
 from autodist.runtime.held import Held
 
 MB = 1024 * 1024
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ranks' gradients of ``dtype`` are summed in: float32 for float16 and bfloat16, so that the
+    sum is rounded to the parameter's dtype once, not once per rank (its error then does not grow with the
+    number of ranks); ``dtype`` itself otherwise.
+
+    Example:
+        >>> sum_dtype(torch.bfloat16), sum_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in LOW_PRECISION else dtype
 
 
 def assign_buckets(params: list[torch.Tensor], first_cap_bytes: int, cap_bytes: int) -> list[list[int]]:
@@ -52,14 +65,18 @@ COPY_BACK_BELOW_BYTES = 4 << 20
 
 class Bucket:
     """One flat buffer: the gradients, then the sample count, a used-flag per parameter, then ``extra`` slots
-    that other data of the same sync may ride in (the model's buffers, in the last bucket)."""
+    that other data of the same sync may ride in (the model's buffers, in the last bucket).
+
+    Parameters of one dtype share a bucket. Float16 and bfloat16 gradients are packed into a float32 bucket
+    (:func:`sum_dtype`), weighted and summed there, and rounded to their dtype once, when copied back."""
 
     def __init__(self, params: list[nn.Parameter], extra: int = 0, pad: int = 0, device: torch.device | None = None
                  ) -> None:
         self.params = params
         numel = sum(p.numel() for p in params) + pad  # ``pad`` numbers after the gradients, never read
-        self.flat = torch.zeros(numel + 1 + len(params) + extra, dtype=params[0].dtype,
+        self.flat = torch.zeros(numel + 1 + len(params) + extra, dtype=sum_dtype(params[0].dtype),
                                 device=params[0].device if device is None else device)
+        self.widened = self.flat.dtype != params[0].dtype  # low precision, summed in float32
         self.count_slot = numel
         self.views, self.extra = self._layout(self.flat)
         # A small model's gradients are copied back into autograd's tensors after every sync, as DDP does;
@@ -133,7 +150,7 @@ class Bucket:
                     torch.mul(g, scale, out=out)
         elif scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
             region.zero_()
-        elif self.copies_back or scale == 1.0:
+        elif self.copies_back or scale == 1.0 or self.widened:  # widened: copied up first, scaled in float32
             if len(present) < len(grads):
                 region.zero_()
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
@@ -172,7 +189,8 @@ class Bucket:
             self.flat[:self.count_slot].mul_(correction)
             if own is not None:
                 own.correct(correction)
-        copy_back = copy_back or self.copies_back or own is not None  # own: its sum is in the gradients
+        # own: its sum is in the gradients; widened: the float32 sum is rounded into the parameter's dtype
+        copy_back = copy_back or self.copies_back or own is not None or self.widened
         into, sources = [], []  # autograd's gradients and their averages, copied with one batched op
         for p, view, flag, offset in zip(self.params, self.views, used, self.offsets):
             grad = p.grad
@@ -188,7 +206,8 @@ class Bucket:
                     sources.append(view)
             elif grad is not view:
                 around = getattr(grad, "around", None)  # a split parameter's gradient stays marked (mp=K)
-                p.grad = view if around is None else around(view)
+                summed = view.to(p.dtype) if self.widened else view
+                p.grad = summed if around is None else around(summed)
         if into:
             torch._foreach_copy_(into, sources)
 
@@ -206,18 +225,20 @@ def average_(tensors: list[torch.Tensor], weight: float, group: dist.ProcessGrou
     With ``changed`` (one bool per tensor, this rank's; a tensor on their
     device, so that no host sync is needed), a tensor that no rank changed is
     left exactly as it is, not replaced by an average that may round
-    differently. A rank of weight 0 contributes nothing, even where it holds inf.
+    differently. A rank of weight 0 contributes nothing, even where it holds inf. Float16 and bfloat16
+    tensors are summed in float32 and rounded once (:func:`sum_dtype`).
     """
     by_dtype: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault((t.dtype, t.device), []).append(i)
     for (dtype, device), indices in by_dtype.items():
         ts = [tensors[i] for i in indices]
-        data = torch.cat([t.detach().reshape(-1) for t in ts])
+        wide = sum_dtype(dtype)
+        data = torch.cat([t.detach().reshape(-1).to(wide) for t in ts])
         data = data.mul_(weight) if weight != 0.0 else data.zero_()
-        flags = torch.ones(len(ts), dtype=dtype, device=device) if changed is None else \
-            changed[torch.tensor(indices, device=changed.device)].to(device=device, dtype=dtype)
-        flat = torch.cat([data, torch.full((1,), weight, dtype=dtype, device=device), flags])
+        flags = torch.ones(len(ts), dtype=wide, device=device) if changed is None else \
+            changed[torch.tensor(indices, device=changed.device)].to(device=device, dtype=wide)
+        flat = torch.cat([data, torch.full((1,), weight, dtype=wide, device=device), flags])
         dist.all_reduce(flat, group=group)
         total, flags = float(flat[data.numel()]), flat[data.numel() + 1:].tolist()
         if total <= 0.0:

@@ -82,7 +82,8 @@ class BufferSync:
         data = torch.cat([b.detach().reshape(-1) for b in buffers])
         n = data.numel()
         if weight != 0.0:
-            torch.mul(data, weight, out=region[:n])
+            region[:n].copy_(data)  # into the bucket's dtype first (float32 for low precision), then weighted
+            region[:n].mul_(weight)
         else:
             region[:n].zero_()
         region[n:].copy_(self.snapshot.changed(self.carried, data, self.carried_sizes))

@@ -100,12 +100,6 @@ class GradSync:
     def _build(self) -> None:
         """Buckets and hooks for the parameters that are trainable now."""
         named = [(n, p) for n, p in self.named if p.requires_grad]
-        low = [n for n, p in named if p.dtype in (torch.float16, torch.bfloat16)]
-        if low:
-            raise NotImplementedError(
-                f"parameter {low[0]!r} is {dict(named)[low[0]].dtype}: autodist's exact gradient sync carries "
-                f"sample counts inside the buckets and needs float32/float64 parameters; keep float32 weights "
-                f"and compute in low precision with torch.autocast")
         self.built_for = self._layout()
         self.names = {p: n for n, p in named}
         self.params = [p for _, p in named]

@@ -9,7 +9,8 @@ process would:
 * ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``: each gradient's norm is a :class:`PartialNorm`
   (this rank's part of it); stacking them and taking the norm of the stack all-reduces the parts once, so
   every rank gets the global norm of the whole gradient, and the scaling applies to each slice;
-* ``clip_grad_value_``, ``zero_grad(set_to_none=False)``: elementwise, on the slice.
+* ``clip_grad_value_``, ``zero_grad(set_to_none=False)``: elementwise, on the slice;
+* ``GradScaler``'s unscale: on the slice, its inf/NaN check over the whole gradient (every rank skips alike).
 
 Anything else (reading the values, ``p.grad.norm().item()``, arithmetic) would see 1/N of the gradient, so
 it raises, naming what to use instead: never a silent per-rank answer.
@@ -91,7 +92,8 @@ def _refusal(func: Any, level: str = "gradients") -> str:
     name = getattr(func, "__name__", str(func))
     return (f"{name} on a gradient of a model parallelized with shard={level!r}: each rank holds only its slice "
             f"of every synchronized gradient, so {name} would see 1/N of it. torch.nn.utils.clip_grad_norm_, "
-            f"get_total_norm, clip_grad_value_ and optimizer.zero_grad work on it as in one process; to read whole "
+            f"get_total_norm, clip_grad_value_, GradScaler and optimizer.zero_grad work on it as in one process; "
+            f"to read whole "
             f"gradients, use shard='optimizer' (whole gradients, the optimizer state still split)")
 
 
@@ -138,12 +140,23 @@ def _foreach(op: Callable[..., Any]) -> Callable[..., Any]:
     return apply
 
 
+def _unscale(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's unscale of the slices, and its inf/NaN flag made the whole gradients' (a max over the ranks
+    that hold slices of them: one all-reduce, which every rank takes as each unscales), so that every rank skips
+    the step one process would skip."""
+    torch._amp_foreach_non_finite_check_and_unscale_([_local(g) for g in grads], found_inf, inv_scale)
+    sharded = next(g for g in grads if isinstance(g, ShardedGrad))
+    for group in [sharded.group, *(sharded.split or ())]:
+        torch.distributed.all_reduce(found_inf, torch.distributed.ReduceOp.MAX, group=group)
+
+
 _ELEMENTWISE: dict[Any, Callable[..., Any]] = {
     torch.Tensor.mul_: _each(torch.Tensor.mul_), torch.Tensor.div_: _each(torch.Tensor.div_),
     torch.Tensor.zero_: _each(torch.Tensor.zero_), torch.Tensor.clamp_: _each(torch.Tensor.clamp_),
     torch._foreach_mul_: _foreach(torch._foreach_mul_), torch._foreach_zero_: _foreach(torch._foreach_zero_),
     torch._foreach_clamp_min_: _foreach(torch._foreach_clamp_min_),
     torch._foreach_clamp_max_: _foreach(torch._foreach_clamp_max_),
+    torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
 }
 
 

@@ -103,7 +103,9 @@ class OptimizerSharding:
         syncs), each as large as a ring buffer; None where the ranks cannot share memory. A collective."""
         if self.sync is not None:
             ring = getattr(self.sync.exchange, "windows", None)  # the ring in shared memory, or the backend's
-            return None if ring is None else [ring()]
+            # every stream through it, one after the other (it is of the dtype gradients are summed in, which
+            # holds each stream's numbers exactly: float32 for float16, bfloat16 and float32 parameters)
+            return None if ring is None else [ring()] * len(self.streams)
         total = sum(p.numel() * p.element_size() for p in self.params)
         sizes = [min(s.length, max(1, ring_bytes(total, self.ranks, bucket_bytes) // s.dtype.itemsize))
                  for s in self.streams]

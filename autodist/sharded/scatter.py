@@ -73,8 +73,12 @@ class ScatteredBucket(Bucket):
         # packed into a ring buffer of the exchange's (move_into): nothing of its own but the part and the meta
         super().__init__(params, extra, pad=self.chunk * ranks - cut.total, device=torch.device("meta"))
         like = params[0]
+        self.device = like.device
         self.part = torch.zeros(self.chunk, dtype=like.dtype, device=like.device)
-        self.meta = torch.zeros(self.flat.numel() - self.count_slot, dtype=like.dtype, device=like.device)
+        # What the exchange sums into: the part itself, or for float16 and bfloat16 gradients a float32 part,
+        # made for each sync and rounded into ``part`` once at its end (widened: see Bucket)
+        self.summed: torch.Tensor | None = None if self.widened else self.part
+        self.meta = torch.zeros(self.flat.numel() - self.count_slot, dtype=self.flat.dtype, device=like.device)
         # each parameter's slice of ``part`` (empty where this rank owns none): at most one piece per parameter
         self.locals = [self.part[:0]] * len(params)
         for piece in cut.pieces[rank]:
@@ -114,7 +118,9 @@ class ScatteredBucket(Bucket):
             meta = [count, *(0.0 if g is None else 1.0 for g in grads)]
             self.staged[:len(meta)].copy_(torch.tensor(meta, dtype=self.staged.dtype))
             self.grads, self.scale = grads, scale
+            self._ready_sum()
             return
+        self._ready_sum()
         super().pack(count, scale)  # every number: each rank's part is summed on its own, no part is left out
         self.packed()
 
@@ -136,8 +142,15 @@ class ScatteredBucket(Bucket):
                     into.zero_()
                 elif self.scale == 1.0:
                     into.copy_(g.reshape(-1)[x - offset:y - offset])
+                elif self.widened:  # into float32 first, then weighted there
+                    into.copy_(g.reshape(-1)[x - offset:y - offset]).mul_(self.scale)
                 else:
                     torch.mul(g.reshape(-1)[x - offset:y - offset], self.scale, out=into)
+
+    def _ready_sum(self) -> None:
+        """The float32 part this sync's sum goes into, for float16 and bfloat16 gradients."""
+        if self.widened and self.summed is None:
+            self.summed = torch.empty(self.chunk, dtype=self.flat.dtype, device=self.device)
 
     def packed(self) -> None:
         """Every number packed: autograd's whole gradients are freed now."""
@@ -164,8 +177,12 @@ class ScatteredBucket(Bucket):
         self.sent = False
         self.ready.clear()
         used = self.meta[1:1 + len(self.params)].tolist()
+        assert self.summed is not None
         if correction != 1.0:
-            self.part.mul_(correction)
+            self.summed.mul_(correction)
+        if self.widened:  # the float32 sum rounded to the parameters' dtype, once
+            self.part.copy_(self.summed)
+            self.summed = None
         for p, local, flag in zip(self.params, self.locals, used):
             carried = self.carried.pop(p, None)
             if flag <= 0.0 and carried is None:
@@ -178,12 +195,16 @@ class ScatteredBucket(Bucket):
     def abandon(self) -> None:
         self.carried.clear()
         self.grads = None
+        if self.widened:
+            self.summed = None
 
     def held(self, held: Held) -> None:
         """This rank's part of the sum (the gradients ``.grad`` holds a slice of each) and the meta; the ring
         the bucket is packed into is the exchange's."""
         held.add("gradients", self.part)
         held.add("autodist buffers", self.meta, self.staged, *self.carried.values())
+        if self.summed is not None and self.summed is not self.part:
+            held.add("autodist buffers", self.summed)
 
 
 class ScatterSum:
@@ -221,7 +242,7 @@ class ScatterSum:
             self.fence.wait()  # every rank has packed bucket ``index``
         slots = self.slots[index]
         lo, hi, meta = self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk, bucket.count_slot
-        _sum_into(bucket.part, [s[lo:hi] for s in slots])
+        _sum_into(bucket.summed, [s[lo:hi] for s in slots])
         _sum_into(bucket.meta, [s[meta:] for s in slots])
 
     def _send_windows(self, index: int, bucket: ScatteredBucket) -> None:
@@ -238,7 +259,7 @@ class ScatterSum:
                 slots[self.rank][size * n:size * n + meta].copy_(bucket.staged)
             with waiting("exchange"):
                 self.fence.wait()  # every rank has packed this window
-            _sum_into(bucket.part[lo:hi], [s[self.rank * n:(self.rank + 1) * n] for s in slots])
+            _sum_into(bucket.summed[lo:hi], [s[self.rank * n:(self.rank + 1) * n] for s in slots])
             if last:
                 _sum_into(bucket.meta, [s[size * n:size * n + meta] for s in slots])
         bucket.packed()
@@ -293,7 +314,7 @@ class ReduceScatter:
         if bucket.window is not None:
             return self._send_windows(index, bucket)
         bucket.meta.copy_(flat[bucket.count_slot:])
-        scatter = dist.reduce_scatter_single(bucket.part, bucket.gradients(), group=self.group, async_op=True)
+        scatter = dist.reduce_scatter_single(bucket.summed, bucket.gradients(), group=self.group, async_op=True)
         self.reading[self.first_use[index] % len(self.ring)] = scatter
         self.works[index] = [scatter, dist.all_reduce(bucket.meta, group=self.group, async_op=True)]
 
@@ -305,7 +326,7 @@ class ReduceScatter:
             self._free(buffer)
             region = self.ring[buffer][:bucket.ranks * (hi - lo)]
             bucket.pack_window(lo, hi, region)
-            scatter = dist.reduce_scatter_single(bucket.part[lo:hi], region, group=self.group, async_op=True)
+            scatter = dist.reduce_scatter_single(bucket.summed[lo:hi], region, group=self.group, async_op=True)
             self.reading[buffer] = scatter
             self.works[index].append(scatter)
         assert bucket.staged is not None
@@ -411,7 +432,7 @@ class Scatter:
     def _windowed(self, buckets: list[ScatteredBucket]) -> int:
         """The numbers a buffer of the ring in shared memory holds: a cap's worth (and any bucket that fits
         it); a bucket larger than that (a parameter, a block larger than the cap) is packed window by window."""
-        like = buckets[0].part if buckets else torch.zeros(0)
+        like = buckets[0].meta if buckets else torch.zeros(0)  # the dtype gradients are summed in
         size = max(self.cap // like.element_size(), max((b.meta.numel() for b in buckets), default=0) + self.ranks)
         for bucket in buckets:
             if bucket.flat.numel() > size:
@@ -428,8 +449,9 @@ def _ring(buckets: list[ScatteredBucket], size: int) -> list[torch.Tensor]:
     sizes = [0] * min(RING, len(buckets))
     for k, b in enumerate(buckets):
         sizes[k % RING] = size or max(sizes[k % RING], b.flat.numel())
-    first = buckets[0].part if buckets else torch.zeros(0)
-    if any(b.part.dtype != first.dtype or b.part.device != first.device for b in buckets):
-        raise NotImplementedError("shard='gradients' needs every trainable parameter of one dtype and device: "
-                                  "convert the model with model.to(dtype) first, or use shard='optimizer'")
+    first = buckets[0].meta if buckets else torch.zeros(0)  # the dtype gradients are summed in
+    if any(b.meta.dtype != first.dtype or b.meta.device != first.device for b in buckets):
+        raise NotImplementedError("shard='gradients' needs every trainable parameter summed in one dtype on one "
+                                  "device (float16, bfloat16 and float32 are summed in float32): convert the "
+                                  "model with model.to(dtype) first, or use shard='optimizer'")
     return [torch.zeros(n, dtype=first.dtype, device=first.device) for n in sizes]

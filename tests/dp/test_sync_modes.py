@@ -183,13 +183,18 @@ def test_second_backward_without_forward_stays_exact(ranks):
         assert_close(par, ref, rtol=1e-5, atol=1e-6)
 
 
-def _half_precision_refused():
-    with pytest.raises(NotImplementedError, match="float32/float64 parameters.*torch.autocast"):
-        autodist.parallelize(w.mlp().half())
+def _half_precision():
+    x, y = w.digits_like(6)
+    model, _ = autodist.parallelize(w.seeded(w.mlp, 0).half())
+    part = slice(0, 3) if w.rank() == 0 else slice(3, 6)
+    F.cross_entropy(model(x[part].half()).float(), y[part]).backward()
+    autodist.synchronize_model(model, what="parameters")  # averaged in float32 too, rounded once
+    return {n: (p.dtype, p.grad.dtype) for n, p in model.named_parameters()}
 
 
-def test_half_precision_parameters_are_refused(ranks):
-    ranks(2, _half_precision_refused)
+def test_float16_parameters_keep_float16_gradients(ranks):  # (the dtypes of tests/dp/test_precision.py)
+    for dtypes in ranks(2, _half_precision):
+        assert set(dtypes.values()) == {(torch.float16, torch.float16)}
 
 
 def _manual_then_parallelize():

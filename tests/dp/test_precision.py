@@ -1,0 +1,271 @@
+"""Low-precision parameters (bfloat16, float16): kept as one process keeps them, their gradients summed over the
+ranks in float32 and rounded once.
+
+float64 cannot be the reference here. The reference is the *split floor*: the same split of each global batch
+computed in one process, each slice's gradient (in the parameters' dtype) weighted by its share in float32,
+summed, and rounded to the parameters' dtype once. On 2 ranks a float32 sum of two numbers does not depend on
+its order, so a run must equal it bit for bit; the ranks' plain mean (a rank's gradient not weighted by its
+share of an uneven last batch) must not.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+import workloads as w
+from autodist.dp.data import slice_bounds
+
+LAYOUTS = [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"},
+           {"shard": "parameters", "checkpoint": True}]
+WIDTH = 256
+
+
+def _ulps(value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|value - exact| in units of bfloat16's last place at ``exact``."""
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    return ((value.double() - exact) / ulp).abs()
+
+
+def _rows(n: int) -> torch.Tensor:
+    return torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+def _summed(layout: dict, shared_memory: str) -> torch.Tensor:
+    """The gradient of one global batch of ``ranks`` rows, one per rank, each rank's gradient its row exactly:
+    read back as the weight after one SGD step of lr 1 from zero."""
+    os.environ["AUTODIST_SHARED_MEMORY"] = shared_memory  # "0": through the backend's all-reduce / reduce-scatter
+    try:
+        n = torch.distributed.get_world_size()
+        model = nn.Linear(WIDTH, 1, bias=False, dtype=torch.bfloat16)
+        nn.init.zeros_(model.weight)
+        model, data = autodist.parallelize(model, DataLoader(TensorDataset(_rows(n)), batch_size=n), **layout)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        for (x,) in data:
+            model(x).mean().backward()
+            optimizer.step()
+        return -autodist.gather_state_dict(model, all_ranks=True)["weight"][0]
+    finally:
+        os.environ.pop("AUTODIST_SHARED_MEMORY", None)
+
+
+def _every_layout():
+    return {(i, memory): _summed(layout, memory) for i, layout in enumerate(LAYOUTS[:4]) for memory in "10"}
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_the_ranks_gradients_are_rounded_once_whatever_the_number_of_ranks(ranks, size):
+    x = _rows(size)
+    exact = x.double().mean(0)
+    one_rounding = exact.to(torch.bfloat16)
+    if size > 2:  # the premise: summed in bfloat16, as DDP sums its pre-divided gradients, it is off
+        ddp = torch.zeros(WIDTH, dtype=torch.bfloat16)
+        for row in x:
+            ddp = ddp + row / size
+        assert _ulps(ddp, exact).max() >= 2
+    for results in ranks(size, _every_layout):
+        for (layout, memory), grad in results.items():
+            assert grad.dtype == torch.bfloat16
+            assert _ulps(grad, exact).max() <= 1, (LAYOUTS[layout], memory)
+            assert (grad != one_rounding).sum() <= WIDTH // 100, (LAYOUTS[layout], memory)  # at most a tie or two
+
+
+# -- a Hugging Face transformer in bfloat16 trains at the split floor --------------------------------------
+
+def _qwen2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=32, intermediate_size=64, vocab_size=50,
+                                      max_position_embeddings=16)
+    return transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 50, (11, 9), generator=torch.Generator().manual_seed(4))  # batches of 4, 4, 3
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _split_floor(build, batches, loss, ranks: int, optimizer: str, weighted: bool = True) -> dict:
+    """One process: each global batch split as the ranks split it, each slice's gradient (in its parameter's
+    dtype) weighted by its share (or, ``weighted`` False, all alike: the ranks' plain mean) in float32 or wider,
+    summed, rounded to the parameter's dtype once."""
+    model = w.seeded(build, 0)
+    params = list(model.parameters())
+    opt = _optimizer(optimizer, params)
+    for batch in batches:
+        size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+        total = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
+        for r in range(ranks):
+            part = slice(*slice_bounds(size, r, ranks))
+            # a fresh tensor, as the rank's DataLoader collates it: a kernel may round a view that starts
+            # mid-allocation differently (its vector loads are aligned otherwise)
+            rows = [b[part].clone() for b in batch] if isinstance(batch, list) else batch[part].clone()
+            grads = torch.autograd.grad(loss(model, rows), params)
+            share = (part.stop - part.start) / size if weighted else 1.0 / ranks
+            for t, g in zip(total, grads):
+                t.add_(g.to(t.dtype).mul_(share))
+        for p, t in zip(params, total):
+            p.grad = t.to(p.dtype)
+        opt.step()
+    return w.state(model)
+
+
+def _qwen2_run(layout: dict, optimizer: str) -> dict:
+    model, data = autodist.parallelize(w.seeded(_qwen2, 100 * w.rank()), DataLoader(_ids(), batch_size=4),
+                                       **layout)
+    opt = _optimizer(optimizer, model.parameters())
+    for ids in data:
+        opt.zero_grad()
+        _loss(model, ids).backward()
+        opt.step()
+    return autodist.gather_state_dict(model, all_ranks=True)
+
+
+def _layouts_run(optimizer: str) -> tuple[dict, dict, list[dict]]:
+    """The split floor and the ranks' plain mean, computed on the rank (a kernel's reduction order may depend
+    on the process's threads), then a run at each layout."""
+    batches = DataLoader(_ids(), batch_size=4)
+    floor = _split_floor(_qwen2, batches, _loss, 2, optimizer)
+    plain_mean = _split_floor(_qwen2, batches, _loss, 2, optimizer, weighted=False)
+    return floor, plain_mean, [_qwen2_run(layout, optimizer) for layout in LAYOUTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_bfloat16_transformer_trains_at_the_split_floor(ranks, optimizer):
+    for floor, plain_mean, runs in ranks(2, _layouts_run, optimizer):
+        for layout, state in zip(LAYOUTS, runs):
+            assert all(v.dtype == floor[k].dtype for k, v in state.items()), layout
+            assert_close(state, floor, rtol=0, atol=0, msg=lambda m: f"{layout}: {m}")
+            with pytest.raises(AssertionError):  # the test can tell a wrongly weighted sum
+                assert_close(state, plain_mean, rtol=0, atol=0)
+
+
+# -- no hidden float32 master --------------------------------------------------------------------------------
+
+def _blocks() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), *[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)],
+                         nn.Linear(8, 2))
+
+
+def _at_one(layout: dict) -> dict:
+    """bfloat16 weights at 1.0, Adam at lr 1e-4 for 60 steps: each step is far below half of bfloat16's last
+    place at 1.0 (2**-8), so one process moves no weight; an update kept in a float32 copy would add up."""
+    model = _blocks().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) / 8
+    y = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(2))
+    model, data = autodist.parallelize(model, DataLoader(TensorDataset(x, y), batch_size=8), **layout)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for _ in range(60):
+        for xb, yb in data:
+            opt.zero_grad()
+            F.cross_entropy(model(xb).float(), yb).backward()
+            opt.step()
+    return autodist.gather_state_dict(model, all_ranks=True)
+
+
+def _at_one_everywhere() -> list[dict]:
+    return [_at_one(layout) for layout in [*LAYOUTS, {"mp": 2}, {"pp": 2}]]
+
+
+@pytest.mark.slow
+def test_no_hidden_master_moves_a_weight_one_process_would_not(ranks):
+    for states in ranks(2, _at_one_everywhere):
+        for state in states:
+            for name, value in state.items():
+                assert value.dtype == torch.bfloat16, name
+                assert_close(value, torch.ones_like(value), rtol=0, atol=0, msg=name)
+
+
+# -- float16 autocast and GradScaler: an inf on one rank skips the step on every rank -----------------------
+
+def _scaled(layout: dict) -> tuple[dict, float, dict, float]:
+    """Two steps of autocast(float16) + GradScaler: the first global batch holds an inf in rank 1's part (one
+    process skips that step), the second is finite. The reference is one process on the same batches."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    x[2, 0] = float("inf")  # in the first global batch of 4, rank 1's half (rows 2 and 3)
+    y = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(2))
+
+    def train(model, data):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for xb, yb in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(xb).float(), yb)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale()
+
+    ref = w.seeded(_blocks, 0)
+    ref_scale = train(ref, DataLoader(TensorDataset(x, y), batch_size=4))
+    model, data = autodist.parallelize(w.seeded(_blocks, 100 * w.rank()), DataLoader(TensorDataset(x, y),
+                                                                                       batch_size=4), **layout)
+    scale = train(model, data)
+    return w.state(ref), ref_scale, autodist.gather_state_dict(model, all_ranks=True), scale
+
+
+@pytest.mark.parametrize("layout", [{}, {"shard": "gradients"}, {"shard": "parameters"}], ids=str)
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank_as_in_one_process(ranks, layout):
+    for ref, ref_scale, par, scale in ranks(2, _scaled, layout):
+        assert ref_scale == scale == 2.0 ** 7  # one skipped step halved it, the other kept it
+        assert_close(par, ref, rtol=1e-3, atol=1e-4)  # float16 products of half a batch round differently
+
+
+# -- a model of mixed dtypes keeps each parameter's ---------------------------------------------------------
+
+class _Mixed(nn.Module):
+    """bfloat16 blocks with a float32 router and norm, as mixture-of-experts models keep them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.blocks = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.norm(self.router(x)).to(torch.bfloat16)).float()
+
+
+def _mixed_loss(model: nn.Module, batch: list) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _mixed_run(layout: dict) -> tuple[dict, dict]:
+    x, y = w.digits_like(22)
+    model, data = autodist.parallelize(w.seeded(_Mixed, 100 * w.rank()), w.loader(x, y, 8, shuffle=False), **layout)
+    opt = _optimizer("adamw", model.parameters())
+    for batch in data:
+        opt.zero_grad()
+        _mixed_loss(model, batch).backward()
+        grads = {n: p.grad.dtype for n, p in model.named_parameters()}
+        opt.step()
+    floor = _split_floor(_Mixed, w.loader(x, y, 8, shuffle=False), _mixed_loss, 2, "adamw")
+    return grads, autodist.gather_state_dict(model, all_ranks=True), floor
+
+
+@pytest.mark.parametrize("layout", [{}, {"shard": "optimizer"}, {"shard": "gradients"}], ids=str)
+def test_a_model_of_mixed_dtypes_keeps_each_parameters_dtype(ranks, layout):
+    for grads, state, floor in ranks(2, _mixed_run, layout):
+        assert grads == {n: v.dtype for n, v in floor.items()}
+        assert_close(state, floor, rtol=0, atol=0)  # dtypes too
