@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from autodist import sync as sync_mod
-from autodist.dp import batch_layout, wrappers
+from autodist.dp import batch_layout, precision, wrappers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
@@ -363,6 +363,7 @@ def parallelize(
     stages: pp_cut.Stages = None,
     microbatches: int | None = None,
     loss_fn: Callable[..., Any] | None = None,
+    mixed_precision: precision.Precision = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -445,6 +446,11 @@ def parallelize(
         loss_fn: with ``pp``, ``(output) -> loss`` or ``(output, target) -> loss`` of one micro-batch: the
             stages then run 1F1B (a stage holds at most ``pp - s`` micro-batches' activations), the whole step
             inside ``loss = model(x)`` / ``model(x, target=y)``, which returns the batch's loss on every rank.
+        mixed_precision: "bf16" or "fp16": keep the float32 parameters as the master the optimizer steps and
+            compute forward and backward in that dtype (each module's parameters cast for its call, floating
+            inputs cast; FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``), the gradients
+            summed in float32. Also in a world of one, which is the reference (docs/precision.md). Without it a
+            model keeps its own dtypes: bfloat16 parameters train as bfloat16.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -479,10 +485,13 @@ def parallelize(
     """
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
-                   blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn)
+                   blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
+                   mixed_precision=mixed_precision)
     if plan is not None and pp != 1:
         raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
                          f"yourself")
+    if plan is not None and mixed_precision is not None:
+        raise ValueError("plan= does not search layouts with mixed_precision yet: choose mp= and shard= yourself")
     if plan is None:
         return _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
@@ -503,9 +512,17 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            sync_buffers: bool, batch_dim: int | None, samples: SampleFn | None, example: observe.Example | None,
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
            pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
-           loss_fn: Callable[..., Any] | None = None, announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
+           loss_fn: Callable[..., Any] | None = None, mixed_precision: precision.Precision = None,
+           announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
+    compute = precision.compute_dtype(mixed_precision)
+    precision.check(model, compute)
+    if compute is not None and shard == "parameters":
+        raise NotImplementedError(
+            "mixed_precision with shard='parameters' is not supported yet (its blocks would be gathered in "
+            "float32 and their low-precision copies kept alive until backward): train the model in bfloat16 "
+            "itself (model.to(torch.bfloat16), its gradients summed in float32), or use shard='gradients'")
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
@@ -519,6 +536,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if world.size == 1:  # no launcher: the script runs unchanged, mp or not
         if checkpoint:
             recompute.setup(model, blocks)
+        if compute is not None:
+            precision.setup(model, compute)
         if loss_fn is not None:  # model(x, target=y) is the loss, as under pp
             pp_pipeline.with_loss(model, loss_fn)
         return model, data_mod.in_one_process(data, dim)
@@ -578,6 +597,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
     everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
     copies.make_copyable(model, split, everyone)
+    if compute is not None:  # last: a module's parameters are cast after whatever parallelize's hooks put there
+        precision.setup(model, compute)
     habits.adopt(model)  # model.module (DDP's) says what to write instead
     wrappers.watch(model)  # and a wrapper around it fails at its first forward
     if world.rank == 0 and announce:

@@ -1,0 +1,120 @@
+"""``parallelize(..., mixed_precision="bf16")``: float32 master weights, computed in bfloat16, equal to one process
+with the same option at the split floor.
+
+The reference is written without autodist: ``torch.func.functional_call`` with every parameter cast to bfloat16
+(each parameter is used once per forward in these models, as each module's cast uses it), the input cast too;
+each slice of the global batch as a rank holds it, its float32 gradient weighted by its share and summed.
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+from autodist.dp.data import slice_bounds
+
+EXACT = [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"checkpoint": True},
+         {"shard": "gradients", "checkpoint": True}]
+
+
+def _build() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), *[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh())
+                                            for _ in range(3)], nn.Linear(8, 3))
+
+
+def _cast_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The option's meaning, written out: every parameter and the input in bfloat16."""
+    casts = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+    return functional_call(model, casts, (x.to(torch.bfloat16),))
+
+
+def _split_floor(ranks: int) -> dict:
+    x, y = w.digits_like(22)
+    model = w.seeded(_build, 0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    for bx, by in w.loader(x, y, 8, shuffle=False):
+        total = [torch.zeros_like(p) for p in params]
+        for r in range(ranks):
+            part = slice(*slice_bounds(len(bx), r, ranks))
+            rows, labels = bx[part].clone(), by[part].clone()  # fresh, as the rank's DataLoader collates them
+            loss = F.cross_entropy(_cast_forward(model, rows).float(), labels)
+            for t, g in zip(total, torch.autograd.grad(loss, params)):
+                t.add_(g.mul_((part.stop - part.start) / len(bx)))
+        for p, t in zip(params, total):
+            p.grad = t
+        opt.step()
+    return w.state(model)
+
+
+def _run(layout: dict) -> tuple[dict, dict, set]:
+    x, y = w.digits_like(22)
+    model, data = autodist.parallelize(w.seeded(_build, 100 * w.rank()), w.loader(x, y, 8, shuffle=False),
+                                       mixed_precision="bf16", **layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    dtypes = set()
+    for bx, by in data:
+        opt.zero_grad()
+        out = model(bx)
+        F.cross_entropy(out.float(), by).backward()
+        dtypes |= {out.dtype, *(p.grad.dtype for p in model.parameters())}
+        opt.step()
+    return _split_floor(2), autodist.gather_state_dict(model, all_ranks=True), dtypes
+
+
+@pytest.mark.parametrize("layout", EXACT, ids=str)
+def test_mixed_precision_trains_as_one_process_with_the_option_at_the_split_floor(ranks, layout):
+    for floor, state, dtypes in ranks(2, _run, layout):
+        assert dtypes == {torch.bfloat16, torch.float32}  # bfloat16 output, float32 gradients
+        assert all(v.dtype == torch.float32 for v in state.values())  # the master, as a checkpoint holds it
+        assert_close(state, floor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", [{"mp": 2}, {"pp": 2}], ids=str)
+def test_mixed_precision_with_split_layers_and_stages_stays_near_the_split_floor(ranks, layout):
+    # mp splits each product (its sums round in bfloat16 in other places), pp sums micro-batches' gradients:
+    # near the floor, not bit for bit
+    for floor, state, dtypes in ranks(2, _run, layout):
+        assert dtypes == {torch.bfloat16, torch.float32}
+        assert_close(state, floor, rtol=0.05, atol=0.02)
+
+
+def test_in_one_process_the_option_is_its_meaning():
+    model = w.seeded(_build, 0)
+    reference = copy.deepcopy(model)
+    model, _ = autodist.parallelize(model, mixed_precision=torch.bfloat16)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+    out = model(x)
+    assert out.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in model.parameters())
+    assert_close(out, _cast_forward(reference, x), rtol=0, atol=0)
+    out.float().sum().backward()
+    _cast_forward(reference, x).float().sum().backward()
+    assert_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()], rtol=0, atol=0)
+    for again in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # an ordinary module, hooks and all
+        assert_close(again(x), out, rtol=0, atol=0)
+
+
+def _refused(option, model_dtype, layout) -> str:
+    try:
+        autodist.parallelize(_build().to(model_dtype), mixed_precision=option, **layout)
+    except (ValueError, NotImplementedError) as error:
+        return str(error)
+    return "not refused"
+
+
+@pytest.mark.parametrize("option, model_dtype, layout, words", [
+    ("bf32", torch.float32, {}, "must be 'bf16', 'fp16'"),
+    ("bf16", torch.bfloat16, {}, "drop mixed_precision"),
+    ("bf16", torch.float32, {"shard": "parameters"}, "shard='gradients'"),
+], ids=["unknown", "already-low", "parameters"])
+def test_what_the_option_cannot_do_it_says(ranks, option, model_dtype, layout, words):
+    for message in ranks(2, _refused, option, model_dtype, layout):
+        assert words in message, message
