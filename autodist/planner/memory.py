@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autodist.dp.buckets import MB
+from autodist.dp.buckets import MB, sum_dtype
 from autodist.layers.shared_reduce import SMALLEST_BYTES, held_bytes
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile, nbytes
@@ -69,7 +69,8 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     buffers = 0.0
     if dp > 1:
         ring = RING * ring_bytes(int(trainable), dp, int(bucket_mb * MB))
-        buffers += {None: trainable, "optimizer": trainable + ring}.get(layout.shard, ring)
+        summed = trainable * profile.widened  # the buckets, in the dtype gradients are summed in
+        buffers += {None: summed, "optimizer": summed + ring}.get(layout.shard, ring)
     if mp > 1:
         sent = profile.splits[mp].sent_per_row * rows / max(1, profile.splits[mp].collectives)
         buffers += max(SMALLEST_BYTES, 2 * sent, mp_buffers)
@@ -99,5 +100,6 @@ def replicated_need(model: nn.Module, dp: int, states: int = 2) -> float:
     """
     params = nbytes(model.parameters())
     trainable = nbytes(p for p in model.parameters() if p.requires_grad)
+    summed = float(sum(p.numel() * sum_dtype(p.dtype).itemsize for p in model.parameters() if p.requires_grad))
     buffers = nbytes(model.buffers())
-    return params + buffers + (1 + states + (dp > 1)) * trainable
+    return params + buffers + (1 + states) * trainable + (dp > 1) * summed

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autodist.dp.buckets import sum_dtype
 from autodist.mp import observe, rewrite
 from autodist.planner.live import LiveBytes
 from autodist.planner.step import loss_of, make_optimizer, untouched
@@ -86,6 +87,7 @@ class Profile:
     latency: float  # seconds of an all-reduce of a few bytes over the world
     bandwidth: float  # bytes per second of the ring all-reduce (2(P-1)/P x bytes sent)
     notes: list[str] = field(default_factory=list)
+    widened: float = 1.0  # bytes the ranks sum per byte of trainable parameters (2: bfloat16 summed in float32)
 
     def per_rank(self, layout: Any) -> tuple[float, float, float]:
         """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the
@@ -291,6 +293,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
     element = params[0].element_size() if params else 4
     total = nbytes(params)
     trainable = nbytes(p for p in params if p.requires_grad)
+    summed = float(sum(p.numel() * sum_dtype(p.dtype).itemsize for p in params if p.requires_grad))
     device = params[0].device if params else torch.device("cpu")
     found = sharded_blocks.find(model, blocks)
     names = [n for n, _ in found]
@@ -326,4 +329,5 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         block_inputs=line("block_inputs"),
         split_kept={k: Line.through(r1, m1["split"][k], r2, m2["split"][k]) for k in mps},
         forward=line("forward"), backward=line("backward"), recompute=line("recompute"), step_per_byte=step,
-        step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth)
+        step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth,
+        widened=summed / trainable if trainable else 1.0)

@@ -36,11 +36,14 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
     params, trainable, own = profile.per_rank(layout)
     step = profile.step_per_byte * own
     buckets = max(1, int(trainable // (bucket_mb * 2 ** 20)) + 1)
-    comm = _ring(trainable, dp, profile, buckets)  # all-reduce, or reduce-scatter + all-gather: the same bytes
+    summed = trainable * profile.widened  # gradients travel in the dtype they are summed in (float32 for bf16)
+    comm = _ring(summed, dp, profile, buckets)  # all-reduce, or reduce-scatter + all-gather: the same bytes
+    if layout.shard == "gradients" and dp > 1:
+        comm = _ring(summed, dp, profile, buckets) / 2 + _ring(trainable, dp, profile, buckets) / 2
     if layout.shard == "optimizer" and dp > 1:
         comm += _ring(trainable, dp, profile, buckets) / 2  # the updated parameters gathered
     if layout.shard == "parameters" and dp > 1:  # a reduce-scatter, and every block gathered for forward and backward
-        comm = _ring(trainable, dp, profile, buckets) / 2 + _ring(params, dp, profile, 2 * max(1, len(profile.blocks)))
+        comm = _ring(summed, dp, profile, buckets) / 2 + _ring(params, dp, profile, 2 * max(1, len(profile.blocks)))
     if split is not None:
         comm += _ring(split.sent_per_row * rows, mp, profile, split.collectives)
     return compute + step + comm
