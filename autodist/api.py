@@ -448,8 +448,8 @@ def parallelize(
             inside ``loss = model(x)`` / ``model(x, target=y)``, which returns the batch's loss on every rank.
         mixed_precision: "bf16" or "fp16": keep the float32 parameters as the master the optimizer steps and
             compute forward and backward in that dtype (each module's parameters cast for its call, floating
-            inputs cast; FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``), the gradients
-            summed in float32. Also in a world of one, which is the reference (docs/precision.md). Without it a
+            inputs cast; FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``; under
+            ``shard="parameters"`` the blocks gathered in that dtype), the gradients summed in float32. Also in a world of one, which is the reference (docs/precision.md). Without it a
             model keeps its own dtypes: bfloat16 parameters train as bfloat16.
 
     Returns:
@@ -518,11 +518,6 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     _check_model(model)
     compute = precision.compute_dtype(mixed_precision)
     precision.check(model, compute)
-    if compute is not None and shard == "parameters":
-        raise NotImplementedError(
-            "mixed_precision with shard='parameters' is not supported yet (its blocks would be gathered in "
-            "float32 and their low-precision copies kept alive until backward): train the model in bfloat16 "
-            "itself (model.to(torch.bfloat16), its gradients summed in float32), or use shard='gradients'")
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
@@ -582,6 +577,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             at_rest = sharded_parameters.setup(model, blocks, second_dp_group(dims, world.rank), dp_rank, dims.dp,
                                                second_dp_group(dims, world.rank, "reads"))
             scatter = BlockScatter(at_rest, groups.dp, dp_rank, dims.dp)
+            if compute is not None:
+                at_rest.compute_in(compute)
         elif shard == "gradients":
             scatter = Scatter(groups.dp, dp_rank, dims.dp)
         dp_ranks = tuple(dims.dp_ranks(world.rank))

@@ -13,7 +13,7 @@ What it measures
       ``shard="parameters"``.
     * ``mixed``: a float32 model computed in bfloat16. ``FSDP2 (torch)``: ``fully_shard`` per Linear with
       ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``autodist``:
-      ``mixed_precision="bf16"`` (``shard="gradients"``: the nearest level the option has today).
+      ``mixed_precision="bf16", shard="parameters"`` (both gather each block in bfloat16).
     * ``float32``: the float32 model, DDP against autodist, for scale.
 
     Beside each step time: the bytes each rank hands its exchange per step (autodist's buckets, DDP's buckets,
@@ -86,7 +86,7 @@ def autodist_side(pair: str, device: torch.device) -> tuple[nn.Module, int]:
     if pair in ("bf16", "bf16-parameters"):
         model = model.to(torch.bfloat16)
     options = {"bf16-parameters": {"shard": "parameters"},
-               "mixed": {"shard": "gradients", "mixed_precision": "bf16"}}.get(pair, {})
+               "mixed": {"shard": "parameters", "mixed_precision": "bf16"}}.get(pair, {})
     model, _ = autodist.parallelize(model, **options)
     summed = sum(b.flat.numel() * b.flat.element_size() for b in state_of(model).buckets)
     return model, summed

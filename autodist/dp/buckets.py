@@ -150,7 +150,9 @@ class Bucket:
                     torch.mul(g, scale, out=out)
         elif scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
             region.zero_()
-        elif self.copies_back or scale == 1.0 or self.widened:  # widened: copied up first, scaled in float32
+        elif self.copies_back or scale == 1.0 or self.widened or any(g.dtype != region.dtype for _, g in present):
+            # widened (or a bfloat16 gradient of a parameter gathered in its compute dtype): copied up first,
+            # scaled in the bucket's dtype
             if len(present) < len(grads):
                 region.zero_()
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])

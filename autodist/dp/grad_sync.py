@@ -94,7 +94,8 @@ class GradSync:
         self.structure = Watch(model, [p for _, p in self.named])
         self._build()
         self._ready_exchange()  # now, inside parallelize (a collective), so that its summary line can say which
-        self.handles = [model.register_forward_pre_hook(self._on_forward),
+        # first: before shard="parameters" gathers the root (under mixed_precision in another dtype)
+        self.handles = [model.register_forward_pre_hook(self._on_forward, prepend=True),
                         model.register_forward_hook(self._count_forward, with_kwargs=True)]
 
     def _build(self) -> None:

@@ -10,7 +10,10 @@ The meaning is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=flo
 * the model's floating-point inputs are cast to the compute dtype (integer ones, token ids, are left alone);
   its output is what the last module computes, in the compute dtype;
 * the ranks' float32 gradients are summed in float32 (:mod:`autodist.dp.buckets`), so a run equals one
-  process with the same option at the split floor.
+  process with the same option at the split floor;
+* under ``shard="parameters"`` the blocks are gathered in the compute dtype
+  (:meth:`autodist.sharded.parameters.ParameterSharding.compute_in`): the parameters hold it while gathered,
+  so the casts here have nothing to do, and the float32 chunks stay the master.
 
 Buffers keep their dtype. A parameter used outside its own module's forward (``F.linear(x, other.weight)``)
 is not cast, and torch then refuses the mixed dtypes by name. The hooks are plain objects of this module,

@@ -43,9 +43,13 @@ class Part:
         self.full: torch.Tensor | None = None  # the whole part, while gathered
         self.work: Any = None  # its all-gather, while in flight
 
-    def start(self, group: Any) -> None:
-        self.full = torch.empty(self.chunk * self.ranks, dtype=self.shard.dtype, device=self.shard.device)
-        self.work = dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
+    def start(self, group: Any, dtype: torch.dtype | None = None) -> None:
+        """Begin gathering the whole part; ``dtype``: in that dtype (``mixed_precision``: half the bytes of the
+        float32 master, and the parameters hold it while gathered)."""
+        dtype = dtype or self.shard.dtype
+        self.full = torch.empty(self.chunk * self.ranks, dtype=dtype, device=self.shard.device)
+        source = self.shard if dtype == self.shard.dtype else self.shard.to(dtype)
+        self.work = dist.all_gather_single(self.full, source, group=group, async_op=True)
 
     def views(self) -> None:
         """The parameters become views of the whole part."""
@@ -75,6 +79,7 @@ class Block:
         self.placeholders = [(p, torch.full((1,), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape))
                              for part in self.parts for p in part.params]
         self.live = False  # the parameters are views of the gathered parts
+        self.compute: torch.dtype | None = None  # mixed_precision: the dtype gathered for use (not for reading)
         self.pinned = False  # held whole by autodist.full_parameters: releasing waits for its end
         self.release()
 
@@ -89,12 +94,13 @@ class Block:
         """The first part whole (the trainable one where there is one), while gathered; None otherwise."""
         return self.parts[0].full
 
-    def start(self, group: Any) -> bool:
-        """Begin gathering the block (nothing if it is gathered or on its way); True if a gather began."""
+    def start(self, group: Any, reading: bool = False) -> bool:
+        """Begin gathering the block (nothing if it is gathered or on its way); True if a gather began.
+        ``reading``: to read it whole (a state dict, a load), in the master's dtype, whatever ``compute`` is."""
         if self.parts[0].full is not None:
             return False
         for part in self.parts:
-            part.start(group)
+            part.start(group, None if reading else self.compute)
         return True
 
     @property

@@ -119,6 +119,12 @@ class ParameterSharding:
         self.hooking: list[tuple[Any, Block]] = []  # the blocks running now, with their saved-tensor hooks
         self.handles = self._hook(model, [module for _, module, ps in named if ps is not root])
 
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """``mixed_precision``: gather every block in ``dtype`` for its forward and backward (half the bytes of
+        float32); its parameters hold that dtype while gathered, their float32 chunks stay the master."""
+        for block in self.blocks:
+            block.compute = dtype
+
     # -- forward -----------------------------------------------------------------------------------
     def _hook(self, model: nn.Module, modules: list[nn.Module]) -> list[Any]:
         """Hooks on ``model`` and on each block's module (``modules``)."""
@@ -257,7 +263,7 @@ class ParameterSharding:
     def _read(self, block: Block, what: str) -> None:
         """Gather ``block`` to read it whole, on the reading group (nothing in flight on the other is met);
         ``what``: the collective read, as the watchdog names it."""
-        block.start(self.reading_group)
+        block.start(self.reading_group, reading=True)
         block.ready(f"{what}, a collective: call it on every rank (shard='parameters' gathers every block)")
 
     def _dense_state(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -142,7 +142,7 @@ class ScatteredBucket(Bucket):
                     into.zero_()
                 elif self.scale == 1.0:
                     into.copy_(g.reshape(-1)[x - offset:y - offset])
-                elif self.widened:  # into float32 first, then weighted there
+                elif self.widened or g.dtype != into.dtype:  # into float32 first, then weighted there
                     into.copy_(g.reshape(-1)[x - offset:y - offset]).mul_(self.scale)
                 else:
                     torch.mul(g.reshape(-1)[x - offset:y - offset], self.scale, out=into)

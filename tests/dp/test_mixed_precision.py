@@ -21,8 +21,8 @@ import autodist
 import workloads as w
 from autodist.dp.data import slice_bounds
 
-EXACT = [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"checkpoint": True},
-         {"shard": "gradients", "checkpoint": True}]
+EXACT = [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"}, {"checkpoint": True},
+         {"shard": "gradients", "checkpoint": True}, {"shard": "parameters", "checkpoint": True}]
 
 
 def _build() -> nn.Module:
@@ -113,8 +113,31 @@ def _refused(option, model_dtype, layout) -> str:
 @pytest.mark.parametrize("option, model_dtype, layout, words", [
     ("bf32", torch.float32, {}, "must be 'bf16', 'fp16'"),
     ("bf16", torch.bfloat16, {}, "drop mixed_precision"),
-    ("bf16", torch.float32, {"shard": "parameters"}, "shard='gradients'"),
-], ids=["unknown", "already-low", "parameters"])
+], ids=["unknown", "already-low"])
 def test_what_the_option_cannot_do_it_says(ranks, option, model_dtype, layout, words):
     for message in ranks(2, _refused, option, model_dtype, layout):
         assert words in message, message
+
+
+def _gathered_dtypes() -> tuple[set, set]:
+    from autodist.sharded.parameters import sharding_of
+
+    x, y = w.digits_like(22)
+    model, data = autodist.parallelize(w.seeded(_build, 0), w.loader(x, y, 8, shuffle=False),
+                                       mixed_precision="bf16", shard="parameters")
+    sharding = sharding_of(model)
+    seen: set = set()
+    model[2].register_forward_hook(lambda *_: seen.update(b.full.dtype for b in sharding.blocks
+                                                           if b.full is not None))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for bx, by in data:
+        F.cross_entropy(model(bx).float(), by).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen, {b.shard.dtype for b in sharding.blocks}
+
+
+def test_shard_parameters_gathers_in_the_compute_dtype(ranks):
+    for gathered, master in ranks(2, _gathered_dtypes):
+        assert gathered == {torch.bfloat16}  # half the bytes of float32 on the wire and in memory
+        assert master == {torch.float32}  # what each rank keeps and steps
