@@ -64,18 +64,20 @@ class Part:
 
 
 class Block:
-    """One block's parameters (see the module docstring); ``params`` are its trainable ones, which its gradient
-    bucket holds, and ``shard`` their chunk on this rank (the optimizer steps views of it)."""
+    """One block's parameters (see the module docstring); ``params`` are its trainable ones, in one part per dtype,
+    each part's trainable parameters one gradient bucket, and its chunk on this rank (:meth:`shard_of`) what
+    the optimizer steps views of."""
 
     def __init__(self, number: int, name: str, params: list[nn.Parameter], rank: int, ranks: int) -> None:
         self.number, self.name, self.ranks = number, name, ranks
         self.params = [p for p in params if p.requires_grad]
-        kinds: dict[tuple, list[nn.Parameter]] = {}
+        trained: dict[tuple, list[nn.Parameter]] = {}  # a part per dtype (a bfloat16 block's float32 router)
+        frozen: dict[tuple, list[nn.Parameter]] = {}
         for p in params:
-            if not p.requires_grad:
-                kinds.setdefault((p.dtype, p.device), []).append(p)
-        self.parts = [Part(ps, rank, ranks) for ps in [self.params, *kinds.values()] if ps]
-        self.trained = self.parts[0] if self.params else None
+            (trained if p.requires_grad else frozen).setdefault((p.dtype, p.device), []).append(p)
+        self.parts = [Part(ps, rank, ranks) for ps in [*trained.values(), *frozen.values()]]
+        self.trained = self.parts[:len(trained)]  # each one gradient bucket, and the optimizer's pieces
+        self.part_of = {id(p): part for part in self.trained for p in part.params}
         self.placeholders = [(p, torch.full((1,), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape))
                              for part in self.parts for p in part.params]
         self.live = False  # the parameters are views of the gathered parts
@@ -83,11 +85,9 @@ class Block:
         self.pinned = False  # held whole by autodist.full_parameters: releasing waits for its end
         self.release()
 
-    @property
-    def shard(self) -> torch.Tensor:
-        """This rank's chunk of the trainable parameters."""
-        assert self.trained is not None, f"block {self.name!r} has no trainable parameters"
-        return self.trained.shard
+    def shard_of(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's chunk of the trainable part that holds ``p`` (the optimizer steps views of it)."""
+        return self.part_of[id(p)].shard
 
     @property
     def full(self) -> torch.Tensor | None:

@@ -209,7 +209,8 @@ class OptimizerSharding:
     def _param_slice(self, piece: Piece) -> torch.Tensor:
         """The elements of ``piece``: in the parameter, or (``shard="parameters"``) in its block's shard."""
         if self.at_rest is not None:
-            return piece.in_chunk(self.at_rest.block_of[id(self.params[piece.index])].shard)
+            p = self.params[piece.index]
+            return piece.in_chunk(self.at_rest.block_of[id(p)].shard_of(p))
         return self.params[piece.index].detach().view(-1)[piece.start:piece.stop]
 
     def _gather_parameters(self) -> None:

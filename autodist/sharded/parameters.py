@@ -86,10 +86,9 @@ class ParameterSharding:
         everything = list(model.parameters())
         trainable = [p for p in everything if p.requires_grad]
         for p in trainable:
-            if p.dtype != trainable[0].dtype or p.device != trainable[0].device:
-                raise NotImplementedError("shard='parameters' needs every trainable parameter of one dtype and "
-                                          "device: convert the model with model.to(dtype) first, or use "
-                                          "shard='optimizer'")
+            if p.device != trainable[0].device:
+                raise NotImplementedError("shard='parameters' needs every trainable parameter on one device: move "
+                                          "the model with model.to(device) first, or use shard='optimizer'")
         found = blocks_mod.find(model, chosen)
         owners: dict[int, list[int]] = {}
         for b, (_, module) in enumerate(found):
@@ -334,12 +333,13 @@ class BlockScatter(Scatter):
     def __init__(self, sharding: ParameterSharding, group: Any, rank: int, ranks: int) -> None:
         super().__init__(group, rank, ranks)
         self.sharding = sharding
+        self.packed: dict[Block, set[int]] = {}  # each block's buckets packed in this backward
 
     def assign(self, params: list[nn.Parameter], caps: tuple[int, int]) -> list[list[int]]:
         index = {id(p): i for i, p in enumerate(params)}
         blocks = self.sharding.block_of
-        if set(index) != set(blocks) or any((p.dtype, p.device) != (blocks[id(p)].shard.dtype,
-                                                                    blocks[id(p)].shard.device) for p in params):
+        if set(index) != set(blocks) or any((p.dtype, p.device) != (blocks[id(p)].shard_of(p).dtype,
+                                                                    blocks[id(p)].shard_of(p).device) for p in params):
             raise RuntimeError("the model's trainable parameters changed after parallelize(..., shard='parameters') "
                                "(requires_grad, dtype or device): its blocks were cut into trainable and frozen "
                                "parts then. Freeze or unfreeze before parallelize (docs/sharded.md, 'Frozen "
@@ -348,15 +348,24 @@ class BlockScatter(Scatter):
         blocks = [b for b in self.sharding.blocks if b.params]  # a frozen block has no gradients
         root = self.sharding.root
         order = [b for b in reversed(blocks) if b is not root] + [b for b in blocks if b is root]
-        return [[index[id(p)] for p in block.params] for block in order]
+        return [[index[id(p)] for p in part.params] for block in order for part in block.trained]
 
     def bucket(self, params: list[nn.Parameter], extra: int) -> ScatteredBucket:
         bucket = super().bucket(params, extra)
-        # its gradients packed, nothing of this backward needs the block's parameters any more
-        bucket.after_pack = self.sharding.block_of[id(params[0])].release
+        bucket.after_pack = partial(self._packed, self.sharding.block_of[id(params[0])], bucket)
         return bucket
 
+    def _packed(self, block: Block, bucket: ScatteredBucket) -> None:
+        """Once every part of ``block`` is packed (one bucket each), nothing of this backward needs its
+        parameters any more."""
+        done = self.packed.setdefault(block, set())
+        done.add(id(bucket))
+        if len(done) == len(block.trained):
+            done.clear()
+            block.release()
+
     def backward_ended(self) -> None:
+        self.packed.clear()  # (a backward that failed midway left some)
         self.sharding.backward_ended()
 
 

@@ -134,7 +134,7 @@ def _gathered_dtypes() -> tuple[set, set]:
         F.cross_entropy(model(bx).float(), by).backward()
         opt.step()
         opt.zero_grad()
-    return seen, {b.shard.dtype for b in sharding.blocks}
+    return seen, {part.shard.dtype for b in sharding.blocks for part in b.parts}
 
 
 def test_shard_parameters_gathers_in_the_compute_dtype(ranks):

@@ -234,17 +234,31 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank_as_in_one_process(ranks
 
 # -- a model of mixed dtypes keeps each parameter's ---------------------------------------------------------
 
-class _Mixed(nn.Module):
-    """bfloat16 blocks with a float32 router and norm, as mixture-of-experts models keep them."""
+class _Block(nn.Module):
+    """A bfloat16 layer with a float32 router beside it, as mixture-of-experts blocks keep them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.router = nn.Linear(6, 6)
-        self.norm = nn.LayerNorm(6)
-        self.blocks = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.bfloat16)
+        self.expert = nn.Linear(6, 6).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.norm(self.router(x)).to(torch.bfloat16)).float()
+        return torch.tanh(self.expert(x.to(torch.bfloat16)).float() * torch.sigmoid(self.router(x)))
+
+
+class _Mixed(nn.Module):
+    """Blocks of two dtypes each, then a float32 norm and a bfloat16 head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).to(torch.bfloat16)).float()
 
 
 def _mixed_loss(model: nn.Module, batch: list) -> torch.Tensor:
@@ -264,7 +278,7 @@ def _mixed_run(layout: dict) -> tuple[dict, dict]:
     return grads, autodist.gather_state_dict(model, all_ranks=True), floor
 
 
-@pytest.mark.parametrize("layout", [{}, {"shard": "optimizer"}, {"shard": "gradients"}], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_a_model_of_mixed_dtypes_keeps_each_parameters_dtype(ranks, layout):
     for grads, state, floor in ranks(2, _mixed_run, layout):
         assert grads == {n: v.dtype for n, v in floor.items()}
