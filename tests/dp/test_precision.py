@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
 import workloads as w
+from autodist.dp import precision
 from autodist.dp.data import slice_bounds
 
 LAYOUTS = [{}, {"shard": "optimizer"}, {"shard": "gradients"}, {"shard": "parameters"},
@@ -205,12 +206,14 @@ def _scaled(layout: dict) -> tuple[dict, float, dict, float]:
     x[2, 0] = float("inf")  # in the first global batch of 4, rank 1's half (rows 2 and 3)
     y = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(2))
 
+    option = "mixed_precision" in layout  # float16 by the option, not autocast: the same option in one process
+
     def train(model, data):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
         for xb, yb in data:
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=not option):
                 loss = F.cross_entropy(model(xb).float(), yb)
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -218,6 +221,8 @@ def _scaled(layout: dict) -> tuple[dict, float, dict, float]:
         return scaler.get_scale()
 
     ref = w.seeded(_blocks, 0)
+    if option:  # what parallelize(ref, mixed_precision="fp16") does in a world of one
+        precision.setup(ref, torch.float16)
     ref_scale = train(ref, DataLoader(TensorDataset(x, y), batch_size=4))
     model, data = autodist.parallelize(w.seeded(_blocks, 100 * w.rank()), DataLoader(TensorDataset(x, y),
                                                                                        batch_size=4), **layout)
@@ -225,7 +230,9 @@ def _scaled(layout: dict) -> tuple[dict, float, dict, float]:
     return w.state(ref), ref_scale, autodist.gather_state_dict(model, all_ranks=True), scale
 
 
-@pytest.mark.parametrize("layout", [{}, {"shard": "gradients"}, {"shard": "parameters"}], ids=str)
+@pytest.mark.parametrize("layout", [{}, {"shard": "gradients"}, {"shard": "parameters"},
+                                    {"mixed_precision": "fp16"}, {"mixed_precision": "fp16", "shard": "parameters"}],
+                         ids=str)
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank_as_in_one_process(ranks, layout):
     for ref, ref_scale, par, scale in ranks(2, _scaled, layout):
         assert ref_scale == scale == 2.0 ** 7  # one skipped step halved it, the other kept it
@@ -301,3 +308,35 @@ def test_a_bfloat16_transformer_split_over_layers_or_stages_stays_near_one_proce
             assert state[name].dtype == value.dtype, name
             scale = value.float().abs().max().item()
             assert (state[name].float() - value.float()).abs().max().item() <= 0.05 * max(scale, 1e-6), name
+
+
+# -- bytes by dtype -------------------------------------------------------------------------------------------
+
+def _held(dtype: torch.dtype, layout: dict) -> dict:
+    os.environ["AUTODIST_SHARED_MEMORY"] = "0"  # the buckets as autodist's buffers, not a shared file
+    try:
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        x = torch.randn(8, 64).to(dtype if "mixed_precision" not in layout else torch.float32)
+        model, data = autodist.parallelize(model.to(dtype), DataLoader(TensorDataset(x), batch_size=8), **layout)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for (xb,) in data:
+            model(xb).float().square().mean().backward()
+            optimizer.step()
+        return dict(autodist.memory(model, optimizer))
+    finally:
+        os.environ.pop("AUTODIST_SHARED_MEMORY", None)
+
+
+def _held_by_dtype() -> list[dict]:
+    return [_held(torch.float32, {}), _held(torch.bfloat16, {}),
+            _held(torch.float32, {"shard": "parameters"}),
+            _held(torch.float32, {"shard": "parameters", "mixed_precision": "bf16"})]
+
+
+def test_memory_counts_bytes_by_dtype(ranks):
+    for float32, bfloat16, sharded, mixed in ranks(2, _held_by_dtype):
+        for kind in ("parameters", "gradients"):
+            assert bfloat16[kind] * 2 == float32[kind], kind
+        assert 0.49 < bfloat16["optimizer state"] / float32["optimizer state"] < 0.52  # (+ Adam's float32 steps)
+        assert bfloat16["autodist buffers"] >= float32["autodist buffers"] * 0.99  # float32 buckets either way
+        assert mixed["parameters"] == sharded["parameters"]  # the float32 master, counted as the user pays it
