@@ -93,8 +93,10 @@ class _CastInputs:
 def check(model: nn.Module, dtype: torch.dtype | None) -> None:
     """Raises where a trainable parameter is not float32: a model already in a low precision trains as it is,
     without the option."""
+    if dtype is None:
+        return
     low = next(((n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32), None)
-    if dtype is not None and low is not None:
+    if low is not None:
         raise ValueError(f"mixed_precision keeps float32 master weights and computes in {dtype}, but parameter "
                          f"{low[0]!r} is {low[1].dtype}: drop mixed_precision to train the model in its own dtypes "
                          f"(a bfloat16 model trains as bfloat16, its gradients summed in float32), or convert it "

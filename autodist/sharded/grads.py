@@ -93,8 +93,7 @@ def _refusal(func: Any, level: str = "gradients") -> str:
     return (f"{name} on a gradient of a model parallelized with shard={level!r}: each rank holds only its slice "
             f"of every synchronized gradient, so {name} would see 1/N of it. torch.nn.utils.clip_grad_norm_, "
             f"get_total_norm, clip_grad_value_, GradScaler and optimizer.zero_grad work on it as in one process; "
-            f"to read whole "
-            f"gradients, use shard='optimizer' (whole gradients, the optimizer state still split)")
+            f"to read whole gradients, use shard='optimizer' (whole gradients, the optimizer state still split)")
 
 
 def _ord(args: tuple, kwargs: dict) -> float:
