@@ -13,6 +13,7 @@ Two rules make a parallel run see the same global batches as one process:
 """
 from __future__ import annotations
 
+import collections.abc
 import copy
 import itertools
 import zlib
@@ -103,8 +104,8 @@ def shard_arrays(data: Any, rank: int, size: int, dim: int = 0) -> Any:
 def shard_dataset(dataset: Dataset, rank: int, size: int) -> RankShard:
     """Rank's strided view of a map-style Dataset (samples rank, rank+size, ...), which refuses a second split."""
     if isinstance(dataset, IterableDataset):
-        raise TypeError("an IterableDataset cannot be split by index; shard its stream yourself "
-                        "(e.g. by autodist.init().rank) and pass the model alone to parallelize")
+        raise TypeError("an IterableDataset has no samples to split by index: pass it in the DataLoader you "
+                        "train from (DataLoader(stream, batch_size=...)), whose batches autodist splits by rank")
     n = len(dataset)  # type: ignore[arg-type]
     _check_enough(n, size, "the Dataset")
     _warn_uneven(n, rank, size, "the Dataset")
@@ -283,15 +284,18 @@ def _agreeing(batch_sampler: Any, share: ShareOrder) -> Any:
     return batch_sampler
 
 
-def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder) -> DataLoader:
+def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, dim: int = 0) -> DataLoader:
     """A DataLoader yielding rank's slice of each of ``loader``'s global batches.
 
     ``share`` is called (on every rank together, once an epoch) only when the
     loader's sampler draws from the global RNG: it hands every rank rank 0's order.
+    Over an ``IterableDataset`` every rank reads the stream and keeps rows of each
+    batch along ``dim`` (:mod:`autodist.dp.stream`).
     """
     if isinstance(loader.dataset, IterableDataset):
-        raise TypeError("a DataLoader over an IterableDataset cannot be split by index; shard its stream "
-                        "yourself (e.g. by autodist.init().rank) and pass the model alone to parallelize")
+        from autodist.dp.stream import StreamShard  # (it builds on this module)
+
+        return StreamShard(loader, rank, size, dim, f"{next(_loader_numbers)}.stream")
     if loader.batch_sampler is None:
         raise ValueError("the DataLoader was built with batch_size=None (no batching), so there is no global "
                          "batch to split; give it a batch_size or a batch_sampler")
@@ -339,7 +343,8 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: i
     """Rank's shard of ``data``, of the same kind as ``data``.
 
     Args:
-        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset or a DataLoader.
+        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset, a DataLoader (over a
+            map-style Dataset or a stream) or a generator of batches.
         rank / size: this rank's data-parallel index, and the number of data-parallel ranks.
         share: for a DataLoader whose sampler draws from the global RNG, gives every
             rank rank 0's order of an epoch (:func:`broadcast_order`); the default,
@@ -352,13 +357,18 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: i
         tensor([1, 3])
     """
     if isinstance(data, DataLoader):
-        return shard_loader(data, rank, size, share)
+        return shard_loader(data, rank, size, share, dim)
     if isinstance(data, Dataset):
         return shard_dataset(data, rank, size)
     if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
         return shard_arrays(data, rank, size, dim)
+    if isinstance(data, collections.abc.Iterator):  # a generator of batches: a stream whose items are batches
+        from autodist.dp.stream import Batches, StreamShard
+
+        return StreamShard(DataLoader(Batches(data), batch_size=None), rank, size, dim,
+                           f"{next(_loader_numbers)}.stream")
     raise TypeError(f"autodist cannot shard data of type {type(data).__name__}; pass a tensor, a numpy array, "
-                    f"a tuple/list of them, a torch Dataset or a DataLoader")
+                    f"a tuple/list of them, a torch Dataset, a DataLoader or a generator of batches")
 
 
 def check(data: DataLike, size: int, dim: int = 0) -> None:

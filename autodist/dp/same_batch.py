@@ -46,6 +46,7 @@ def check(region: torch.Tensor) -> None:
             f"the data-parallel ranks are not on the same global batch at this step: {known:g} ranks trained on "
             f"batches the sharded DataLoader handed out, and they are parts of different global batches. Something "
             f"between parallelize's DataLoader and the model splits or reorders it per rank (a DistributedSampler, "
-            f"a framework's own loader around it: docs/frameworks.md), a rank skips a batch, or the loader's "
-            f"sampler draws from a generator seeded differently per rank; iterate the DataLoader parallelize "
-            f"returns as it is, on every rank alike")
+            f"a framework's own loader around it: docs/frameworks.md), a rank skips a batch, the loader's "
+            f"sampler draws from a generator seeded differently per rank, or a stream (an IterableDataset, which "
+            f"every rank reads) yields different batches on different ranks (a shuffle buffer without a seed: seed "
+            f"it alike on every rank); iterate the DataLoader parallelize returns as it is, on every rank alike")

@@ -1,0 +1,142 @@
+"""A DataLoader over a stream (an ``IterableDataset``) split by rank: every rank reads the stream, each keeps its
+slice of every global batch.
+
+A stream has no indices to split, so each rank runs the user's own loader (its workers, its collate, its
+``get_worker_info()`` split among them) and gets the very batches the single-process loader yields, then keeps
+rows ``[lo, hi)`` of each (:func:`autodist.dp.data.slice_bounds` along ``batch_dim``, the last partial batch
+too: nothing padded, dropped or doubled) and hands them over with their share of the global batch, as the
+map-style loader does, so the gradient is weighted exactly. No ``len()`` is needed and nothing of the stream
+is kept beyond the batch in hand.
+
+Each global batch is marked by a CRC-32 of its tensors' bytes, which the ranks compare at the gradient sync:
+a stream that yields different batches on different ranks (a shuffle buffer without a seed) fails the first
+step, naming the cause, instead of training on batches no single process would see.
+
+The cost: every rank reads and collates the whole stream (N times the reading of one process), and computes
+the CRC (one pass over each batch's bytes); nothing is sent.
+
+Example:
+    >>> loader = DataLoader(stream, batch_size=16, num_workers=2)
+    >>> model, loader = autodist.parallelize(model, loader)   # each rank: its rows of each batch of 16
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections import deque
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from autodist.dp.data import ShardedLoader, slice_bounds
+from autodist.faults import watchdog
+from autodist.runtime import provenance
+from autodist.runtime.provenance import BatchShare
+
+
+def rows(batch: Any, lo: int, hi: int, dim: int = 0) -> Any:
+    """Rows ``[lo, hi)`` of a collated batch: tensors and arrays along ``dim``, a list of strings or numbers
+    (default_collate's form of them) as it is long; containers (tuple, list, dict, namedtuple, dataclass)
+    kept as they are around their rows."""
+    if isinstance(batch, torch.Tensor):
+        return batch.narrow(dim, lo, hi - lo)
+    if isinstance(batch, np.ndarray):
+        return batch[(slice(None),) * dim + (slice(lo, hi),)]
+    if isinstance(batch, dict):
+        return type(batch)({k: rows(v, lo, hi, dim) for k, v in batch.items()})
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: rows(getattr(batch, f.name), lo, hi, dim)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(rows(v, lo, hi, dim) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if batch and all(isinstance(v, (str, bytes, int, float, bool)) for v in batch):
+            return batch[lo:hi]  # one entry a sample
+        return type(batch)(rows(v, lo, hi, dim) for v in batch)
+    return batch
+
+
+def batch_size(batch: Any, dim: int = 0) -> int:
+    """The number of samples of a collated batch: its tensors' (and arrays') size along ``dim``, which must
+    agree; raises where it holds none or they differ."""
+    sizes = {t.shape[dim] for t in _arrays(batch) if len(t.shape) > dim}
+    if len(sizes) != 1:
+        raise ValueError(f"autodist splits each batch of a stream by rank along dimension {dim} (batch_dim) of its "
+                         f"tensors, but this batch's tensors have {sorted(sizes) or 'no'} sizes there "
+                         f"({type(batch).__name__}); collate the stream's samples into tensors that share their "
+                         f"batch dimension, or give parallelize(..., batch_dim=...)")
+    return sizes.pop()
+
+
+def _arrays(batch: Any) -> Iterator[Any]:
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _arrays(v)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from _arrays(getattr(batch, f.name))
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _arrays(v)
+
+
+def mark(batch: Any) -> int | None:
+    """The identity of a global batch, from its content: a CRC-32 of its CPU tensors' bytes (None where it has
+    none on the CPU)."""
+    crc, seen = 0, False
+    for t in _arrays(batch):
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu":
+                continue
+            t = t.detach().contiguous().view(torch.uint8) if t.numel() else t
+            data = t.numpy().tobytes() if t.numel() else b""
+        else:
+            data = np.ascontiguousarray(t).tobytes()
+        crc, seen = zlib.crc32(data, crc), True
+    return crc if seen else None
+
+
+class Batches(IterableDataset):
+    """A generator (or any iterator) of batches as a stream, read once: what ``parallelize(model, gen)`` splits."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self.source = source
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.source
+
+
+class StreamShard(DataLoader):
+    """The DataLoader ``parallelize`` returns for a DataLoader over an ``IterableDataset``: the original's batches,
+    this rank's rows of each (see the module docstring)."""
+
+    watch_key = "stream"
+    epochs = 0
+
+    def __init__(self, source: DataLoader, rank: int, size: int, dim: int, key: str) -> None:
+        super().__init__(source.dataset, batch_size=None)  # never iterated itself: ``source`` is
+        self.source, self.rank, self.size, self.dim, self.watch_key = source, rank, size, dim, key
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, self.epochs = self.epochs, self.epochs + 1
+        try:
+            steps = len(self.source)
+        except TypeError:  # a stream without len(): nothing to compare
+            steps = -1
+        watchdog.epoch_begins(self.watch_key, epoch, steps, -1)
+        shares: deque[BatchShare] = deque()
+        return ShardedLoader._handed_over(self._slices(shares), shares, (self.watch_key, epoch, steps, -1))
+
+    def _slices(self, shares: deque[BatchShare]) -> Iterator[Any]:
+        for batch in self.source:
+            n = batch_size(batch, self.dim)
+            lo, hi = slice_bounds(n, self.rank, self.size)
+            shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch)))
+            yield rows(batch, lo, hi, self.dim)
+
+    def __len__(self) -> int:
+        return len(self.source)  # the single-process loader's global batches (raises where it has no len())
