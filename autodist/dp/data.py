@@ -25,24 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
+from autodist.dp.handover import handed_over, slice_bounds
 from autodist.dp.resplit import RankShard, refuse_split_again
+from autodist.dp.stream import Batches, StreamShard
 from autodist.faults import watchdog
 from autodist.runtime import position, provenance
 from autodist.runtime.provenance import BatchShare
 
 DataLike = Any  # tensor | np.ndarray | tuple/list of them | Dataset | DataLoader
-
-
-def slice_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
-    """[lo, hi) of rank's contiguous part of n items; the first n % size ranks get one more.
-
-    Example:
-        >>> [slice_bounds(5, r, 3) for r in range(3)]
-        [(0, 2), (2, 4), (4, 5)]
-    """
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
 
 
 def _length(x: Any, where: str, dim: int = 0) -> int:
@@ -173,26 +163,8 @@ class ShardedLoader(DataLoader):
             steps = -1
         samples = len(self.dataset)  # type: ignore[arg-type]
         watchdog.epoch_begins(self.watch_key, epoch, steps, samples)
-        return self._handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
-                                 (self.watch_key, epoch, steps, samples))
-
-    @staticmethod
-    def _handed_over(batches: Iterator[Any], shares: deque[BatchShare],
-                     epoch: tuple[str, int, int, int]) -> Iterator[Any]:
-        outer = provenance.current()  # an evaluation loop inside a training loop gives the training batch back
-        key, number, steps, samples = epoch
-        step = 0
-        try:
-            for batch in batches:
-                share = shares.popleft()
-                provenance.register_batch(batch, share)
-                provenance.announce(share)
-                step += 1
-                position.record.batch(share.batch, (number, step, steps))
-                yield batch
-            watchdog.data_ended(key, number, step, samples)  # raises if another rank has more steps
-        finally:
-            provenance.announce(outer)
+        return handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
+                           (self.watch_key, epoch, steps, samples))
 
 
 def _empty_like(batch: Any) -> Any:
@@ -293,8 +265,6 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
     batch along ``dim`` (:mod:`autodist.dp.stream`).
     """
     if isinstance(loader.dataset, IterableDataset):
-        from autodist.dp.stream import StreamShard  # (it builds on this module)
-
         return StreamShard(loader, rank, size, dim, f"{next(_loader_numbers)}.stream")
     if loader.batch_sampler is None:
         raise ValueError("the DataLoader was built with batch_size=None (no batching), so there is no global "
@@ -363,8 +333,6 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: i
     if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
         return shard_arrays(data, rank, size, dim)
     if isinstance(data, collections.abc.Iterator):  # a generator of batches: a stream whose items are batches
-        from autodist.dp.stream import Batches, StreamShard
-
         return StreamShard(DataLoader(Batches(data), batch_size=None), rank, size, dim,
                            f"{next(_loader_numbers)}.stream")
     raise TypeError(f"autodist cannot shard data of type {type(data).__name__}; pass a tensor, a numpy array, "

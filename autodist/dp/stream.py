@@ -3,7 +3,7 @@ slice of every global batch.
 
 A stream has no indices to split, so each rank runs the user's own loader (its workers, its collate, its
 ``get_worker_info()`` split among them) and gets the very batches the single-process loader yields, then keeps
-rows ``[lo, hi)`` of each (:func:`autodist.dp.data.slice_bounds` along ``batch_dim``, the last partial batch
+rows ``[lo, hi)`` of each (:func:`autodist.dp.handover.slice_bounds` along ``batch_dim``, the last partial batch
 too: nothing padded, dropped or doubled) and hands them over with their share of the global batch, as the
 map-style loader does, so the gradient is weighted exactly. No ``len()`` is needed and nothing of the stream
 is kept beyond the batch in hand.
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from autodist.dp.data import ShardedLoader, slice_bounds
+from autodist.dp.handover import handed_over, slice_bounds
 from autodist.faults import watchdog
 from autodist.runtime import provenance
 from autodist.runtime.provenance import BatchShare
@@ -129,7 +129,7 @@ class StreamShard(DataLoader):
             steps = -1
         watchdog.epoch_begins(self.watch_key, epoch, steps, -1)
         shares: deque[BatchShare] = deque()
-        return ShardedLoader._handed_over(self._slices(shares), shares, (self.watch_key, epoch, steps, -1))
+        return handed_over(self._slices(shares), shares, (self.watch_key, epoch, steps, -1))
 
     def _slices(self, shares: deque[BatchShare]) -> Iterator[Any]:
         for batch in self.source:
