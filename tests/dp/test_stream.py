@@ -178,7 +178,8 @@ WORKERS_SCRIPT = textwrap.dedent('''
     for x, ids in loader:
         seen.append(ids.tolist())
         model(x).sum().backward()
-    print("SEEN", autodist.init().rank, json.dumps(seen), flush=True)
+    with open(f"seen{autodist.init().rank}.json", "w") as f:   # (two ranks' long lines would interleave on stdout)
+        json.dump(seen, f)
 ''')
 
 
@@ -189,7 +190,6 @@ def test_loader_workers_give_the_single_process_batches(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", "2", "--raw-output", str(script)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    seen = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("SEEN"))
-    per_rank = [json.loads(seen[str(r)]) for r in range(2)]
+    per_rank = [json.loads((tmp_path / f"seen{r}.json").read_text()) for r in range(2)]
     expected = [ids.tolist() for _, ids in DataLoader(Ids(SAMPLES), batch_size=BATCH, num_workers=2)]
     assert _joined(per_rank) == expected
