@@ -378,7 +378,10 @@ def parallelize(
     Args:
         model: the model, changed in place and returned.
         data: a tensor or numpy array, a tuple/list of them (same first
-            dimension), a map-style Dataset or a DataLoader; None for no data.
+            dimension), a map-style Dataset, a DataLoader (over a map-style
+            Dataset or a stream, an IterableDataset: every rank reads it and
+            keeps its rows of each batch) or a generator of batches; None for
+            no data.
         mp: model-parallel degree (must divide the number of ranks). A model
             holding hand-placed ``autodist.layers`` implies it.
         mp_layers: which Linear layers to split: "all", a list of qualified
@@ -657,7 +660,8 @@ def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | No
 
     Args:
         model: the model returned by ``parallelize`` (in a world of one, any model).
-        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset or a DataLoader.
+        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset, a DataLoader (also over a
+            stream) or a generator of batches.
         batch_dim: the dimension of tensors and arrays that indexes samples, as for ``parallelize``
             (None: 0).
 
