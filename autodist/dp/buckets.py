@@ -150,9 +150,9 @@ class Bucket:
                     torch.mul(g, scale, out=out)
         elif scale == 0.0 or not present:  # an empty batch may leave NaN grads: weight 0 means zero
             region.zero_()
-        elif self.copies_back or scale == 1.0 or self.widened or any(g.dtype != region.dtype for _, g in present):
-            # widened (or a bfloat16 gradient of a parameter gathered in its compute dtype): copied up first,
-            # scaled in the bucket's dtype
+        elif self.copies_back or scale == 1.0 or any(g.dtype != region.dtype for _, g in present):
+            # a gradient of another dtype (float16 / bfloat16 in a float32 bucket, or of a parameter gathered in
+            # its compute dtype): copied into the bucket's dtype first, scaled there
             if len(present) < len(grads):
                 region.zero_()
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])

@@ -256,6 +256,12 @@ def _agreeing(batch_sampler: Any, share: ShareOrder) -> Any:
     return batch_sampler
 
 
+def _stream(loader: DataLoader, rank: int, size: int, dim: int) -> StreamShard:
+    """Rank's rows of each batch of a loader over a stream (:mod:`autodist.dp.stream`), named for the watchdog
+    in creation order, as the map-style loaders are."""
+    return StreamShard(loader, rank, size, dim, f"{next(_loader_numbers)}.stream")
+
+
 def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, dim: int = 0) -> DataLoader:
     """A DataLoader yielding rank's slice of each of ``loader``'s global batches.
 
@@ -265,7 +271,7 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
     batch along ``dim`` (:mod:`autodist.dp.stream`).
     """
     if isinstance(loader.dataset, IterableDataset):
-        return StreamShard(loader, rank, size, dim, f"{next(_loader_numbers)}.stream")
+        return _stream(loader, rank, size, dim)
     if loader.batch_sampler is None:
         raise ValueError("the DataLoader was built with batch_size=None (no batching), so there is no global "
                          "batch to split; give it a batch_size or a batch_sampler")
@@ -333,8 +339,7 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: i
     if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):
         return shard_arrays(data, rank, size, dim)
     if isinstance(data, collections.abc.Iterator):  # a generator of batches: a stream whose items are batches
-        return StreamShard(DataLoader(Batches(data), batch_size=None), rank, size, dim,
-                           f"{next(_loader_numbers)}.stream")
+        return _stream(DataLoader(Batches(data), batch_size=None), rank, size, dim)
     raise TypeError(f"autodist cannot shard data of type {type(data).__name__}; pass a tensor, a numpy array, "
                     f"a tuple/list of them, a torch Dataset, a DataLoader or a generator of batches")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,17 +35,20 @@ from autodist.dp.handover import handed_over, slice_bounds
 from autodist.faults import watchdog
 from autodist.runtime import provenance
 from autodist.runtime.provenance import BatchShare
+from autodist.runtime.tree import leaves
 
 
 def rows(batch: Any, lo: int, hi: int, dim: int = 0) -> Any:
     """Rows ``[lo, hi)`` of a collated batch: tensors and arrays along ``dim``, a list of strings or numbers
     (default_collate's form of them) as it is long; containers (tuple, list, dict, namedtuple, dataclass)
     kept as they are around their rows."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim <= dim:
+        return batch  # no rows (a per-batch number): every rank keeps it, as batch_size does not count it
     if isinstance(batch, torch.Tensor):
         return batch.narrow(dim, lo, hi - lo)
     if isinstance(batch, np.ndarray):
         return batch[(slice(None),) * dim + (slice(lo, hi),)]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, Hugging Face's BatchEncoding
         return type(batch)({k: rows(v, lo, hi, dim) for k, v in batch.items()})
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: rows(getattr(batch, f.name), lo, hi, dim)
@@ -71,32 +75,24 @@ def batch_size(batch: Any, dim: int = 0) -> int:
 
 
 def _arrays(batch: Any) -> Iterator[Any]:
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        yield batch
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            yield from _arrays(v)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            yield from _arrays(getattr(batch, f.name))
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _arrays(v)
+    """The tensors and arrays of a batch, in a fixed order (:func:`autodist.runtime.tree.leaves`)."""
+    return (leaf for _, leaf in leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)))
 
 
 def mark(batch: Any) -> int | None:
-    """The identity of a global batch, from its content: a CRC-32 of its CPU tensors' bytes (None where it has
-    none on the CPU)."""
+    """The identity of a global batch, from its content: a CRC-32 of its CPU tensors' and numeric arrays' bytes
+    (None where it has none)."""
     crc, seen = 0, False
     for t in _arrays(batch):
         if isinstance(t, torch.Tensor):
             if t.device.type != "cpu":
                 continue
-            t = t.detach().contiguous().view(torch.uint8) if t.numel() else t
-            data = t.numpy().tobytes() if t.numel() else b""
+            data = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()  # 0-dim too; bytes as they are
+        elif t.dtype.hasobject:  # its bytes are pointers, another on each rank: not the batch's identity
+            continue
         else:
-            data = np.ascontiguousarray(t).tobytes()
-        crc, seen = zlib.crc32(data, crc), True
+            data = np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+        crc, seen = zlib.crc32(data, crc), True  # read where it lies: no copy of the batch
     return crc if seen else None
 
 

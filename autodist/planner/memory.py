@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from autodist.dp.buckets import MB, sum_dtype
+from autodist.dp.buckets import MB
 from autodist.layers.shared_reduce import SMALLEST_BYTES, held_bytes
 from autodist.planner.plan import Layout
-from autodist.planner.profile import Profile, nbytes
+from autodist.planner.profile import Profile, nbytes, summed_nbytes
 from autodist.runtime.mesh import ParallelDims, built_groups
 from autodist.sharded.scatter import RING, ring_bytes
 
@@ -100,6 +100,6 @@ def replicated_need(model: nn.Module, dp: int, states: int = 2) -> float:
     """
     params = nbytes(model.parameters())
     trainable = nbytes(p for p in model.parameters() if p.requires_grad)
-    summed = float(sum(p.numel() * sum_dtype(p.dtype).itemsize for p in model.parameters() if p.requires_grad))
+    summed = summed_nbytes(p for p in model.parameters() if p.requires_grad)
     buffers = nbytes(model.buffers())
     return params + buffers + (1 + states) * trainable + (dp > 1) * summed

@@ -102,6 +102,12 @@ def nbytes(tensors: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
+def summed_nbytes(params: Any) -> float:
+    """The bytes of ``params``' gradients in the dtype the ranks sum them in (float32 for float16 and bfloat16:
+    :func:`autodist.dp.buckets.sum_dtype`), as the gradient buckets hold them."""
+    return float(sum(p.numel() * sum_dtype(p.dtype).itemsize for p in params))
+
+
 def _split(plan: Any, mp: int, rows_in: dict[str, float], total: float, element: int) -> Split:
     """The model-parallel plan of ``mp`` (or why there is none) read as bytes and work; ``rows_in``: Linear rows
     per batch row."""
@@ -293,7 +299,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
     element = params[0].element_size() if params else 4
     total = nbytes(params)
     trainable = nbytes(p for p in params if p.requires_grad)
-    summed = float(sum(p.numel() * sum_dtype(p.dtype).itemsize for p in params if p.requires_grad))
+    summed = summed_nbytes(p for p in params if p.requires_grad)
     device = params[0].device if params else torch.device("cpu")
     found = sharded_blocks.find(model, blocks)
     names = [n for n, _ in found]

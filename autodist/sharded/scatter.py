@@ -73,7 +73,6 @@ class ScatteredBucket(Bucket):
         # packed into a ring buffer of the exchange's (move_into): nothing of its own but the part and the meta
         super().__init__(params, extra, pad=self.chunk * ranks - cut.total, device=torch.device("meta"))
         like = params[0]
-        self.device = like.device
         self.part = torch.zeros(self.chunk, dtype=like.dtype, device=like.device)
         # What the exchange sums into: the part itself, or for float16 and bfloat16 gradients a float32 part,
         # made for each sync and rounded into ``part`` once at its end (widened: see Bucket)
@@ -142,7 +141,7 @@ class ScatteredBucket(Bucket):
                     into.zero_()
                 elif self.scale == 1.0:
                     into.copy_(g.reshape(-1)[x - offset:y - offset])
-                elif self.widened or g.dtype != into.dtype:  # into float32 first, then weighted there
+                elif g.dtype != into.dtype:  # into the bucket's dtype first (float32 for bf16), weighted there
                     into.copy_(g.reshape(-1)[x - offset:y - offset]).mul_(self.scale)
                 else:
                     torch.mul(g.reshape(-1)[x - offset:y - offset], self.scale, out=into)
@@ -150,7 +149,7 @@ class ScatteredBucket(Bucket):
     def _ready_sum(self) -> None:
         """The float32 part this sync's sum goes into, for float16 and bfloat16 gradients."""
         if self.widened and self.summed is None:
-            self.summed = torch.empty(self.chunk, dtype=self.flat.dtype, device=self.device)
+            self.summed = torch.empty(self.chunk, dtype=self.flat.dtype, device=self.part.device)
 
     def packed(self) -> None:
         """Every number packed: autograd's whole gradients are freed now."""

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 import autodist
 import workloads as w
 from autodist.dp.data import slice_bounds
-from autodist.dp.stream import rows
+from autodist.dp.stream import batch_size, mark, rows
 
 SAMPLES, BATCH = 1003, 16  # a prime: the last global batch holds 11
 
@@ -164,6 +164,16 @@ def test_rows_keep_the_batch_structure():
     part = rows(batch, 1, 3)
     assert part["x"].tolist() == [[2, 3], [4, 5]] and part["pair"][0].tolist() == [1, 2]
     assert part["pair"][1] == ["b", "c"] and part["data"].ids.tolist() == [1, 2] and part["data"].names == ["w", "x"]
+
+
+def test_a_mapping_batch_and_a_scalar_in_it_are_split_and_marked():
+    from collections import UserDict  # Hugging Face's BatchEncoding is one
+
+    batch = UserDict({"input_ids": torch.arange(12).view(6, 2), "step": torch.tensor(3)})
+    assert batch_size(batch) == 6  # the 0-dim tensor holds no rows
+    part = rows(batch, 4, 6)
+    assert isinstance(part, UserDict) and part["input_ids"].tolist() == [[8, 9], [10, 11]] and part["step"] == 3
+    assert mark(batch) == mark(UserDict({k: v.clone() for k, v in batch.items()})) != mark(part)
 
 
 WORKERS_SCRIPT = textwrap.dedent('''
