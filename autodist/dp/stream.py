@@ -38,10 +38,10 @@ from autodist.runtime.provenance import BatchShare
 from autodist.runtime.tree import leaves
 
 
-def rows(batch: Any, lo: int, hi: int, dim: int = 0) -> Any:
-    """Rows ``[lo, hi)`` of a collated batch: tensors and arrays along ``dim``, a list of strings or numbers
-    (default_collate's form of them) as it is long; containers (tuple, list, dict, namedtuple, dataclass)
-    kept as they are around their rows."""
+def rows(batch: Any, lo: int, hi: int, dim: int = 0, n: int | None = None) -> Any:
+    """Rows ``[lo, hi)`` of a collated batch of ``n`` samples: tensors and arrays along ``dim``, a list of
+    strings or numbers (default_collate's form of them) as it is long, which must then be ``n`` where ``n`` is
+    given; containers (tuple, list, mapping, namedtuple, dataclass) kept as they are around their rows."""
     if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim <= dim:
         return batch  # no rows (a per-batch number): every rank keeps it, as batch_size does not count it
     if isinstance(batch, torch.Tensor):
@@ -49,16 +49,21 @@ def rows(batch: Any, lo: int, hi: int, dim: int = 0) -> Any:
     if isinstance(batch, np.ndarray):
         return batch[(slice(None),) * dim + (slice(lo, hi),)]
     if isinstance(batch, Mapping):  # a dict, Hugging Face's BatchEncoding
-        return type(batch)({k: rows(v, lo, hi, dim) for k, v in batch.items()})
+        return type(batch)({k: rows(v, lo, hi, dim, n) for k, v in batch.items()})
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: rows(getattr(batch, f.name), lo, hi, dim)
+        return dataclasses.replace(batch, **{f.name: rows(getattr(batch, f.name), lo, hi, dim, n)
                                              for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(rows(v, lo, hi, dim) for v in batch))
+        return type(batch)(*(rows(v, lo, hi, dim, n) for v in batch))
     if isinstance(batch, (list, tuple)):
         if batch and all(isinstance(v, (str, bytes, int, float, bool)) for v in batch):
+            if n is not None and len(batch) != n:
+                raise ValueError(f"a stream's batch holds a list of {len(batch)} plain values beside {n} samples "
+                                 f"({batch[:4]!r}...): autodist splits such a list by rank as one entry a sample, "
+                                 f"so it must have one per sample; make a per-batch value a tensor or a tuple "
+                                 f"field of one value per sample")
             return batch[lo:hi]  # one entry a sample
-        return type(batch)(rows(v, lo, hi, dim) for v in batch)
+        return type(batch)(rows(v, lo, hi, dim, n) for v in batch)
     return batch
 
 
@@ -132,7 +137,7 @@ class StreamShard(DataLoader):
             n = batch_size(batch, self.dim)
             lo, hi = slice_bounds(n, self.rank, self.size)
             shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch)))
-            yield rows(batch, lo, hi, self.dim)
+            yield rows(batch, lo, hi, self.dim, n)
 
     def __len__(self) -> int:
         return len(self.source)  # the single-process loader's global batches (raises where it has no len())

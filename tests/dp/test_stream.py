@@ -166,6 +166,13 @@ def test_rows_keep_the_batch_structure():
     assert part["pair"][1] == ["b", "c"] and part["data"].ids.tolist() == [1, 2] and part["data"].names == ["w", "x"]
 
 
+def test_a_list_of_values_that_is_not_one_a_sample_is_refused_not_cut():
+    batch = {"x": torch.zeros(6, 2), "sizes": [3, 4]}  # a per-batch list: cutting it by rows would be a guess
+    with pytest.raises(ValueError, match="list of 2 plain values beside 6 samples"):
+        rows(batch, 0, 3, n=batch_size(batch))
+    assert rows({"x": torch.zeros(6, 2), "names": list("abcdef")}, 0, 3, n=6)["names"] == ["a", "b", "c"]
+
+
 def test_a_mapping_batch_and_a_scalar_in_it_are_split_and_marked():
     from collections import UserDict  # Hugging Face's BatchEncoding is one
 
