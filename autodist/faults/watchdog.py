@@ -270,9 +270,11 @@ class Watchdog:
         self.next_line = (self.wait_since, due)
 
     def _in_collective(self) -> bool:
-        """The main thread waits for the other ranks (not merely at the end of its script)."""
-        wait = record.wait
-        return self.status.wait is not None and (wait is None or wait[0] != "exit")
+        """The main thread waits for the other ranks (not merely at the end of its script), as this tick observed
+        it: read from the status, not from ``record.wait`` again, which the main thread may have left since (at
+        the end of its script, once the other ranks arrived: the status would then be judged as a collective,
+        and a rank that arrived as one that will never join it)."""
+        return self.status.wait is not None and self.status.wait != _AT_THE_END
 
     def _store_failed(self, exc: Exception) -> None:
         """The store stopped answering: its host is gone. Waiting in a collective, that is the error; otherwise
@@ -485,6 +487,9 @@ class Watchdog:
     def give_up(self, message: str) -> None:
         """The end took too long: stop every rank with ``message`` (the stalled ones read it within a tick)."""
         self.decide(message)
+
+
+_AT_THE_END = wait_words("exit", 0, None)  # the status's wait while a rank waits at the end of its script
 
 
 def _collective_in_traceback(tb: Any) -> str:
