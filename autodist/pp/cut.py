@@ -2,13 +2,13 @@
 blocks, or the modules ``blocks=`` names) dealt out to ``pp`` stages in order, each stage a run of consecutive
 blocks.
 
-``stages=`` says it by hand: a list of ``pp`` counts (how many blocks each stage takes, in order) or of ``pp``
-lists of module names (each stage's blocks: the model's blocks are then exactly these). Otherwise rank 0 times
-one forward and backward of each block on a sample of the data and counts the bytes each holds (its
-parameters, their gradients and an Adam-like optimizer's two states, and the activations it saves for
-backward), and the cut is the one whose fullest stage is least full, time and memory each taken as a share of
-the whole (the code after the last block, the head, counts to the last stage). Without a sample, parameters
-alone decide. Every rank takes rank 0's cut.
+``stages=`` says it by hand: a list of ``pp`` counts (how many blocks each stage takes, in order) or of ``pp`` lists
+of module names (each stage's blocks: the model's blocks are then exactly these). Otherwise rank 0 times each
+block's forward and backward on a sample of the data (the fastest of three runs after a warm-up) and counts the
+bytes each holds (its parameters, their gradients and an Adam-like optimizer's two states, and the activations it
+saves for backward), and the cut is the one whose fullest stage is least full, time and memory each taken as a share
+of the whole (the code after the last block, the head, counts to the last stage). Without a sample, parameters alone
+decide. Every rank takes rank 0's cut.
 
 Example:
     >>> cut = decide(nanogpt, 2, None, None, example=(idx,))
@@ -30,6 +30,7 @@ from autodist.runtime.tree import tensor_leaves
 from autodist.sharded import blocks as sharded_blocks
 
 Stages = Sequence[int] | Sequence[Sequence[str]] | None
+_TIMED = 3  # timed runs after the warm-up; each block's fastest is kept (a pause of the machine only adds time)
 
 
 @dataclass
@@ -159,9 +160,9 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 
 def measure(model: nn.Module, names: list[str], example: Any) -> tuple[list[float], list[int], float, list[int]]:
-    """Per block: seconds of one forward and backward on ``example`` and bytes held (see the module docstring);
-    the seconds after the last block (the head); per block, the bytes of its output. The model's gradients and
-    RNG are left as they were."""
+    """Per block: seconds of one forward and backward on ``example`` (the fastest of a few runs) and bytes held
+    (see the module docstring); the seconds after the last block (the head); per block, the bytes of its output.
+    The model's gradients and RNG are left as they were."""
     modules = dict(model.named_modules())
     blocks = [modules[n] for n in names]
     params = [sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in b.parameters())
@@ -196,28 +197,34 @@ def measure(model: nn.Module, names: list[str], example: Any) -> tuple[list[floa
         handles.append(b.register_forward_pre_hook(lambda m, a, i=i: pre(i, m, a)))
         handles.append(b.register_forward_hook(lambda m, a, o, i=i: post(i, m, a, o)))
     kept = {p: p.grad for p in model.parameters()}
+    best_f, best_b, head = [float("inf")] * len(blocks), [float("inf")] * len(blocks), float("inf")
     try:
         with torch.random.fork_rng(devices=[]):
-            for _ in range(2):  # the first warms up
+            for run in range(1 + _TIMED):  # the first warms up
                 saved[:] = [0] * len(blocks)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = _call(model, example)
-                head = time.perf_counter() - state["end"]
+                after = time.perf_counter() - state["end"]
                 loss = sum(t.float().mean() for _, t in _floating(out))
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()
                 else:  # no backward to time: it is taken as twice the forward
                     grads_at[:] = [0.0] * len(grads_at)
+                if run == 0:
+                    continue
+                # backward of block i ends when the gradient reaches its input: the output of block i - 1 (the
+                # model's input to block 0, where it needs one)
+                backward = [max(0.0, (grads_at[i - 1] if i > 0 else grads_at[len(blocks)]) - grads_at[i])
+                            for i in range(len(blocks))]
+                best_f = [min(a, b) for a, b in zip(best_f, forward)]
+                best_b = [min(a, b) for a, b in zip(best_b, backward)]
+                head = min(head, after)
     finally:
         for h in handles:
             h.remove()
         for p, g in kept.items():
             p.grad = g
-    # backward of block i ends when the gradient reaches its input: the output of block i - 1 (the model's input
-    # to block 0, where it needs one)
-    backward = [max(0.0, (grads_at[i - 1] if i > 0 else grads_at[len(blocks)]) - grads_at[i])
-                for i in range(len(blocks))]
-    seconds = [f + 2 * f if b == 0.0 else f + b for f, b in zip(forward, backward)]
+    seconds = [f + 2 * f if b == 0.0 else f + b for f, b in zip(best_f, best_b)]
     return seconds, [p + s for p, s in zip(params, saved)], head, sent
 
 
