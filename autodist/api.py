@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from autodist import sync as sync_mod
-from autodist.dp import batch_layout, precision, wrappers
+from autodist.dp import batch_layout, loader_position, precision, wrappers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
@@ -592,6 +592,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
+    loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if dims.dp > 1 and batch_dim is None and samples is None:
         batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
@@ -684,5 +685,7 @@ def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | No
         raise ValueError(f"{type(model).__name__} was not parallelized, so it has no data-parallel rank to shard "
                          f"for: call autodist.parallelize(model) first (or parallelize(model, data), which shards "
                          f"the data too)")
-    return data_mod.shard(data, registration.dp_rank, registration.dp,
-                          partial(data_mod.broadcast_order, device=world.device), dim=dim)
+    data_shard = data_mod.shard(data, registration.dp_rank, registration.dp,
+                                partial(data_mod.broadcast_order, device=world.device), dim=dim)
+    loader_position.attach(model, data_shard)
+    return data_shard

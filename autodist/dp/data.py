@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
 from autodist.dp.handover import handed_over, slice_bounds
+from autodist.dp.loader_position import Position, Resuming, pass_over
 from autodist.dp.resplit import RankShard, refuse_split_again
 from autodist.dp.stream import Batches, StreamShard
 from autodist.faults import watchdog
@@ -115,14 +116,18 @@ class RankSliceBatchSampler(Sampler[list]):
     def __init__(self, batch_sampler: Sampler[list] | Sequence[list], rank: int, size: int) -> None:
         self.batch_sampler, self.rank, self.size = batch_sampler, rank, size
         self.latest_shares: deque[BatchShare] = deque()
+        self.resuming: Resuming | None = None  # set by the loader for the epoch it resumes
 
     def __iter__(self) -> Iterator[list]:
         refuse_split_again("the DataLoader")
         self.latest_shares = deque()  # the DataLoader iterator created now reads this one
-        return self._slices(self.latest_shares)
+        resuming, self.resuming = self.resuming, None
+        return self._slices(self.latest_shares, resuming)
 
-    def _slices(self, shares: deque[BatchShare]) -> Iterator[list]:
-        for number, batch in enumerate(self.batch_sampler):
+    def _slices(self, shares: deque[BatchShare], resuming: Resuming | None) -> Iterator[list]:
+        batches = iter(self.batch_sampler)
+        start = 0 if resuming is None else pass_over(batches, resuming)  # indices only: no sample is loaded
+        for number, batch in enumerate(batches, start):
             batch = list(batch)
             lo, hi = slice_bounds(len(batch), self.rank, self.size)
             shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id(), _mark(batch, number)))
@@ -152,11 +157,14 @@ class ShardedLoader(DataLoader):
     """
 
     watch_key = "loader"  # names this loader in the watchdog's store: the same on every rank (creation order)
-    epochs = 0  # epochs started
+    position: Position  # where the loop stands in the epochs, for checkpoints (set by shard_loader)
 
     def __iter__(self) -> Iterator[Any]:
+        inner = getattr(self.batch_sampler.batch_sampler, "sampler", None)  # type: ignore[union-attr]
+        resuming = self.position.begin([self.generator, getattr(inner, "generator", None)])
+        self.batch_sampler.resuming = resuming  # type: ignore[union-attr]
         batches = super().__iter__()
-        epoch, self.epochs = self.epochs, self.epochs + 1
+        epoch = self.position.epoch
         try:
             steps = len(self.batch_sampler)  # type: ignore[arg-type]
         except TypeError:  # a batch sampler without len(): nothing to compare
@@ -164,7 +172,7 @@ class ShardedLoader(DataLoader):
         samples = len(self.dataset)  # type: ignore[arg-type]
         watchdog.epoch_begins(self.watch_key, epoch, steps, samples)
         return handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
-                           (self.watch_key, epoch, steps, samples))
+                           (self.watch_key, epoch, steps, samples), self.position)
 
 
 def _empty_like(batch: Any) -> Any:
@@ -288,6 +296,7 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
     sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
                             collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
     sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
+    sharded.position = Position()
     # what DDP code reaches for (loader.sampler.set_epoch(epoch)); the batches come from batch_sampler
     object.__setattr__(sharded, "sampler", EpochSampler(loader.dataset, getattr(loader.batch_sampler, "sampler",
                                                                                None)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterator
 
+from autodist.dp.loader_position import Position
 from autodist.faults import watchdog
 from autodist.runtime import position, provenance
 from autodist.runtime.provenance import BatchShare
@@ -29,22 +30,25 @@ def slice_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
-def handed_over(batches: Iterator[Any], shares: deque[BatchShare],
-                epoch: tuple[str, int, int, int]) -> Iterator[Any]:
+def handed_over(batches: Iterator[Any], shares: deque[BatchShare], epoch: tuple[str, int, int, int],
+                place: Position) -> Iterator[Any]:
     """``batches`` as the loop takes them, each with the next of ``shares`` (filled as each batch is made)
     announced; ``epoch``: (the loader's key, the epoch's number, its steps or -1, its samples or -1), for the
-    watchdog, which raises at the end if another rank has more steps."""
+    watchdog, which raises at the end if another rank has more steps; ``place`` counts the batches taken (from
+    where a resumed epoch begins)."""
     outer = provenance.current()  # an evaluation loop inside a training loop gives the training batch back
     key, number, steps, samples = epoch
-    step = 0
+    step = place.taken
     try:
         for batch in batches:
             share = shares.popleft()
             provenance.register_batch(batch, share)
             provenance.announce(share)
             step += 1
+            place.took()
             position.record.batch(share.batch, (number, step, steps))
             yield batch
         watchdog.data_ended(key, number, step, samples)  # raises if another rank has more steps
+        place.end()
     finally:
         provenance.announce(outer)

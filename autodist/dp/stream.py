@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from autodist.dp.handover import handed_over, slice_bounds
+from autodist.dp.loader_position import Position, Resuming, pass_over
 from autodist.faults import watchdog
 from autodist.runtime import provenance
 from autodist.runtime.provenance import BatchShare
@@ -116,24 +117,33 @@ class StreamShard(DataLoader):
     this rank's rows of each (see the module docstring)."""
 
     watch_key = "stream"
-    epochs = 0
 
     def __init__(self, source: DataLoader, rank: int, size: int, dim: int, key: str) -> None:
         super().__init__(source.dataset, batch_size=None)  # never iterated itself: ``source`` is
         self.source, self.rank, self.size, self.dim, self.watch_key = source, rank, size, dim, key
+        self.position = Position()
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, self.epochs = self.epochs, self.epochs + 1
+        resuming = self.position.begin([self.source.generator])
+        epoch = self.position.epoch
         try:
             steps = len(self.source)
         except TypeError:  # a stream without len(): nothing to compare
             steps = -1
         watchdog.epoch_begins(self.watch_key, epoch, steps, -1)
         shares: deque[BatchShare] = deque()
-        return handed_over(self._slices(shares), shares, (self.watch_key, epoch, steps, -1))
+        return handed_over(self._slices(shares, resuming), shares, (self.watch_key, epoch, steps, -1), self.position)
 
-    def _slices(self, shares: deque[BatchShare]) -> Iterator[Any]:
-        for batch in self.source:
+    def _slices(self, shares: deque[BatchShare], resuming: Resuming | None) -> Iterator[Any]:
+        batches = iter(self.source)
+        if resuming is not None:  # a stream has no index: its first batches are read again, and dropped
+            if self.rank == 0:
+                from autodist.runtime.world import log
+
+                log.info("resuming a stream in its epoch %d: reading and dropping the %d batches taken before the "
+                         "checkpoint", self.position.epoch, resuming.skip)
+            pass_over(batches, resuming)
+        for batch in batches:
             n = batch_size(batch, self.dim)
             lo, hi = slice_bounds(n, self.rank, self.size)
             shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch)))

@@ -20,6 +20,12 @@ dicts only); its top-level keys are
 ``extra``       the keyword arguments given to ``save`` (epoch, step, a loader's generator state)
 ``rng``         rank 0's random generators: ``torch`` (CPU), ``cuda`` (the current device's,
                 or None), ``python`` and ``numpy``
+``loaders``     only where ``parallelize`` split a DataLoader (or a stream) for the model: rank 0's
+                position in each, in the order they were made: ``{"epoch": int, "taken": int,
+                "rng": [tensor, ...]}``, the epoch in progress and its global batches the loop has
+                taken (0: the epoch begins afresh), and the generators as it began (torch's global
+                one, then the loader's and its sampler's own); ``load`` gives each loader its
+                position (:mod:`autodist.dp.loader_position`)
 ``sync``        only for a model trained with a low-communication mode (``parallelize(...,
                 sync=autodist.DiLoCo())``): ``{"mode": "DiLoCo", "state": ...}``, rank 0's
                 ``strategy.state_dict()`` (step counts; DiLoCo's outer parameters, their momentum
@@ -55,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.dp import loader_position
 from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
 from autodist.mp.rewrite import mp_modules
@@ -306,7 +313,7 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     state = gather_state_dict(model)
     payload = None
     if world.rank == 0:
-        payload = contents(state, optim, extra, rng, sync)
+        payload = contents(state, optim, extra, rng, sync, loader_position.positions(model))
     _write_on_rank0(payload, path, world)
 
 
@@ -428,6 +435,7 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         optimizer.load_state_dict(_local_optimizer_state(checkpoint["optimizer"], optimizer, model, layout))
     _restore_sync(model, checkpoint.get("sync"), path, layout)
     set_rng_state(checkpoint["rng"])
+    loader_position.restore(model, checkpoint.get("loaders", []), f"the checkpoint {path!r}")
     return dict(checkpoint["extra"])
 
 

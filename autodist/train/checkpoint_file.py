@@ -141,10 +141,11 @@ def _checksums(payload: dict[str, Any]) -> tuple[int, list[tuple[str, int]]]:
 
 
 def contents(model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None, extra: dict[str, Any],
-             rng: dict[str, Any], sync: dict[str, Any] | None = None) -> dict[str, Any]:
+             rng: dict[str, Any], sync: dict[str, Any] | None = None,
+             loaders: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a checkpoint file holds (the format of :mod:`autodist.train.checkpoint`), its checksums included."""
     payload = {"format": FORMAT, "version": VERSION, "model": model, "optimizer": optimizer, "extra": extra,
-               "rng": rng, **({"sync": sync} if sync else {})}
+               "rng": rng, **({"sync": sync} if sync else {}), **({"loaders": loaders} if loaders else {})}
     return with_checksum(payload)
 
 

@@ -1,0 +1,138 @@
+"""Where a loader ``parallelize`` returned stands in its epochs, so that a checkpoint resumes it mid-epoch.
+
+A position is counted in the single-process loader's global batches, whatever the number of ranks: the epoch in
+progress, how many of its batches the loop has taken (the batch in hand counts as taken), and the random
+generators as the epoch began (torch's global one, and the loader's and its sampler's own ``generator``). It is
+rank 0's that ``autodist.save`` writes. Resuming, the loader's next epoch is that one: the generators are set
+back to how it began, so the epoch draws the same order and worker seeds, its first ``taken`` global batches
+are passed over (by index for a map-style dataset: no sample is loaded; a stream's are read and dropped), and
+the global generator is then set back to what ``load`` restored. From there every rank takes its part of the
+batches an uninterrupted run takes next, at any number of ranks.
+
+Example:
+    >>> model, loader = autodist.parallelize(model, loader)
+    >>> autodist.save("ckpt.pt", model, optimizer, step=37)      # in the epoch's loop, after 37 batches
+    >>> autodist.resume("ckpt.pt", model, optimizer)              # another run: the loader goes on at batch 38
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Resuming:
+    """What the first epoch after a resume passes over, and the global generator to put back after it."""
+
+    skip: int
+    then: torch.Tensor
+
+
+@dataclass
+class Position:
+    """One loader's place: ``epoch`` (the one in progress, -1 before the first), ``taken`` (its global batches the
+    loop has taken), ``ended`` (whether the loop took all of them), ``rng`` (generators as it began)."""
+
+    epoch: int = -1
+    taken: int = 0
+    ended: bool = True
+    rng: list[torch.Tensor] = field(default_factory=list)
+    pending: dict[str, Any] | None = None
+
+    def begin(self, generators: Iterable[torch.Generator]) -> Resuming | None:
+        """An epoch begins (the loader's ``__iter__``): its number, and what to pass over where it resumes one."""
+        generators = _distinct(generators)
+        saved, self.pending = self.pending, None
+        if saved is None:
+            self.epoch, self.taken, self.ended = self.epoch + 1, 0, False
+            self.rng = [torch.get_rng_state(), *(g.get_state() for g in generators)]
+            return None
+        self.epoch, self.taken, self.ended, self.rng = saved["epoch"], saved["taken"], False, list(saved["rng"])
+        then = torch.get_rng_state()
+        torch.set_rng_state(self.rng[0])
+        if len(self.rng) - 1 != len(generators):
+            raise RuntimeError(f"the checkpoint's loader drew its order from {len(self.rng) - 1} generator(s) of its "
+                               f"own, this one from {len(generators)}: build the DataLoader (its generator=, its "
+                               f"sampler's) as in the run that saved it")
+        for g, state in zip(generators, self.rng[1:]):
+            g.set_state(state)
+        return Resuming(self.taken, then)
+
+    def took(self) -> None:
+        self.taken += 1
+
+    def end(self) -> None:
+        self.ended = True
+
+    def state(self) -> dict[str, Any]:
+        """For the checkpoint: the epoch to begin next and nothing to pass over, or the epoch in progress."""
+        if self.ended or self.taken == 0:
+            return {"epoch": self.epoch + (1 if self.ended else 0), "taken": 0, "rng": []}
+        return {"epoch": self.epoch, "taken": self.taken, "rng": list(self.rng)}
+
+    def load(self, state: dict[str, Any]) -> None:
+        if state["taken"]:
+            self.pending = dict(state)
+        else:  # between epochs: the next one begins afresh, on the generators as load restored them
+            self.epoch, self.taken, self.ended, self.pending = state["epoch"] - 1, 0, True, None
+
+
+def pass_over(batches: Iterator[Any], resuming: Resuming) -> int:
+    """Take the first ``resuming.skip`` items of ``batches`` (fewer where it ends), then put the global generator
+    back as ``load`` left it; the number of the next item."""
+    taken = sum(1 for _ in itertools.islice(batches, resuming.skip))
+    torch.set_rng_state(resuming.then)
+    return taken
+
+
+def _distinct(generators: Iterable[Any]) -> list[torch.Generator]:
+    out: list[torch.Generator] = []
+    for g in generators:
+        if isinstance(g, torch.Generator) and all(g is not h for h in out):
+            out.append(g)
+    return out
+
+
+_loaders: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, loader: Any) -> None:
+    """Record ``loader`` (one ``parallelize`` returned) as ``model``'s, in order, for its checkpoints."""
+    if getattr(loader, "position", None) is not None:
+        _loaders.setdefault(model, []).append(weakref.ref(loader))
+
+
+def _live(model: nn.Module) -> list[Any]:
+    return [loader for ref in _loaders.get(model, []) if (loader := ref()) is not None]
+
+
+def positions(model: nn.Module) -> list[dict[str, Any]]:
+    """Where each loader parallelized with ``model`` stands, in the order they were made."""
+    return [loader.position.state() for loader in _live(model)]
+
+
+def restore(model: nn.Module, saved: list[dict[str, Any]], where: str) -> None:
+    """Give each loader parallelized with ``model`` its saved position (its next epoch resumes there)."""
+    from autodist.runtime.world import log
+
+    live = _live(model)
+    mid = [s for s in saved if s["taken"]]
+    if len(live) != len(saved) and mid:
+        log.warning("%s holds the position of %d data loader(s) (%s) and %d were parallelized with this model: "
+                    "%s. Pass the same loaders to parallelize, in the same order, as the run that saved it",
+                    where, len(saved), ", ".join(_said(s) for s in saved), len(live),
+                    "the first ones take theirs and the others start from their first batch" if live else
+                    "every loop restarts its epoch from the first batch")
+    for loader, state in zip(live, saved):
+        loader.position.load(state)
+
+
+def _said(state: dict[str, Any]) -> str:
+    if state["taken"]:
+        return f"epoch {state['epoch']} after {state['taken']} batches"
+    return f"before epoch {state['epoch']}"

@@ -1,0 +1,151 @@
+"""A checkpoint carries where the loop stands in its data: a run stopped at step 37 and resumed, at the same or
+another number of ranks, takes the same samples from step 38 on as one uninterrupted process, and ends with its
+weights (float64). Map-style loaders (shuffled by the global RNG, or by a generator of their own) and streams."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
+
+import autodist
+
+SAMPLES, BATCH, STOP, EPOCHS = 1003, 16, 37, 2  # 63 global batches an epoch: step 37 is inside the first
+
+
+class Ids(IterableDataset):
+    """A stream of (features, target, id), split among the loader's workers by get_worker_info()."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        x, y = _data()
+        for i in range(first, SAMPLES, step):
+            yield x[i], y[i], i
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 4, generator=g, dtype=torch.float64)
+    return x, x @ torch.arange(1.0, 5.0, dtype=torch.float64) + 0.1 * torch.randn(SAMPLES, generator=g,
+                                                                                   dtype=torch.float64)
+
+
+def _loader(kind: str) -> DataLoader:
+    if kind == "stream":
+        return DataLoader(Ids(), batch_size=BATCH)
+    if kind == "stream-workers":
+        return DataLoader(Ids(), batch_size=BATCH, num_workers=2)
+    x, y = _data()
+    dataset = TensorDataset(x, y, torch.arange(SAMPLES))
+    if kind == "own-generator":
+        return DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
+    return DataLoader(dataset, batch_size=BATCH, shuffle=True)  # the global RNG draws each epoch's order
+
+
+def _train(kind: str, path: str | None, stop: int | None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """Train EPOCHS epochs from a checkpoint at ``path`` if there is one (saving it at step STOP, and stopping
+    there if ``stop``); the weights and the ids of every step taken. In a world of one: the single process."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    model, loader = autodist.parallelize(model, _loader(kind))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = {"epoch": 0, "step": 0}
+    if path is not None:
+        state = autodist.resume(path, model, optimizer, **state)
+    step, seen = state["step"], []
+    for epoch in range(state["epoch"], EPOCHS):
+        for x, y, ids in loader:
+            optimizer.zero_grad()
+            noise = 1 + 0.01 * torch.rand((), dtype=torch.float64)  # the global RNG goes on as uninterrupted
+            (((model(x).squeeze(1) - y) ** 2).mean() * noise).backward()
+            optimizer.step()
+            step += 1
+            seen.append(ids.tolist())
+            if path is not None and step == STOP and stop:
+                autodist.save(path, model, optimizer, epoch=epoch, step=step)
+                return {}, seen
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, seen
+
+
+def _joined(per_rank: list[list[list[int]]]) -> list[list[int]]:
+    return [sum((rank[k] for rank in per_rank), []) for k in range(len(per_rank[0]))]
+
+
+@pytest.mark.parametrize("kind, before, after", [
+    ("global-rng", 2, 2), ("global-rng", 2, 3), ("own-generator", 3, 2), ("stream", 2, 3)])
+def test_resumed_at_step_37_trains_as_one_uninterrupted_process(ranks, tmp_path, kind, before, after):
+    weights, steps = _train(kind, None, None)  # one process, never stopped
+    path = os.fspath(tmp_path / "ckpt.pt")
+    first = ranks(before, _train, kind, path, True)
+    assert _joined([ids for _, ids in first]) == steps[:STOP]
+    second = ranks(after, _train, kind, path, False)
+    assert _joined([ids for _, ids in second]) == steps[STOP:]  # step 38 on: the same samples, none again
+    for got, _ in second:
+        torch.testing.assert_close(got, weights)
+
+
+LAUNCHED = '''
+import sys
+import torch
+import autodist
+sys.path.insert(0, sys.argv[1])
+from test_resume_data import _train
+weights, seen = _train("stream-workers", sys.argv[2], sys.argv[3] == "stop")
+torch.save({"weights": weights, "seen": seen}, f"rank{autodist.init().rank}.pt")
+'''
+
+
+@pytest.mark.slow
+def test_a_stream_read_by_loader_workers_resumes_as_one_process(tmp_path):
+    """Loader workers start only under a launcher (the test's ranks are daemons): 3 ranks stop, 2 resume."""
+    weights, steps = _train("stream-workers", None, None)
+    script, path = tmp_path / "resumed.py", os.fspath(tmp_path / "ckpt.pt")
+    script.write_text(LAUNCHED)
+    for size, stop in ((3, "stop"), (2, "go")):
+        proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", str(size), str(script),
+                               os.path.dirname(__file__), path, stop],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(size)]
+        assert _joined([run["seen"] for run in runs]) == (steps[:STOP] if stop == "stop" else steps[STOP:])
+    for run in runs:
+        torch.testing.assert_close(run["weights"], weights)
+
+
+def _saved_between_epochs(path: str) -> int:
+    model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _loader("global-rng"))
+    for _ in loader:
+        pass
+    autodist.save(path, model)
+    model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _loader("global-rng"))
+    autodist.load(path, model)
+    return loader.position.epoch
+
+
+def test_a_checkpoint_after_an_epoch_begins_the_next_afresh(ranks, tmp_path):
+    path = os.fspath(tmp_path / "ckpt.pt")
+    assert ranks(2, _saved_between_epochs, path) == [0, 0]  # epoch 0 ended: the next to begin is 1
+    assert torch.load(path, weights_only=True)["loaders"] == [{"epoch": 1, "taken": 0, "rng": []}]
+
+
+def _resumed_without_the_loader(path: str) -> list[str]:
+    model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _loader("global-rng"))
+    for step, _ in enumerate(loader):
+        if step == 4:
+            break
+    autodist.save(path, model)
+    model = autodist.parallelize(torch.nn.Linear(4, 1).double())[0]
+    return autodist.load(path, model)
+
+
+def test_a_position_with_no_loader_to_take_it_is_named(ranks, tmp_path, caplog):
+    path = os.fspath(tmp_path / "ckpt.pt")
+    ranks(2, _resumed_without_the_loader, path)
+    model = torch.nn.Linear(4, 1).double()
+    with caplog.at_level("WARNING", logger="autodist"):
+        autodist.load(path, model)  # in one process: parallelize splits no loader to give it to
+    assert "epoch 0 after 5 batches" in caplog.text and "restarts its epoch" in caplog.text
