@@ -17,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 before="$(cat .venv/autodist-torch 2>/dev/null || true)"
 if [ "$before" != "$wanted" ] ||
-        ! .venv/bin/python -c "import torch, sklearn, pytest, tqdm, matplotlib, transformers, accelerate, lightning, autodist" 2>/dev/null; then
+        ! .venv/bin/python -c "import torch, sklearn, pytest, tqdm, matplotlib, transformers, accelerate, lightning, datasets, autodist" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     if [ -n "$before" ] && [ "$before" != "$wanted" ]; then  # another build asked for: pip would keep the old one
         .venv/bin/python -m pip uninstall --quiet --yes torch

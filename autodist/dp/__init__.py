@@ -1,7 +1,9 @@
-"""dp: what every data-parallel strategy stands on - sharding the data (map-style, and streams: every rank reads
-them and keeps its rows) and counting each rank's share of a batch, the same-model check and broadcast, exact bucketed gradient sync from backward hooks (sample-weighted),
-buffer averaging, the exchange that sums the buckets (shared memory on one machine, the process group else),
-and the mixed-precision option's casts (:mod:`autodist.dp.precision`).
+"""dp: what every data-parallel strategy stands on - sharding the data (map-style, and streams: every rank reads them
+and keeps its rows; Hugging Face datasets by their own shard), where each loader stands in its epochs (for
+checkpoints to resume mid-epoch), and counting each rank's share of a batch, the same-model check and broadcast,
+exact bucketed gradient sync from backward hooks (sample-weighted), buffer averaging, the exchange that sums the
+buckets (shared memory on one machine, the process group else), and the mixed-precision option's casts
+(:mod:`autodist.dp.precision`).
 May import: layers, faults, runtime (never mp). Entry points: :func:`autodist.dp.data.shard`,
 :func:`autodist.dp.grad_sync.attach`, :func:`autodist.dp.grad_sync.synchronize_model`.
 """

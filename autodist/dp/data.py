@@ -103,6 +103,21 @@ def shard_dataset(dataset: Dataset, rank: int, size: int) -> RankShard:
     return RankShard(dataset, range(rank, n, size))
 
 
+def _hugging_face_dataset(data: Any) -> bool:
+    """Whether ``data`` is a Hugging Face ``datasets.Dataset`` (map-style: not a torch Dataset, but indexable)."""
+    return (type(data).__module__.startswith("datasets.") and not isinstance(data, Dataset)
+            and callable(getattr(data, "shard", None)) and hasattr(data, "__len__"))
+
+
+def shard_hugging_face(dataset: Any, rank: int, size: int) -> Any:
+    """Rank's strided part of a Hugging Face ``datasets.Dataset``, by its own ``shard(contiguous=False)`` (samples
+    rank, rank+size, ...: the rule of :func:`shard_dataset`), so it stays a ``datasets.Dataset``."""
+    n = len(dataset)
+    _check_enough(n, size, "the Dataset")
+    _warn_uneven(n, rank, size, "the Dataset")
+    return dataset.shard(num_shards=size, index=rank, contiguous=False)
+
+
 class RankSliceBatchSampler(Sampler[list]):
     """Yields this rank's contiguous slice of each global batch of ``batch_sampler``.
 
@@ -160,8 +175,7 @@ class ShardedLoader(DataLoader):
     position: Position  # where the loop stands in the epochs, for checkpoints (set by shard_loader)
 
     def __iter__(self) -> Iterator[Any]:
-        inner = getattr(self.batch_sampler.batch_sampler, "sampler", None)  # type: ignore[union-attr]
-        resuming = self.position.begin([self.generator, getattr(inner, "generator", None)])
+        resuming = self.position.begin()
         self.batch_sampler.resuming = resuming  # type: ignore[union-attr]
         batches = super().__iter__()
         epoch = self.position.epoch
@@ -296,7 +310,7 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
     sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
                             collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
     sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
-    sharded.position = Position()
+    sharded.position = Position([loader.generator, getattr(sampler, "generator", None)])
     # what DDP code reaches for (loader.sampler.set_epoch(epoch)); the batches come from batch_sampler
     object.__setattr__(sharded, "sampler", EpochSampler(loader.dataset, getattr(loader.batch_sampler, "sampler",
                                                                                None)))
@@ -328,8 +342,9 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: i
     """Rank's shard of ``data``, of the same kind as ``data``.
 
     Args:
-        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset, a DataLoader (over a
-            map-style Dataset or a stream) or a generator of batches.
+        data: a tensor or numpy array, a tuple/list of them, a map-style Dataset (a Hugging Face
+            ``datasets.Dataset`` too), a DataLoader (over a map-style Dataset or a stream) or a generator of
+            batches.
         rank / size: this rank's data-parallel index, and the number of data-parallel ranks.
         share: for a DataLoader whose sampler draws from the global RNG, gives every
             rank rank 0's order of an epoch (:func:`broadcast_order`); the default,
@@ -343,6 +358,8 @@ def shard(data: DataLike, rank: int, size: int, share: ShareOrder = list, dim: i
     """
     if isinstance(data, DataLoader):
         return shard_loader(data, rank, size, share, dim)
+    if _hugging_face_dataset(data):
+        return shard_hugging_face(data, rank, size)
     if isinstance(data, Dataset):
         return shard_dataset(data, rank, size)
     if isinstance(data, (torch.Tensor, np.ndarray, tuple, list)):

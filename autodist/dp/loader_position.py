@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -33,34 +33,29 @@ class Resuming:
     then: torch.Tensor
 
 
-@dataclass
 class Position:
     """One loader's place: ``epoch`` (the one in progress, -1 before the first), ``taken`` (its global batches the
-    loop has taken), ``ended`` (whether the loop took all of them), ``rng`` (generators as it began)."""
+    loop has taken), ``ended`` (whether the loop took all of them); ``generators``: the loader's and its
+    sampler's own, which draw its order beside torch's global one."""
 
-    epoch: int = -1
-    taken: int = 0
-    ended: bool = True
-    rng: list[torch.Tensor] = field(default_factory=list)
-    pending: dict[str, Any] | None = None
+    def __init__(self, generators: Iterable[Any] = ()) -> None:
+        self.generators = _distinct(generators)
+        self.epoch, self.taken, self.ended = -1, 0, True
+        self.rng: list[torch.Tensor] = []  # the global generator and self.generators as the epoch began
+        self.pending: dict[str, Any] | None = None
 
-    def begin(self, generators: Iterable[torch.Generator]) -> Resuming | None:
+    def begin(self) -> Resuming | None:
         """An epoch begins (the loader's ``__iter__``): its number, and what to pass over where it resumes one."""
-        generators = _distinct(generators)
         saved, self.pending = self.pending, None
         if saved is None:
             self.epoch, self.taken, self.ended = self.epoch + 1, 0, False
-            self.rng = [torch.get_rng_state(), *(g.get_state() for g in generators)]
+            self.rng = [torch.get_rng_state(), *(g.get_state() for g in self.generators)]
             return None
-        self.epoch, self.taken, self.ended, self.rng = saved["epoch"], saved["taken"], False, list(saved["rng"])
+        self.epoch, self.taken, self.ended = saved["epoch"], saved["taken"], False
+        self.rng = [saved["rng"], *saved["generators"]]
         then = torch.get_rng_state()
-        torch.set_rng_state(self.rng[0])
-        if len(self.rng) - 1 != len(generators):
-            raise RuntimeError(f"the checkpoint's loader drew its order from {len(self.rng) - 1} generator(s) of its "
-                               f"own, this one from {len(generators)}: build the DataLoader (its generator=, its "
-                               f"sampler's) as in the run that saved it")
-        for g, state in zip(generators, self.rng[1:]):
-            g.set_state(state)
+        torch.set_rng_state(saved["rng"])
+        self._set(saved["generators"])
         return Resuming(self.taken, then)
 
     def took(self) -> None:
@@ -70,16 +65,26 @@ class Position:
         self.ended = True
 
     def state(self) -> dict[str, Any]:
-        """For the checkpoint: the epoch to begin next and nothing to pass over, or the epoch in progress."""
+        """For the checkpoint: the epoch in progress, or the one to begin next with its generators as they are."""
         if self.ended or self.taken == 0:
-            return {"epoch": self.epoch + (1 if self.ended else 0), "taken": 0, "rng": []}
-        return {"epoch": self.epoch, "taken": self.taken, "rng": list(self.rng)}
+            return {"epoch": self.epoch + (1 if self.ended else 0), "taken": 0, "rng": None,
+                    "generators": [g.get_state() for g in self.generators]}
+        return {"epoch": self.epoch, "taken": self.taken, "rng": self.rng[0], "generators": self.rng[1:]}
 
     def load(self, state: dict[str, Any]) -> None:
         if state["taken"]:
             self.pending = dict(state)
-        else:  # between epochs: the next one begins afresh, on the generators as load restored them
+        else:  # between epochs: the next begins afresh, on the generators as they were saved
             self.epoch, self.taken, self.ended, self.pending = state["epoch"] - 1, 0, True, None
+            self._set(state["generators"])
+
+    def _set(self, states: list[torch.Tensor]) -> None:
+        if len(states) != len(self.generators):
+            raise RuntimeError(f"the checkpoint's loader drew its order from {len(states)} generator(s) of its "
+                               f"own, this one from {len(self.generators)}: build the DataLoader (its generator=, "
+                               f"its sampler's) as in the run that saved it")
+        for g, state in zip(self.generators, states):
+            g.set_state(state)
 
 
 def pass_over(batches: Iterator[Any], resuming: Resuming) -> int:

@@ -121,10 +121,10 @@ class StreamShard(DataLoader):
     def __init__(self, source: DataLoader, rank: int, size: int, dim: int, key: str) -> None:
         super().__init__(source.dataset, batch_size=None)  # never iterated itself: ``source`` is
         self.source, self.rank, self.size, self.dim, self.watch_key = source, rank, size, dim, key
-        self.position = Position()
+        self.position = Position([source.generator])
 
     def __iter__(self) -> Iterator[Any]:
-        resuming = self.position.begin([self.source.generator])
+        resuming = self.position.begin()
         epoch = self.position.epoch
         try:
             steps = len(self.source)

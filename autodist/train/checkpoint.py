@@ -278,8 +278,8 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         model: the model (parallelized or not).
         optimizer: its optimizer, built over ``model.parameters()`` after
             ``parallelize``; None to save the model alone.
-        **extra: anything else to resume with (epoch, step, a DataLoader
-            generator's ``get_state()``): numbers, strings, tensors, None, and
+        **extra: anything else to resume with (epoch, step, a scheduler's
+            ``state_dict()``): numbers, strings, tensors, None, and
             lists/tuples/dicts of them. ``load`` returns them.
 
     Returns:
@@ -287,13 +287,16 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         ``load`` checks.
 
     Example:
-        >>> autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch, loader_rng=generator.get_state())
+        >>> autodist.save("ckpt/last.pt", model, optimizer, epoch=epoch, step=step)
 
     Note:
         The random generators saved are rank 0's (torch CPU, the current CUDA
         device's, python ``random``, numpy); ``load`` restores them on every
         rank. A run whose ranks draw different random numbers (dropout seeded
-        per rank) should reseed per rank after loading. A model in a
+        per rank) should reseed per rank after loading. Where each loader
+        ``parallelize`` split for the model stands is saved too (the epoch,
+        the global batches taken, the generators as it began), so that the
+        loop resumes mid-epoch (:mod:`autodist.dp.loader_position`). A model in a
         low-communication mode (``sync=autodist.DiLoCo()``, ...) has its mode's
         state saved too (DiLoCo's outer parameters and momentum, step counts),
         which ``load`` gives back to it.
@@ -491,10 +494,11 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
     Note:
         A restart repeats the steps since the last save; save as often as
-        you accept to repeat. A loader that shuffles with the global RNG
-        resumes its order (``load`` restores the RNG); one with its own
-        ``generator`` needs that generator's state saved as an extra
-        (``loader_rng=generator.get_state()``) and set back after resuming.
+        you accept to repeat. A loader ``parallelize`` split goes on where
+        the checkpoint left it, mid-epoch too: the next batch it gives is
+        the one after the last taken before the save, at any number of
+        ranks. In a world of one ``parallelize`` returns the loader as it
+        is: save a generator of its own as an extra there.
     """
     path = checked_path(path, writing=False)
     _check_model(model)

@@ -1,11 +1,14 @@
 """A checkpoint carries where the loop stands in its data: a run stopped at step 37 and resumed, at the same or
 another number of ranks, takes the same samples from step 38 on as one uninterrupted process, and ends with its
-weights (float64). Map-style loaders (shuffled by the global RNG, or by a generator of their own) and streams."""
+weights (float64). Map-style loaders (shuffled by the global RNG, or by a generator of their own), streams, and
+Hugging Face datasets (map-style and streaming=True)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -34,7 +37,30 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
                                                                                    dtype=torch.float64)
 
 
+def _hugging_face(streaming: bool):
+    """The same samples as a Hugging Face dataset: map-style, or streamed from a JSON-lines file with
+    ``load_dataset(..., streaming=True)`` (a local file: nothing downloaded)."""
+    import datasets
+
+    x, y = _data()
+    rows = {"x": x.tolist(), "y": y.tolist(), "id": list(range(SAMPLES))}
+    if not streaming:
+        return datasets.Dataset.from_dict(rows).with_format("torch", dtype=torch.float64)
+    path = os.path.join(tempfile.gettempdir(), f"autodist-ids-{SAMPLES}.jsonl")
+    if not os.path.exists(path):  # written whole, then renamed: ranks may make it at once
+        part = f"{path}.{os.getpid()}"
+        with open(part, "w") as f:
+            f.writelines(json.dumps({k: v[i] for k, v in rows.items()}) + "\n" for i in range(SAMPLES))
+        os.replace(part, path)
+    stream = datasets.load_dataset("json", data_files=path, split="train", streaming=True)
+    return stream.with_format("torch")
+
+
 def _loader(kind: str) -> DataLoader:
+    if kind == "hf-map":
+        return DataLoader(_hugging_face(False), batch_size=BATCH, shuffle=True)
+    if kind == "hf-stream":
+        return DataLoader(_hugging_face(True), batch_size=BATCH)
     if kind == "stream":
         return DataLoader(Ids(), batch_size=BATCH)
     if kind == "stream-workers":
@@ -58,7 +84,9 @@ def _train(kind: str, path: str | None, stop: int | None) -> tuple[dict[str, tor
         state = autodist.resume(path, model, optimizer, **state)
     step, seen = state["step"], []
     for epoch in range(state["epoch"], EPOCHS):
-        for x, y, ids in loader:
+        for batch in loader:
+            x, y, ids = (batch["x"], batch["y"], batch["id"]) if isinstance(batch, dict) else batch
+            x, y = x.double(), y.double()  # (a JSON stream's floats come as float32)
             optimizer.zero_grad()
             noise = 1 + 0.01 * torch.rand((), dtype=torch.float64)  # the global RNG goes on as uninterrupted
             (((model(x).squeeze(1) - y) ** 2).mean() * noise).backward()
@@ -76,7 +104,8 @@ def _joined(per_rank: list[list[list[int]]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind, before, after", [
-    ("global-rng", 2, 2), ("global-rng", 2, 3), ("own-generator", 3, 2), ("stream", 2, 3)])
+    pytest.param("global-rng", 2, 2, marks=pytest.mark.slow), ("global-rng", 2, 3), ("own-generator", 3, 2), ("stream", 2, 3), ("hf-map", 2, 3),
+    ("hf-stream", 3, 2)])
 def test_resumed_at_step_37_trains_as_one_uninterrupted_process(ranks, tmp_path, kind, before, after):
     weights, steps = _train(kind, None, None)  # one process, never stopped
     path = os.fspath(tmp_path / "ckpt.pt")
@@ -90,6 +119,7 @@ def test_resumed_at_step_37_trains_as_one_uninterrupted_process(ranks, tmp_path,
 
 LAUNCHED = '''
 import sys
+import tempfile
 import torch
 import autodist
 sys.path.insert(0, sys.argv[1])
@@ -129,7 +159,7 @@ def _saved_between_epochs(path: str) -> int:
 def test_a_checkpoint_after_an_epoch_begins_the_next_afresh(ranks, tmp_path):
     path = os.fspath(tmp_path / "ckpt.pt")
     assert ranks(2, _saved_between_epochs, path) == [0, 0]  # epoch 0 ended: the next to begin is 1
-    assert torch.load(path, weights_only=True)["loaders"] == [{"epoch": 1, "taken": 0, "rng": []}]
+    assert torch.load(path, weights_only=True)["loaders"] == [{"epoch": 1, "taken": 0, "rng": None, "generators": []}]
 
 
 def _resumed_without_the_loader(path: str) -> list[str]:
@@ -149,3 +179,15 @@ def test_a_position_with_no_loader_to_take_it_is_named(ranks, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="autodist"):
         autodist.load(path, model)  # in one process: parallelize splits no loader to give it to
     assert "epoch 0 after 5 batches" in caplog.text and "restarts its epoch" in caplog.text
+
+
+def _ids_of_a_hugging_face_dataset() -> list[int]:
+    model, dataset = autodist.parallelize(torch.nn.Linear(4, 1).double(), _hugging_face(False))
+    return [int(i) for i in dataset["id"]]
+
+
+def test_a_hugging_face_dataset_is_split_by_its_own_shard_and_stays_one(ranks):
+    import datasets
+
+    assert isinstance(autodist.parallelize(torch.nn.Linear(4, 1), _hugging_face(False))[1], datasets.Dataset)
+    assert ranks(3, _ids_of_a_hugging_face_dataset) == [list(range(r, SAMPLES, 3)) for r in range(3)]  # strided
