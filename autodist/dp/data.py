@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from autodist.dp.handover import handed_over, slice_bounds
 from autodist.dp.loader_position import Position, Resuming, pass_over
 from autodist.dp.resplit import RankShard, refuse_split_again
-from autodist.dp.stream import Batches, StreamShard
+from autodist.dp.stream import Batches, StreamShard, rows
 from autodist.faults import watchdog
 from autodist.runtime import position, provenance
 from autodist.runtime.provenance import BatchShare
@@ -189,19 +189,6 @@ class ShardedLoader(DataLoader):
                            (self.watch_key, epoch, steps, samples), self.position)
 
 
-def _empty_like(batch: Any) -> Any:
-    """The same structure with zero samples: tensors and arrays cut to [:0]."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch[:0]
-    if isinstance(batch, dict):
-        return type(batch)({k: _empty_like(v) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_empty_like(v) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_empty_like(v) for v in batch)
-    return batch
-
-
 class EmptySafeCollate:
     """The user's collate_fn, plus a well-formed zero-sample batch for an empty slice.
 
@@ -210,12 +197,12 @@ class EmptySafeCollate:
     that rank's gradient by its zero samples.
     """
 
-    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset) -> None:
-        self.collate_fn, self.dataset = collate_fn, dataset
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset, dim: int = 0) -> None:
+        self.collate_fn, self.dataset, self.dim = collate_fn, dataset, dim
 
     def __call__(self, samples: list) -> Any:
-        if len(samples) == 0:
-            return _empty_like(self.collate_fn([self.dataset[0]]))
+        if len(samples) == 0:  # a batch of one, cut to none of its rows (along batch_dim)
+            return rows(self.collate_fn([self.dataset[0]]), 0, 0, self.dim)
         return self.collate_fn(samples)
 
 
@@ -308,7 +295,7 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
                          "share of the global batch by order, so pass a loader with in_order=True (the default)")
     batches = RankSliceBatchSampler(_agreeing(loader.batch_sampler, share), rank, size)
     sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
-                            collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset), **options)
+                            collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset, dim), **options)
     sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
     sharded.position = Position([loader.generator, getattr(sampler, "generator", None)])
     # what DDP code reaches for (loader.sampler.set_epoch(epoch)); the batches come from batch_sampler

@@ -93,6 +93,15 @@ def test_empty_slice_keeps_the_batch_structure():
     assert last[0].shape == (0, 3) and last[1].shape == (0,)
 
 
+def test_empty_slice_is_cut_along_the_batch_dimension():
+    def time_major(samples):  # (time, batch) batches, as a language model's collate makes them
+        return {"tokens": torch.stack([s[0] for s in samples], dim=1), "names": [f"s{int(s[1])}" for s in samples],
+                "scale": torch.tensor(2.0)}
+    loader = DataLoader(TensorDataset(torch.randn(5, 7), torch.arange(5)), batch_size=4, collate_fn=time_major)
+    last = list(shard(loader, 2, 3, NO_ORDER, dim=1))[-1]  # rank 2 gets none of the 1-sample last batch
+    assert last["tokens"].shape == (7, 0) and last["names"] == [] and last["scale"].item() == 2.0
+
+
 def test_loader_options_are_kept():
     def init_fn(worker_id):
         torch.manual_seed(worker_id)
