@@ -95,7 +95,10 @@ class GradSync:
         self._build()
         self._ready_exchange()  # now, inside parallelize (a collective), so that its summary line can say which
         # first: before shard="parameters" gathers the root (under mixed_precision in another dtype)
-        self.handles = [model.register_forward_pre_hook(self._on_forward, prepend=True),
+        # (under shard="parameters" outside torch.compile's graphs: it reads the parameters, at rest there)
+        on_forward = torch.compiler.disable(self._on_forward) if getattr(scatter, "at_rest", False) \
+            else self._on_forward
+        self.handles = [model.register_forward_pre_hook(on_forward, prepend=True),
                         model.register_forward_hook(self._count_forward, with_kwargs=True)]
 
     def _build(self) -> None:

@@ -110,7 +110,7 @@ class Pipeline:
         # registry's value must not hold its key (a WeakKeyDictionary whose value holds the model keeps it alive)
         self.inner = forward.__func__ if getattr(forward, "__self__", None) is model else forward
         self.bound = self.inner is not forward
-        model.forward = self.forward
+        model.forward = torch.compiler.disable(self.forward, recursive=False)  # (see forward)
         self.handles.append(model.register_state_dict_post_hook(partial(self._dense_state)))  # torch marks the hook
         batch_norms = sorted({type(m).__name__ for m in model.modules()
                               if isinstance(m, nn.modules.batchnorm._BatchNorm)})
@@ -120,19 +120,21 @@ class Pipeline:
                         "LayerNorm", ", ".join(batch_norms))
 
     def _install(self, model: nn.Module) -> list[nn.Module]:
-        """Hooks on this stage's blocks, a stand-in for every other block (its memory freed); this stage's."""
+        """Hooks on this stage's blocks, a stand-in for every other block (its memory freed); this stage's. Both
+        run outside torch.compile's graphs: each block's own forward compiles whole, between them."""
+        eager = torch.compiler.disable
         modules = dict(model.named_modules())
         own: list[nn.Module] = []
         for i, name in enumerate(self.cut.names):
             block = modules[name]
             if self.lo <= i < self.hi:
                 own.append(block)
-                self.handles.append(block.register_forward_pre_hook(partial(self._block_begins, i)))
+                self.handles.append(block.register_forward_pre_hook(eager(partial(self._block_begins, i))))
                 if i == self.hi - 1 and not self.last:
-                    self.handles.append(block.register_forward_hook(partial(self._stage_ends, i)))
+                    self.handles.append(block.register_forward_hook(eager(partial(self._stage_ends, i))))
                 continue
             parent, _, child = name.rpartition(".")
-            stub = Stub(i, name, self.cut.stage_of(i), block.to_empty(device="meta"), self._stub_called)
+            stub = Stub(i, name, self.cut.stage_of(i), block.to_empty(device="meta"), eager(self._stub_called))
             setattr(modules[parent] if parent else model, child, stub)
         return own
 
@@ -150,6 +152,30 @@ class Pipeline:
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward: every micro-batch through this stage (see the module docstring). It runs outside
+        torch.compile's graphs, as do the helpers it calls (they send and receive), but for the model's own
+        forward, run per micro-batch, which compiles as the user compiled the model."""
+        flight, steps, calls, training = self._begin(args, kwargs)
+        before = self._root_before() if self.loss_fn is not None and training else {}
+        try:
+            with self._sync_held() if self.loss_fn is not None else nullcontext():
+                for kind, m in steps:
+                    if kind == "F":
+                        self._forward_one(flight, m, calls[m], training)
+                    else:
+                        self._backward_one(flight, m)
+                self._sends_taken(flight, steps)
+            if self.loss_fn is not None and training:
+                self._sum_root(before)
+                self.unfinished = True
+        finally:
+            self.flight = None
+            self.peak = flight.peak
+        return self._output(flight) if self.loss_fn is None else self._loss(flight, training)
+
+    @torch.compiler.disable
+    def _begin(self, args: tuple, kwargs: dict) -> tuple[Flight, list[tuple[str, int]], list, bool]:
+        """The batch cut into micro-batches, and the schedule of their forwards and backwards on this stage."""
         self._check_outputs(kwargs)
         target = kwargs.pop("target", None) if self.loss_fn is not None else None
         parts = micro.cut(args, kwargs, self.pieces, self.dim, target)
@@ -165,24 +191,13 @@ class Pipeline:
                         "use model.eval() or torch.no_grad() there): the gradients it left are added to this "
                         "step's unless optimizer.zero_grad() came between")
         self.flight = flight
-        before = self._root_before() if self.loss_fn is not None and training else {}
-        try:
-            with self._sync_held() if self.loss_fn is not None else nullcontext():
-                for kind, m in steps:
-                    if kind == "F":
-                        self._forward_one(flight, m, parts.calls[m], training)
-                    else:
-                        self._backward_one(flight, m)
-                with waiting(self._sends(any(kind == "B" for kind, _ in steps))):
-                    wire.wait(flight.pending)
-                flight.pending = []
-            if self.loss_fn is not None and training:
-                self._sum_root(before)
-                self.unfinished = True
-        finally:
-            self.flight = None
-            self.peak = flight.peak
-        return self._output(flight) if self.loss_fn is None else self._loss(flight, training)
+        return flight, list(steps), parts.calls, training
+
+    @torch.compiler.disable
+    def _sends_taken(self, flight: Flight, steps: list[tuple[str, int]]) -> None:
+        with waiting(self._sends(any(kind == "B" for kind, _ in steps))):
+            wire.wait(flight.pending)
+        flight.pending = []
 
     def _check_outputs(self, kwargs: dict) -> None:
         """Every block's hidden states or attentions (a Hugging Face model's output_hidden_states /
@@ -281,6 +296,7 @@ class Pipeline:
             flight.sent[-1] = [t for _, t in _tensors(output) if t.requires_grad]
         raise _StageDone
 
+    @torch.compiler.disable
     def _output(self, flight: Flight) -> Any:
         """The model's output on every stage: merged on the last, sent to the others, tied to the backward."""
         value = None
@@ -352,6 +368,7 @@ class Pipeline:
             flight.pending = []
         self._sum_root(before)
 
+    @torch.compiler.disable
     def _backward_one(self, flight: Flight, m: int) -> None:
         """Micro-batch ``m``'s backward on this stage: from its output's gradient (the next stage's, or the
         loss's) to its input's, sent to the stage before."""
@@ -380,6 +397,7 @@ class Pipeline:
         elif self.last:
             flight.outputs[m] = flight.outputs[m].detach()
 
+    @torch.compiler.disable
     def _loss(self, flight: Flight, training: bool) -> torch.Tensor:
         """With ``loss_fn``: the batch's loss (the micro-batches' weighted by their counts) on every stage, whose
         backward has run already; the one ``loss.backward()`` after lets the data-parallel sync send."""
@@ -419,11 +437,13 @@ class Pipeline:
         return [] if model is None else \
             [p for p in model.parameters() if p.requires_grad and id(p) not in self.own_params]
 
+    @torch.compiler.disable
     def _root_before(self) -> dict[int, torch.Tensor]:
         """The root's gradients accumulated before this backward (under no_sync), set aside: the stages sum only
         what this backward adds. Nothing to copy in the usual loop, which zeroes them to None."""
         return {id(p): p.grad.detach().clone() for p in self._root() if p.grad is not None}
 
+    @torch.compiler.disable
     def _sum_root(self, before: dict[int, torch.Tensor]) -> None:
         """What this backward added to the root's gradients, summed over the stages (each holds its own use of
         them), on top of what was there before; kept None where no stage gave one."""

@@ -127,11 +127,12 @@ class ParameterSharding:
     # -- forward -----------------------------------------------------------------------------------
     def _hook(self, model: nn.Module, modules: list[nn.Module]) -> list[Any]:
         """Hooks on ``model`` and on each block's module (``modules``)."""
-        handles = [model.register_forward_pre_hook(self._model_begins),
-                   model.register_forward_hook(self._model_ends, always_call=True)]
+        eager = torch.compiler.disable
+        handles = [model.register_forward_pre_hook(eager(self._model_begins)),
+                   model.register_forward_hook(eager(self._model_ends), always_call=True)]
         for module in modules:
-            handles += [module.register_forward_pre_hook(self._block_begins),
-                        module.register_forward_hook(self._block_ends, always_call=True)]
+            handles += [module.register_forward_pre_hook(eager(self._block_begins)),
+                        module.register_forward_hook(eager(self._block_ends), always_call=True)]
         if self.root is not None:
             root = {id(p) for p in self.root.all_params()}
             for module in model.modules():
@@ -149,12 +150,20 @@ class ParameterSharding:
             block.ready()
 
     def _root_needed(self, *_: Any) -> None:
-        if self.root is not None:
-            self._gather(self.root)
+        """A module holding root parameters is called: the root gathered, if it is not (traced by torch.compile
+        as the test alone: inside the model's forward the root is gathered, so nothing breaks the graph)."""
+        if self.root is not None and not self.root.live:
+            self._gather_root()
+
+    @torch.compiler.disable
+    def _gather_root(self) -> None:
+        assert self.root is not None
+        self._gather(self.root)
 
     def _model_begins(self, module: nn.Module, args: Any) -> None:
         self.seen = []
-        self._root_needed()
+        if self.root is not None:
+            self._gather(self.root)
 
     def _model_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.seen:
@@ -202,6 +211,8 @@ class ParameterSharding:
     def _pack(self, t: torch.Tensor) -> Any:
         """A tensor autograd saves while a block runs: one of a block's parameters (or a view of one) is kept
         as where it sits in the block, so the block can be freed until backward needs it."""
+        if torch.compiler.is_compiling():  # traced into a compiled block: it keeps what it saves (see _hook)
+            return t
         block = self.hooking[-1][1] if self.hooking else None
         where = _storage(t) if block is not None else None
         for i, part in enumerate(block.parts if where is not None else ()):
@@ -329,6 +340,8 @@ class BlockScatter(Scatter):
     each freeing its block's parameters once packed."""
 
     level = "parameters"
+
+    at_rest = True  # the parameters are placeholders between uses: the gradient sync reads none outside a block
 
     def __init__(self, sharding: ParameterSharding, group: Any, rank: int, ranks: int) -> None:
         super().__init__(group, rank, ranks)
