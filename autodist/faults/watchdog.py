@@ -137,6 +137,7 @@ class Watchdog:
         self.heard: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it last changed)
         self.last_peers: dict[int, Status | None] = {}
         self.left: set[int] = set()  # ranks a parameter-server mode declared gone: no longer waited for
+        self.left_seen = 0  # how many it had declared when this rank last looked
         self.stop = threading.Event()
         self.report_lock = threading.Lock()
         self.reported = False
@@ -179,13 +180,19 @@ class Watchdog:
         self.store.set(f"status/{self.rank}", self.status.dumps())
 
     def peers(self) -> dict[int, Status | None]:
-        """The other ranks' last statuses (None: nothing published yet); updates how long each has been silent."""
+        """The other ranks' last statuses (None: nothing published yet); updates how long each has been silent.
+        A few requests to the store whatever the number of ranks: the count of ranks that left, and every
+        status in one ``multi_get`` once all have published (one by one before that, at the start)."""
         now, out = time.monotonic(), {}
-        for rank in range(self.size):
-            if rank == self.rank or rank in self.left or self._has_left(rank):
-                continue
-            key = f"status/{rank}"
-            status = Status.loads(self.store.get(key)) if self.store.check([key]) else None
+        self._read_left()
+        ranks = [r for r in range(self.size) if r != self.rank and r not in self.left]
+        keys = [f"status/{r}" for r in ranks]
+        if keys and self.store.check(keys):
+            values: list[bytes | None] = list(self.store.multi_get(keys))
+        else:
+            values = [self.store.get(key) if self.store.check([key]) else None for key in keys]
+        for rank, value in zip(ranks, values):
+            status = Status.loads(value) if value is not None else None
             out[rank] = status
             seq = status.seq if status is not None else -1
             if self.heard.get(rank, (None,))[0] != seq:
@@ -193,14 +200,18 @@ class Watchdog:
         self.last_peers = out
         return out
 
-    def _has_left(self, rank: int) -> bool:
-        """Whether a mode that outlives its workers (the parameter server) said ``rank`` left the job."""
-        if self.store.check([f"left/{rank}"]):
-            self.left.add(rank)
-            self.heard.pop(rank, None)
-            self.last_peers.pop(rank, None)
-            return True
-        return False
+    def _read_left(self) -> None:
+        """The ranks a mode that outlives its workers (the parameter server) said left the job: looked for one
+        by one only when their count in the store moved."""
+        count = int(self.store.add("left_count", 0))
+        if count == self.left_seen:
+            return
+        for rank in range(self.size):
+            if rank != self.rank and rank not in self.left and self.store.check([f"left/{rank}"]):
+                self.left.add(rank)
+                self.heard.pop(rank, None)
+                self.last_peers.pop(rank, None)
+        self.left_seen = count
 
     def silent_s(self) -> dict[int, float]:
         """Seconds since each rank last published: by its clock on this host, else since this rank saw it change."""
@@ -572,7 +583,7 @@ def rank_left(rank: int, why: str) -> None:
     ``rank`` left the job: from now on no rank waits for it, at the end or in a collective."""
     dog = _watchdog
     if dog is not None:
-        dog.keep_books(lambda: dog.store.set(f"left/{rank}", why))
+        dog.keep_books(lambda: (dog.store.set(f"left/{rank}", why), dog.store.add("left_count", 1)))
 
 
 _data_end_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
