@@ -134,7 +134,7 @@ class Pipeline:
                     self.handles.append(block.register_forward_hook(eager(partial(self._stage_ends, i))))
                 continue
             parent, _, child = name.rpartition(".")
-            stub = Stub(i, name, self.cut.stage_of(i), block.to_empty(device="meta"), eager(self._stub_called))
+            stub = Stub(i, name, self.cut.stage_of(i), block.to_empty(device="meta"), self._stub_called)
             setattr(modules[parent] if parent else model, child, stub)
         return own
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 
@@ -34,6 +35,7 @@ class Stub(nn.Module):
                 raise
             return getattr(skeleton, name)
 
+    @torch.compiler.disable  # it receives from another stage: outside compiled graphs (one per stub, not traced)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.called(self.index)
 
