@@ -126,7 +126,10 @@ class ParameterSharding:
 
     # -- forward -----------------------------------------------------------------------------------
     def _hook(self, model: nn.Module, modules: list[nn.Module]) -> list[Any]:
-        """Hooks on ``model`` and on each block's module (``modules``)."""
+        """Hooks on ``model`` and on each block's module (``modules``). The gathers and frees run outside
+        torch.compile's graphs, as FSDP2's hooks do: a compiled model's graph ends at each block, whose own
+        forward compiles whole, and saves its parameters for backward as they are (gathered again when backward
+        reaches the block, as the saved-tensor hooks do uncompiled)."""
         eager = torch.compiler.disable
         handles = [model.register_forward_pre_hook(eager(self._model_begins)),
                    model.register_forward_hook(eager(self._model_ends), always_call=True)]
@@ -211,7 +214,7 @@ class ParameterSharding:
     def _pack(self, t: torch.Tensor) -> Any:
         """A tensor autograd saves while a block runs: one of a block's parameters (or a view of one) is kept
         as where it sits in the block, so the block can be freed until backward needs it."""
-        if torch.compiler.is_compiling():  # traced into a compiled block: it keeps what it saves (see _hook)
+        if torch.compiler.is_compiling():  # traced into a compiled block, which saves what it saves (see _hook)
             return t
         block = self.hooking[-1][1] if self.hooking else None
         where = _storage(t) if block is not None else None
