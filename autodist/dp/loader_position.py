@@ -35,13 +35,14 @@ class Resuming:
 
 class Position:
     """One loader's place: ``epoch`` (the one in progress, -1 before the first), ``taken`` (its global batches the
-    loop has taken), ``ended`` (whether the loop took all of them); ``generators``: the loader's and its
+    loop has taken), ``ended`` (whether the loop took all of them), ``began`` (the generators as it began:
+    ``{"rng": torch's global state, "generators": [the others' states]}``); ``generators``: the loader's and its
     sampler's own, which draw its order beside torch's global one."""
 
     def __init__(self, generators: Iterable[Any] = ()) -> None:
         self.generators = _distinct(generators)
         self.epoch, self.taken, self.ended = -1, 0, True
-        self.rng: list[torch.Tensor] = []  # the global generator and self.generators as the epoch began
+        self.began: dict[str, Any] = {}
         self.pending: dict[str, Any] | None = None
 
     def begin(self) -> Resuming | None:
@@ -49,10 +50,10 @@ class Position:
         saved, self.pending = self.pending, None
         if saved is None:
             self.epoch, self.taken, self.ended = self.epoch + 1, 0, False
-            self.rng = [torch.get_rng_state(), *(g.get_state() for g in self.generators)]
+            self.began = {"rng": torch.get_rng_state(), "generators": [g.get_state() for g in self.generators]}
             return None
         self.epoch, self.taken, self.ended = saved["epoch"], saved["taken"], False
-        self.rng = [saved["rng"], *saved["generators"]]
+        self.began = {"rng": saved["rng"], "generators": saved["generators"]}
         then = torch.get_rng_state()
         torch.set_rng_state(saved["rng"])
         self._set(saved["generators"])
@@ -65,14 +66,16 @@ class Position:
         self.ended = True
 
     def state(self) -> dict[str, Any]:
-        """For the checkpoint: the epoch in progress, or the one to begin next with its generators as they are."""
-        if self.ended or self.taken == 0:
-            return {"epoch": self.epoch + (1 if self.ended else 0), "taken": 0, "rng": None,
+        """For the checkpoint: the epoch in progress with its generators as it began (``rng`` set: resumed
+        there, even before its first batch, whose order it drew already), or the one to begin next, ``rng``
+        None, with the generators as they are."""
+        if self.ended or self.epoch < 0:
+            return {"epoch": self.epoch + 1, "taken": 0, "rng": None,
                     "generators": [g.get_state() for g in self.generators]}
-        return {"epoch": self.epoch, "taken": self.taken, "rng": self.rng[0], "generators": self.rng[1:]}
+        return {"epoch": self.epoch, "taken": self.taken, **self.began}
 
     def load(self, state: dict[str, Any]) -> None:
-        if state["taken"]:
+        if state["rng"] is not None:  # in an epoch: its next __iter__ resumes it
             self.pending = dict(state)
         else:  # between epochs: the next begins afresh, on the generators as they were saved
             self.epoch, self.taken, self.ended, self.pending = state["epoch"] - 1, 0, True, None
@@ -126,7 +129,7 @@ def restore(model: nn.Module, saved: list[dict[str, Any]], where: str) -> None:
     from autodist.runtime.world import log
 
     live = _live(model)
-    mid = [s for s in saved if s["taken"]]
+    mid = [s for s in saved if s["rng"] is not None]
     if len(live) != len(saved) and mid:
         log.warning("%s holds the position of %d data loader(s) (%s) and %d were parallelized with this model: "
                     "%s. Pass the same loaders to parallelize, in the same order, as the run that saved it",
@@ -138,6 +141,6 @@ def restore(model: nn.Module, saved: list[dict[str, Any]], where: str) -> None:
 
 
 def _said(state: dict[str, Any]) -> str:
-    if state["taken"]:
+    if state["rng"] is not None:
         return f"epoch {state['epoch']} after {state['taken']} batches"
     return f"before epoch {state['epoch']}"

@@ -22,10 +22,11 @@ dicts only); its top-level keys are
                 or None), ``python`` and ``numpy``
 ``loaders``     only where ``parallelize`` split a DataLoader (or a stream) for the model: rank 0's
                 position in each, in the order they were made: ``{"epoch": int, "taken": int,
-                "rng": [tensor, ...]}``, the epoch in progress and its global batches the loop has
-                taken (0: the epoch begins afresh), and the generators as it began (torch's global
-                one, then the loader's and its sampler's own); ``load`` gives each loader its
-                position (:mod:`autodist.dp.loader_position`)
+                "rng": tensor or None, "generators": [tensor, ...]}``. In an epoch: its number,
+                the global batches the loop has taken, torch's global generator and the
+                loader's and its sampler's own as it began. Between epochs: the next one's
+                number, ``taken`` 0, ``rng`` None, and those generators as they are. ``load``
+                gives each loader its position (:mod:`autodist.dp.loader_position`)
 ``sync``        only for a model trained with a low-communication mode (``parallelize(...,
                 sync=autodist.DiLoCo())``): ``{"mode": "DiLoCo", "state": ...}``, rank 0's
                 ``strategy.state_dict()`` (step counts; DiLoCo's outer parameters, their momentum

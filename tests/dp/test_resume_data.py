@@ -162,6 +162,26 @@ def test_a_checkpoint_after_an_epoch_begins_the_next_afresh(ranks, tmp_path):
     assert torch.load(path, weights_only=True)["loaders"] == [{"epoch": 1, "taken": 0, "rng": None, "generators": []}]
 
 
+def _saved_before_the_first_batch(path: str) -> list[list[int]]:
+    """Saved once the epoch began (its order and worker seed drawn) and before its first batch: resumed there."""
+    torch.manual_seed(0)
+    model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _loader("global-rng"))
+    batches = iter(loader)
+    autodist.save(path, model)
+    del batches
+    model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _loader("global-rng"))
+    autodist.load(path, model)
+    return [ids.tolist() for _, _, ids in loader]
+
+
+def test_a_checkpoint_in_an_epoch_before_its_first_batch_resumes_that_epoch(ranks, tmp_path):
+    torch.manual_seed(0)
+    torch.nn.Linear(4, 1)  # the single process draws as the ranks do before their loop
+    expected = [ids.tolist() for _, _, ids in _loader("global-rng")]
+    per_rank = ranks(2, _saved_before_the_first_batch, os.fspath(tmp_path / "ckpt.pt"))
+    assert _joined(per_rank) == expected
+
+
 def _resumed_without_the_loader(path: str) -> list[str]:
     model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _loader("global-rng"))
     for step, _ in enumerate(loader):
