@@ -103,7 +103,8 @@ def judge(me: Status, statuses: dict[int, Status | None], silent_s: dict[int, fl
     failed or ended its script can never join the collective: that is an error
     as soon as the status has had ``settle`` seconds to be current. A rank that
     is silent, or waits in another collective, is one after ``timeout``
-    seconds. Ranks alive in their own code (:func:`in_own_code`) are waited for
+    seconds; a collective every rank waits in is stuck once each has waited
+    ``timeout`` seconds (a rank that arrived lately may yet complete it). Ranks alive in their own code (:func:`in_own_code`) are waited for
     ``busy`` seconds (None: ``timeout``; ``busy_words``: that limit in the message).
 
     Example:
@@ -144,6 +145,8 @@ while rank 0 waits in the gradient sync of step 10 of epoch 0: the ranks did not
             if status.stack and status.state == "running":
                 stacks.append(f"rank {rank}'s Python stack (most recent call last):\n{status.stack.rstrip()}")
     if not others:
+        if any(status.wait_s < timeout for status in statuses.values() if status is not None):
+            return None  # a rank arrived lately (from its own code): the collective may complete yet
         others.append("every rank waits in it, so the collective itself is stuck (the network between the ranks?)")
     return "\n".join([f"rank {me.rank} has waited {me.wait_s:.0f} s in {me.wait} for the other ranks: "
                       f"{'; '.join(others)} ({limit})", *stacks])

@@ -65,6 +65,8 @@ def test_a_silent_rank_or_one_in_another_collective_is_named_within_the_timeout_
     assert in_own_code(me, {1: busy, 3: None}, {}, 60) == []  # never heard of
     assert in_own_code(me, {3: same}, {}, 60) == []  # every rank waits in it: the collective is stuck
     assert "every rank waits in it" in judge(me, {3: same}, {}, timeout=60, settle=1, busy=1800)
+    arrived = Status(rank=3, syncs=4, wait="gradient sync #5", wait_s=0.4)  # back from its own code just now
+    assert judge(me, {3: arrived}, {}, timeout=60, settle=1, busy=1800) is None  # not stuck: it may complete
 
 
 def test_a_failed_or_ended_rank_is_an_error_at_once():
