@@ -3,10 +3,11 @@
 One daemon thread per rank publishes, once a tick (1 s), where this rank is
 (:mod:`autodist.runtime.position`: the step its loader handed out, the gradient sync
 it waits in, its Python stack when it stands still) into the default process
-group's store, under a prefix of its own; the training loop itself only
-updates a few local attributes. While this rank waits in a collective, the
-thread reads the other ranks' statuses and stops every rank with one error
-naming who is where when
+group's store, under a prefix of its own, and reads the verdict and the digest
+in one request; the training loop itself only updates a few local attributes.
+One rank, the reader (:mod:`autodist.faults.reader`), also reads every status
+once a tick and judges for each rank that waits in a collective: it stops
+every rank with one error naming who is where when
 
 * another rank failed (its exception's last line is published by an
   excepthook before it dies) or ended its script: at once;
@@ -18,9 +19,9 @@ naming who is where when
   are once a minute, and the wait passes the busy limit
   (``AUTODIST_BUSY_TIMEOUT``, 30 minutes by default) before the same message.
 
-The rank that decides writes the verdict into the store; every other rank's
-thread reads it within a tick, prints one line and exits with status 1 (rank 0,
-whose process holds the store, last). A
+The verdict goes into the store in the name of the rank it is found for, which
+prints it as its own; every other rank's thread reads it within a tick, prints
+one line and exits with status 1 (rank 0, whose process holds the store, last). A
 collective that fails because a peer died (gloo's "Connection closed by
 peer", or a fence in shared memory that finds the peer's process gone) is
 explained the same way: the peer that published its failure, or
@@ -48,7 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autodist.faults.verdicts import Status, in_own_code, judge, still_waiting
+from autodist.faults.reader import AT_THE_END, NAMED, STALE_TICKS, Digest, Reader, first_readers
+from autodist.faults.verdicts import Status, in_own_code, still_waiting
 from autodist.faults.verdicts import where as where_is
 from autodist.runtime import ending, position
 from autodist.runtime.position import record, wait_words, waiting
@@ -129,15 +131,14 @@ class Watchdog:
         self.busy = max(timeout, busy)  # a rank alive in its own code: waited for (:func:`_busy_limit`)
         self.busy_words = busy_words
         self.tick = min(1.0, timeout / 5)
-        self.line_every = min(60.0, timeout)  # the progress line while waiting for a busy rank
-        self.next_line: tuple[float, float] | None = None  # (the wait's start, its wait_s of the next line)
         self.wait_since = 0.0  # when the wait the main thread is in began (monotonic)
         self.leaving = False  # a verdict stops this rank: nothing more goes to the store but its acknowledgement
         self.status = Status(rank=rank, host=socket.gethostname(), pid=os.getpid())
-        self.heard: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it last changed)
-        self.last_peers: dict[int, Status | None] = {}
-        self.left: set[int] = set()  # ranks a parameter-server mode declared gone: no longer waited for
-        self.left_seen = 0  # how many it had declared when this rank last looked
+        self.reader: Reader | None = None  # while this rank reads every status (:mod:`autodist.faults.reader`)
+        self.digest: Digest | None = None  # the reader's last digest, as this rank last read it
+        self.digest_text = b""
+        self.digest_since = time.monotonic()  # when this rank saw the digest change last
+        self.said: str | None = None  # the id of the last progress line the digest gave this rank to say
         self.stop = threading.Event()
         self.report_lock = threading.Lock()
         self.reported = False
@@ -179,48 +180,61 @@ class Watchdog:
         self.status.wall = time.time()
         self.store.set(f"status/{self.rank}", self.status.dumps())
 
-    def peers(self) -> dict[int, Status | None]:
-        """The other ranks' last statuses (None: nothing published yet); updates how long each has been silent.
-        A few requests to the store whatever the number of ranks: the count of ranks that left, and every
-        status in one ``multi_get`` once all have published (one by one before that, at the start)."""
-        now, out = time.monotonic(), {}
-        self._read_left()
-        ranks = [r for r in range(self.size) if r != self.rank and r not in self.left]
-        keys = [f"status/{r}" for r in ranks]
-        if keys and self.store.check(keys):
-            values: list[bytes | None] = list(self.store.multi_get(keys))
-        else:
-            values = [self.store.get(key) if self.store.check([key]) else None for key in keys]
-        for rank, value in zip(ranks, values):
-            status = Status.loads(value) if value is not None else None
-            out[rank] = status
-            seq = status.seq if status is not None else -1
-            if self.heard.get(rank, (None,))[0] != seq:
-                self.heard[rank] = (seq, now)
-        self.last_peers = out
-        return out
+    def look(self) -> Digest | None:
+        """The verdict (acted on, if there is one) and the reader's digest, in one request."""
+        verdict, text = self.store.multi_get(["verdict", "digest"])
+        if verdict:
+            self.act_on(verdict.decode())
+        if text != self.digest_text:
+            self.digest_text, self.digest_since = text, time.monotonic()
+            self.digest = Digest.loads(text) if text else None
+        return self.digest
 
-    def _read_left(self) -> None:
-        """The ranks a mode that outlives its workers (the parameter server) said left the job: looked for one
-        by one only when their count in the store moved."""
-        count = int(self.store.add("left_count", 0))
-        if count == self.left_seen:
-            return
-        for rank in range(self.size):
-            if rank != self.rank and rank not in self.left and self.store.check([f"left/{rank}"]):
-                self.left.add(rank)
-                self.heard.pop(rank, None)
-                self.last_peers.pop(rank, None)
-        self.left_seen = count
+    def _reads(self) -> bool:
+        """Whether this rank reads every status this tick: it wrote the last digest, or that digest is older than
+        its place among the successors allows (the reader frozen, or gone while the store lives)."""
+        digest = self.digest
+        if digest is not None and digest.by == self.rank:
+            return True
+        order = [digest.by, *digest.successors] if digest is not None else \
+            first_readers(self.size, self.reader.left if self.reader is not None else set())
+        if self.rank not in order:
+            self.reader = None
+            return False
+        if time.monotonic() - self.digest_since < order.index(self.rank) * STALE_TICKS * self.tick:
+            self.reader = None  # another rank reads (again)
+            return False
+        return True
 
-    def silent_s(self) -> dict[int, float]:
-        """Seconds since each rank last published: by its clock on this host, else since this rank saw it change."""
-        now, wall, host = time.monotonic(), time.time(), self.status.host
-        silent = {rank: now - since for rank, (_, since) in self.heard.items()}
-        for rank, status in self.last_peers.items():
-            if status is not None and status.host == host:
-                silent[rank] = max(silent.get(rank, 0.0), wall - status.wall)
-        return silent
+    def _read(self) -> None:
+        """Read every status, judge, write the digest; a verdict found for another rank is written for it (it
+        prints it as its own, within a tick), and this rank obeys it."""
+        if self.reader is None:
+            self.reader = Reader(self.store, self.rank, self.size, self.timeout, self.tick, self.busy, self.busy_words)
+            old = self.digest
+            if old is not None and old.by != self.rank:  # taking over: the old reader last lived at its last digest
+                self.reader.since(old.by, -2, self.digest_since)
+        verdict, digest = self.reader.turn(self.status)
+        self.digest, self.digest_text, self.digest_since = digest, digest.dumps().encode(), time.monotonic()
+        if verdict is not None:
+            rank, message = verdict
+            if rank == self.rank:
+                self.decide(message)
+            self.act_on(self.store.compare_set("verdict", "", f"{rank}\n{message}").decode())
+        said = digest.say.get(self.rank)
+        if said is not None:
+            self._say(said)
+
+    def _say(self, said: list) -> None:
+        """A progress line the digest gives this rank: printed once."""
+        if said[0] != self.said:
+            self.said = said[0]
+            log.warning("%s", said[1])
+
+    def _statuses(self, ranks: list[int]) -> dict[int, Status | None]:
+        """The statuses of a few ranks, read directly (the digest names them)."""
+        values = self.store.multi_get([f"status/{r}" for r in ranks]) if ranks else []
+        return {r: Status.loads(v) if v else None for r, v in zip(ranks, values)}
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -254,38 +268,22 @@ class Watchdog:
         return frame is not None
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        self._observe(now)
+        """Publish this rank's status, read the verdict and the digest (two requests); the reader also reads every
+        status and writes the digest (two more)."""
+        self._observe(time.monotonic())
         self.publish()
-        if self.store.check(["verdict"]):
-            self.obey(self.store.get("verdict").decode())
-        if self._in_collective() and self.status.wait_s >= self.tick:
-            me, peers, silent = self.status, self.peers(), self.silent_s()
-            verdict = judge(me, peers, silent, self.timeout, self.tick, self.busy, self.busy_words)
-            if verdict is not None:
-                self.decide(verdict)
-            elif me.wait_s >= self.timeout and (busy := in_own_code(me, peers, silent, self.timeout)):
-                self._progress(me, peers, busy)
-
-    def _progress(self, me: Status, peers: dict[int, Status | None], busy: list[int]) -> None:
-        """Waiting for ranks alive in their own code: one line when AUTODIST_TIMEOUT has passed, then one every
-        ``line_every`` seconds, from the lowest rank waiting in this collective only."""
-        if any(s is not None and s.wait == me.wait for r, s in peers.items() if r < self.rank):
-            return
-        start, due = self.next_line if self.next_line is not None else (None, 0.0)
-        if start != self.wait_since:
-            due = self.timeout
-        if me.wait_s >= due:
-            log.warning("%s", still_waiting(me, peers, busy, self.busy_words))
-            due += self.line_every * max(1, (me.wait_s - due) // self.line_every + 1)
-        self.next_line = (self.wait_since, due)
+        digest = self.look()
+        if self._reads():
+            self._read()
+        elif digest is not None and self.rank in digest.say:
+            self._say(digest.say[self.rank])
 
     def _in_collective(self) -> bool:
         """The main thread waits for the other ranks (not merely at the end of its script), as this tick observed
         it: read from the status, not from ``record.wait`` again, which the main thread may have left since (at
         the end of its script, once the other ranks arrived: the status would then be judged as a collective,
         and a rank that arrived as one that will never join it)."""
-        return self.status.wait is not None and self.status.wait != _AT_THE_END
+        return self.status.wait is not None and self.status.wait != AT_THE_END
 
     def _store_failed(self, exc: Exception) -> None:
         """The store stopped answering: its host is gone. Waiting in a collective, that is the error; otherwise
@@ -333,8 +331,22 @@ class Watchdog:
     def decide(self, message: str) -> None:
         """This rank found the error: make it everyone's, print it, leave (:meth:`leave`)."""
         first = self.store.compare_set("verdict", "", f"{self.rank}\n{message}").decode()
-        if first != f"{self.rank}\n{message}":
+        decider, _, found = first.partition("\n")
+        if decider != str(self.rank):
             self.obey(first)
+        self._decided(found)
+
+    def act_on(self, verdict: str) -> None:
+        """A verdict in the store: this rank's own (the reader found it for this rank: printed here as found
+        here), or another rank's (:meth:`obey`)."""
+        decider, _, message = verdict.partition("\n")
+        if decider == str(self.rank):
+            if not self.leaving:
+                self._decided(message)
+            return
+        self.obey(verdict)
+
+    def _decided(self, message: str) -> None:
         self.leaving = True
         ending.record_error(message.splitlines()[0], verdict=True)  # now: the launcher may stop this rank soon
         self.report(message)
@@ -347,7 +359,7 @@ class Watchdog:
         """Another rank found the error: one line here, then leave (:meth:`leave`)."""
         decider, _, message = verdict.partition("\n")
         if decider == str(self.rank):
-            return  # this rank's own verdict: the thread that wrote it prints it and leaves
+            return  # this rank's own verdict: its watchdog thread prints it and leaves
         self.leaving = True
         line = f"stopped because rank {decider} found: {message.splitlines()[0]}"
         self.report(line)
@@ -372,14 +384,13 @@ class Watchdog:
         _exit(line)
 
     def _wait_for(self, word: str, seconds: float) -> None:
-        """Until every other rank still alive has set its key ``word`` (``seconds`` at most)."""
-        self.peers()
-        silent = self.silent_s()
-        alive = [r for r, s in self.last_peers.items() if s is not None
-                 and s.state in ("running", "exited", "stopped") and silent.get(r, 0.0) < 2 * self.tick]
-        keys, deadline = [f"{word}/{r}" for r in sorted(alive)], time.monotonic() + seconds
-        while keys and time.monotonic() < deadline:
-            keys = [key for key in keys if not self.store.check([key])]
+        """Until every other rank still alive (as the last digest has them) has set its key ``word`` (``seconds``
+        at most); one request a look, whatever the number of ranks."""
+        digest = self.digest
+        lost = set(digest.lost or ()) | set(digest.left) if digest is not None else set()
+        keys = [f"{word}/{r}" for r in range(self.size) if r != self.rank and r not in lost]
+        deadline = time.monotonic() + seconds
+        while keys and time.monotonic() < deadline and not self.store.check(keys):
             time.sleep(0.05)
 
     # -- a collective that failed ------------------------------------------------------------------
@@ -396,14 +407,12 @@ class Watchdog:
         if self.store_lost is not None:
             return self._store_host_gone(where)
         try:
-            deadline = time.monotonic() + 2.5 * self.tick
+            deadline = time.monotonic() + (2.5 if self.reader is not None else 3.5) * self.tick  # a digest lags a tick
             while True:
-                statuses = self.peers()
-                for rank, status in sorted(statuses.items()):
-                    if status is not None and status.state in ("failed", "exited", "stopped"):
-                        what = "was stopped by the watchdog" if status.state == "stopped" else where_is(status)
-                        return f"rank {rank} {what} while rank {self.rank} waits in {where}"
-                silent = [r for r, s in self.silent_s().items() if s >= 1.5 * self.tick]
+                gone, silent = self._lost_peers()
+                if gone:
+                    rank, what = min(gone.items())
+                    return f"rank {rank} {what} while rank {self.rank} waits in {where}"
                 if silent or time.monotonic() >= deadline:
                     break
                 time.sleep(0.1)
@@ -415,6 +424,21 @@ class Watchdog:
             return (f"{names} died without a word (killed by a signal, out of memory, or aborted in C++: see its "
                     f"own output) while rank {self.rank} waits in {where}")
         return f"a rank closed its connection while rank {self.rank} waits in {where}: {_first_line(exc)}"
+
+    def _lost_peers(self) -> tuple[dict[int, str], list[int]]:
+        """The other ranks that failed, ended or were stopped (where each is, in words), and those silent for
+        1.5 ticks: from every status where this rank reads them, else from the digest (read again here)."""
+        reader = self.reader
+        if reader is not None:
+            statuses, silent = reader.read(self.status)
+            gone = {r: "was stopped by the watchdog" if s.state == "stopped" else where_is(s)
+                    for r, s in statuses.items() if s is not None and s.state in ("failed", "exited", "stopped")}
+            quiet = [r for r, s in sorted(silent.items()) if s >= 1.5 * self.tick]
+        else:
+            text = self.store.multi_get(["digest"])[0]
+            digest = Digest.loads(text) if text else None
+            gone, quiet = (digest.gone, list(digest.silent)) if digest is not None else ({}, [])
+        return {r: w for r, w in gone.items() if r != self.rank}, [r for r in quiet if r != self.rank]
 
     def excepthook(self, previous: Any, exc_type: type, exc: BaseException, tb: Any) -> None:
         """An uncaught exception: a lost peer is named in one line; any other is published, then printed."""
@@ -448,22 +472,26 @@ class Watchdog:
 
     # -- a normal end: the meeting of :mod:`autodist.runtime.ending` -----------------------------------
     def arrive(self) -> None:
-        """Every rank ends together: wait here until all ranks ended (or one failed, or a verdict came)."""
+        """Every rank ends together: wait here until all ranks ended (or one failed, or a verdict came). Each
+        rank counts itself in; one request a look, whatever the number of ranks: the count, the verdict, and the
+        digest, which says when the ranks not counted failed or fell silent. Every 50 ms for four ticks (a verdict
+        that this rank's end causes comes within two), then once a tick."""
         try:
             if record.state != "running" or not dist.is_initialized() or self.store_lost is not None:
                 return
             record.state = "exited"
             self._observe(time.monotonic())
             self.publish()
+            self.store.add("arrived", 1)
+            start = time.monotonic()
             with waiting("exit"):
                 while not self.stop.is_set():
-                    if self.store.check(["verdict"]):  # another rank waits for this one in vain: not a normal end
-                        self.obey(self.store.get("verdict").decode())
-                    statuses, silent = self.peers(), self.silent_s()
-                    if all(s is not None and s.state != "running" or silent.get(r, 0.0) >= self.timeout
-                           for r, s in statuses.items()):
+                    verdict, text, arrived, left = self.store.multi_get(["verdict", "digest", "arrived", "left_count"])
+                    if verdict:  # another rank waits for this one in vain: not a normal end
+                        self.obey(verdict.decode())
+                    if int(arrived) >= self.size - int(left) or text and Digest.loads(text).ended:
                         return
-                    time.sleep(0.05)
+                    time.sleep(0.05 if time.monotonic() - start < 4 * self.tick else self.tick)
         except Exception as exc:  # noqa: BLE001 - the store went away: nothing left to coordinate
             log.debug("watchdog: at exit: %s", exc)
         finally:
@@ -471,36 +499,44 @@ class Watchdog:
             if self.thread.is_alive() and threading.current_thread() is not self.thread:
                 self.thread.join(timeout=5)
 
+    def _unfinished(self) -> tuple[Digest | None, dict[int, Status | None]]:
+        """The digest read now, and the statuses of the lowest ranks it names as not at the end of their script."""
+        text = self.store.multi_get(["digest"])[0]
+        digest = Digest.loads(text) if text else None
+        ranks = [r for r in (digest.unfinished if digest is not None else range(self.size)) if r != self.rank]
+        return digest, self._statuses(ranks[:NAMED])
+
     def busy_line(self, waited: float) -> str | None:
         """At the end of the script, ``waited`` seconds after this rank arrived: where the ranks still running
         are, if every one is alive in its own code and ``busy`` has not passed (the end then waits on), else None;
         "" to wait on without a line: where every rank has arrived meanwhile (the meeting ends by itself), or
         where a lower rank that arrived prints the line."""
-        everyone = self.peers()
-        peers = {r: s for r, s in everyone.items() if s is None or s.state != "exited"}
+        digest, peers = self._unfinished()
+        peers = {r: s for r, s in peers.items() if s is None or s.state != "exited"}
         if not peers:
             return ""
         if waited >= self.busy:
             return None
         me = Status(rank=self.rank, wait="the meeting at the end of its script", wait_s=waited)
-        busy = in_own_code(me, peers, self.silent_s(), self.timeout)
+        busy = in_own_code(me, peers, digest.silent if digest is not None else {}, self.timeout)
         if not busy:
             return None
-        lower = any(s is not None and s.state == "exited" for r, s in everyone.items() if r < self.rank)
+        lower = digest is not None and digest.first_ended is not None and digest.first_ended < self.rank
         return "" if lower else still_waiting(me, peers, busy, self.busy_words)  # the lowest arrived rank says it
 
     def missing(self) -> str:
-        """The ranks still running, and where each is."""
+        """The ranks still running, and where each is (the lowest ones, at most NAMED)."""
+        digest, peers = self._unfinished()
         late = [f"rank {r} {where_is(s)}" if s is not None else f"rank {r} never reported its progress"
-                for r, s in sorted(self.peers().items()) if s is None or s.state == "running"]
+                for r, s in sorted(peers.items()) if s is None or s.state == "running"]
+        more = digest.unfinished_count - len(digest.unfinished) if digest is not None else 0
+        if late and more > 0:
+            late.append(f"and {more} more ranks")
         return "; ".join(late) if late else "every rank arrived"
 
     def give_up(self, message: str) -> None:
         """The end took too long: stop every rank with ``message`` (the stalled ones read it within a tick)."""
         self.decide(message)
-
-
-_AT_THE_END = wait_words("exit", 0, None)  # the status's wait while a rank waits at the end of its script
 
 
 def _collective_in_traceback(tb: Any) -> str:
@@ -554,6 +590,10 @@ def start(rank: int, size: int, timeout: float, busy: float | None = None) -> Wa
     position.on_failure(dog.failed_wait)
     dog._observe(time.monotonic())
     dog.publish()
+    for key in ("verdict", "digest"):  # each read with the other in one request a tick: both must exist
+        store.compare_set(key, "", "")
+    for key in ("arrived", "left_count"):
+        store.add(key, 0)
     dog.thread.start()
     return dog
 
@@ -598,10 +638,24 @@ def on_data_end(listener: Any) -> None:
 # -- the loader's epochs -----------------------------------------------------------------------------
 
 def epoch_begins(loader: str, epoch: int, steps: int, samples: int) -> None:
-    """A sharded loader starts an epoch of ``steps`` batches: tell the other ranks (once an epoch)."""
+    """A sharded loader starts an epoch of ``steps`` batches: tell the other ranks (once an epoch), as the
+    longest epoch any rank has: a key per epoch, raised by compare-and-set, a few requests whatever the ranks."""
     dog = _watchdog
     if dog is not None:
-        dog.keep_books(lambda: dog.store.set(f"epoch/{loader}/{epoch}/{dog.rank}", f"{steps} {samples}"))
+        dog.keep_books(lambda: _raise_to(dog.store, f"epoch/{loader}/{epoch}", steps, dog.rank, samples))
+
+
+def _raise_to(store: Any, key: str, steps: int, rank: int, samples: int) -> None:
+    """Key ``key`` holds the most steps any rank has (the lowest such rank, and its samples)."""
+    mine, seen = f"{steps} {rank} {samples}", ""
+    while True:
+        now = store.compare_set(key, seen, mine).decode()
+        if now == mine or not now:
+            return
+        their_steps, their_rank, _ = map(int, now.split())
+        if (their_steps, -their_rank) >= (steps, -rank):
+            return
+        seen = now
 
 
 def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
@@ -613,11 +667,11 @@ def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
     dog = _watchdog
     if dog is None:
         return
-    keys = [f"epoch/{loader}/{epoch}/{rank}" for rank in range(dog.size)]
-    theirs = dog.keep_books(lambda: {r: tuple(map(int, dog.store.get(k).split())) for r, k in enumerate(keys)
-                                     if r != dog.rank and dog.store.check([k])})
-    for rank, (their_steps, their_samples) in sorted((theirs or {}).items()):
-        if their_steps > steps:
+    key = f"epoch/{loader}/{epoch}"
+    most = dog.keep_books(lambda: dog.store.multi_get([key])[0] if dog.store.check([key]) else b"")
+    if most:
+        their_steps, rank, their_samples = map(int, most.decode().split())
+        if their_steps > steps and rank != dog.rank:
             raise ValueError(
                 f"rank {dog.rank}'s data ended after step {steps} of epoch {epoch}, but rank {rank}'s has "
                 f"{their_steps} steps (its DataLoader's dataset holds {their_samples} samples, this rank's "
