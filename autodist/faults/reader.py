@@ -67,6 +67,13 @@ class Digest:
         return Digest(**data)
 
 
+def gone(statuses: dict[int, Status | None]) -> dict[int, str]:
+    """The ranks that failed, ended their script or were stopped, and where each is, in words, as a lost peer's
+    explanation names them."""
+    return {r: "was stopped by the watchdog" if s.state == "stopped" else where_is(s)
+            for r, s in sorted(statuses.items()) if s is not None and s.state in ("failed", "exited", "stopped")}
+
+
 def first_readers(size: int, left: set[int]) -> list[int]:
     """Who reads while no digest was written yet: the lowest ranks, in order."""
     return [r for r in range(size) if r not in left][:SUCCESSORS + 1]
@@ -209,13 +216,11 @@ class Reader:
         alive = [r for r, s in sorted(statuses.items()) if s is not None
                  and s.state in ("running", "exited", "stopped") and silent.get(r, 0.0) < 2 * self.tick]
         lost = sorted(set(statuses) - set(alive))
-        gone = {r: "was stopped by the watchdog" if s.state == "stopped" else where_is(s)
-                for r, s in sorted(statuses.items()) if s is not None and s.state in ("failed", "exited", "stopped")}
         unfinished = [r for r, s in sorted(statuses.items()) if s is None or s.state != "exited"]
         quiet = {r: round(s, 2) for r, s in sorted(silent.items()) if s >= 1.5 * self.tick}
         return Digest(
             by=self.rank, seq=self.seq, successors=[r for r in alive if r != self.rank][:SUCCESSORS],
-            say=self.say, gone=dict(list(gone.items())[:4]), silent=dict(list(quiet.items())[:NAMED]),
+            say=self.say, gone=dict(list(gone(statuses).items())[:4]), silent=dict(list(quiet.items())[:NAMED]),
             unfinished=unfinished[:NAMED], unfinished_count=len(unfinished),
             first_ended=next((r for r, s in sorted(statuses.items()) if s is not None and s.state == "exited"), None),
             lost=lost if len(lost) <= NAMED else None, left=sorted(self.left),

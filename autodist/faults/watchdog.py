@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autodist.faults.reader import AT_THE_END, NAMED, STALE_TICKS, Digest, Reader, first_readers
+from autodist.faults.reader import AT_THE_END, NAMED, STALE_TICKS, Digest, Reader, first_readers, gone
 from autodist.faults.verdicts import Status, in_own_code, still_waiting
 from autodist.faults.verdicts import where as where_is
 from autodist.runtime import ending, position
@@ -207,8 +207,8 @@ class Watchdog:
         return True
 
     def _read(self) -> None:
-        """Read every status, judge, write the digest; a verdict found for another rank is written for it (it
-        prints it as its own, within a tick), and this rank obeys it."""
+        """Read every status, judge, write the digest. A verdict goes into the store in the name of the rank it
+        is found for, which prints it as its own (this rank now, another within a tick); this rank acts on it."""
         if self.reader is None:
             self.reader = Reader(self.store, self.rank, self.size, self.timeout, self.tick, self.busy, self.busy_words)
             old = self.digest
@@ -216,14 +216,9 @@ class Watchdog:
                 self.reader.since(old.by, -2, self.digest_since)
         verdict, digest = self.reader.turn(self.status)
         self.digest, self.digest_text, self.digest_since = digest, digest.dumps().encode(), time.monotonic()
-        if verdict is not None:
+        if verdict is not None:  # this rank's own (printed as decided here), or another's (obeyed)
             rank, message = verdict
-            if rank == self.rank:
-                self.decide(message)
             self.act_on(self.store.compare_set("verdict", "", f"{rank}\n{message}").decode())
-        said = digest.say.get(self.rank)
-        if said is not None:
-            self._say(said)
 
     def _say(self, said: list) -> None:
         """A progress line the digest gives this rank: printed once."""
@@ -272,11 +267,12 @@ class Watchdog:
         status and writes the digest (two more)."""
         self._observe(time.monotonic())
         self.publish()
-        digest = self.look()
+        self.look()
         if self._reads():
             self._read()
-        elif digest is not None and self.rank in digest.say:
-            self._say(digest.say[self.rank])
+        said = self.digest.say.get(self.rank) if self.digest is not None else None
+        if said is not None:
+            self._say(said)
 
     def _in_collective(self) -> bool:
         """The main thread waits for the other ranks (not merely at the end of its script), as this tick observed
@@ -431,14 +427,12 @@ class Watchdog:
         reader = self.reader
         if reader is not None:
             statuses, silent = reader.read(self.status)
-            gone = {r: "was stopped by the watchdog" if s.state == "stopped" else where_is(s)
-                    for r, s in statuses.items() if s is not None and s.state in ("failed", "exited", "stopped")}
-            quiet = [r for r, s in sorted(silent.items()) if s >= 1.5 * self.tick]
+            named, quiet = gone(statuses), [r for r, s in sorted(silent.items()) if s >= 1.5 * self.tick]
         else:
             text = self.store.multi_get(["digest"])[0]
             digest = Digest.loads(text) if text else None
-            gone, quiet = (digest.gone, list(digest.silent)) if digest is not None else ({}, [])
-        return {r: w for r, w in gone.items() if r != self.rank}, [r for r in quiet if r != self.rank]
+            named, quiet = (digest.gone, list(digest.silent)) if digest is not None else ({}, [])
+        return {r: w for r, w in named.items() if r != self.rank}, [r for r in quiet if r != self.rank]
 
     def excepthook(self, previous: Any, exc_type: type, exc: BaseException, tb: Any) -> None:
         """An uncaught exception: a lost peer is named in one line; any other is published, then printed."""
@@ -668,7 +662,7 @@ def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
     if dog is None:
         return
     key = f"epoch/{loader}/{epoch}"
-    most = dog.keep_books(lambda: dog.store.multi_get([key])[0] if dog.store.check([key]) else b"")
+    most = dog.keep_books(lambda: dog.store.get(key) if dog.store.check([key]) else b"")
     if most:
         their_steps, rank, their_samples = map(int, most.decode().split())
         if their_steps > steps and rank != dog.rank:
