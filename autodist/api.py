@@ -9,15 +9,16 @@ from typing import Any, Callable, Literal
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.utils.data import DataLoader, IterableDataset
 
 from autodist import sync as sync_mod
-from autodist.dp import batch_layout, loader_position, precision, wrappers
+from autodist.dp import batch_layout, elastic_data, loader_position, precision, wrappers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
 from autodist.dp.replicate import broadcast_state, check_same_model, model_tensors
 from autodist.dp.shares import SampleCounter, SampleFn
-from autodist.faults import watchdog
+from autodist.faults import elastic, watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
 from autodist.planner import search as planner
@@ -26,6 +27,7 @@ from autodist.planner.memory import replicated_need
 from autodist.planner.plan import Auto, Layout, ParallelPlan, size_text
 from autodist.pp import cut as pp_cut
 from autodist.pp import pipeline as pp_pipeline
+from autodist.runtime import environment
 from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups, replica_group, second_dp_group
 from autodist.runtime.rng import share_rng_state
@@ -196,6 +198,30 @@ def _check_hand_placed_groups(model: nn.Module, dims: ParallelDims, world: World
             raise ValueError(f"MP layer {name!r} is split over ranks {ranks}, but with mp={dims.mp} rank "
                              f"{world.rank}'s model-parallel group is ranks {expected}: build every MP layer with "
                              f"group=torch.distributed.new_group(ranks) for groups of {dims.mp} consecutive ranks")
+
+
+def _start_elastic(world: World, dims: ParallelDims, shard: str | None, strategy: sync_mod.Strategy,
+                   data: data_mod.DataLike) -> None:
+    """Under ``autodist run --elastic``: check that this layout can lose a rank and go on, then join the elastic
+    state (:mod:`autodist.faults.elastic`), which replaces the watchdog."""
+    layout = [what for what, used in (("mp", dims.mp > 1), ("pp", dims.pp > 1), (f"shard={shard!r}", shard),
+                                      (type(strategy).__name__, not isinstance(strategy, sync_mod.Exact))) if used]
+    if layout:
+        raise ValueError(f"autodist run --elastic goes on after a lost rank with plain data parallelism only; this "
+                         f"layout has {', '.join(layout)}, whose state a lost rank takes with it. Run it without "
+                         f"--elastic and resume from the last checkpoint (autodist.save / autodist.resume, "
+                         f"docs/checkpoints.md), or drop those options (docs/elastic.md)")
+    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
+        raise ValueError(f"autodist run --elastic splits each global batch over the ranks left, so it needs the "
+                         f"data as a DataLoader over a map-style Dataset, passed to parallelize; got "
+                         f"{_kind(data)}. Wrap it: DataLoader(TensorDataset(x, y), batch_size=...) (docs/elastic.md)")
+    elastic.start(world, environment.launch(), hang_timeout())
+
+
+def _kind(data: data_mod.DataLike) -> str:
+    if isinstance(data, DataLoader):
+        return "a DataLoader over a stream (an IterableDataset)"
+    return "no data" if data is None else f"a {type(data).__name__}"
 
 
 def _replicate(model: nn.Module, dims: ParallelDims, groups: Groups, world: World) -> None:
@@ -539,15 +565,18 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         if loss_fn is not None:  # model(x, target=y) is the loss, as under pp
             pp_pipeline.with_loss(model, loss_fn)
         return model, data_mod.in_one_process(data, dim)
-    watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # from here on a hang becomes a named error
+    elastic_job = environment.elastic()
+    if not elastic_job:
+        watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # a hang becomes a named error
     wrappers.refuse_inside_lightning(model)
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp, pp)
+    if elastic_job:
+        _start_elastic(world, dims, shard, strategy, data)
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
-    data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp,
-                                                     partial(data_mod.broadcast_order, device=world.device),
-                                                     dim=dim)
+    share = elastic_data.ElasticOrder() if elastic_job else partial(data_mod.broadcast_order, device=world.device)
+    data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp, share, dim=dim)
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)

@@ -70,6 +70,10 @@ Every torchrun option passes through unchanged (python -m torch.distributed.run
                          start the ranks without torchrun, so that the others
                          finish when one is lost: for autodist.Downpour /
                          autodist.EASGD training
+  --elastic              (autodist's, as --keep-going) the ranks left after one
+                         is lost go on with the same training: the step in
+                         flight is abandoned, every global batch is split over
+                         them (plain data parallelism; docs/elastic.md)
 
 On one machine (none of --nnodes, --node-rank, --rdzv-*, --master-*,
 --standalone given) nothing listens beyond 127.0.0.1.
@@ -259,8 +263,9 @@ def run(argv: Sequence[str]) -> int:
     # Restarted workers must not reuse the dead attempt's store (torch's shared rendezvous TCP store hands
     # them stale peer addresses: "connectFullMesh ... Connection refused" or a hang in init_process_group).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if "--keep-going" in argv:
-        return _keep_going([a for a in argv if a != "--keep-going"])
+    elastic, argv = _own_flag(list(argv), "--elastic")
+    if elastic or "--keep-going" in argv:
+        return _keep_going([a for a in argv if a != "--keep-going"], elastic)
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         return supervise(list(argv), workdir)  # the launcher reads the arguments: this process never loads torch
 
@@ -277,22 +282,39 @@ def _launch_job(workdir: str, argv: list[str]) -> int:
     return launch(os.path.join(workdir, "failures.json"), torchrun, output, _world(torchrun))
 
 
-def _keep_going(argv: list[str]) -> int:
-    """``autodist run --keep-going -n N script.py``: the ranks outlive a lost peer (see autodist.cli.keep_going)."""
+def _own_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
+    """Whether ``flag`` is among run's options (before the script; after it, it is the script's), and
+    ``argv`` without it there."""
+    if flag not in argv:
+        return False, argv
+    at = argv.index(flag)
+    rest = argv[:at] + argv[at + 1:]
+    try:
+        args = _torchrun_parser().parse_args([a for a in rest if a != "--keep-going"])
+    except UsageError:
+        return False, argv
+    script_at = len(rest) - len(args.training_script_args) - 1
+    return (True, rest) if at <= script_at else (False, argv)
+
+
+def _keep_going(argv: list[str], elastic: bool = False) -> int:
+    """``autodist run --keep-going -n N script.py``: the ranks outlive a lost peer (see autodist.cli.keep_going);
+    ``--elastic``: and plain data parallelism goes on with them (autodist.faults.elastic)."""
     from autodist.cli.keep_going import run_each
 
     args = _torchrun_parser().parse_args(argv)
     script_at = len(argv) - len(args.training_script_args) - 1
     options = _without_own(_nproc_options(argv[:script_at]))
     if len(options) != 2 or options[0] != "--nproc-per-node" or not options[1].isdigit() or int(options[1]) < 1:
-        raise UsageError("--keep-going starts the ranks of this machine itself, without torchrun: it takes "
+        raise UsageError(f"{'--elastic' if elastic else '--keep-going'} starts the ranks of this machine itself, "
+                         "without torchrun: it takes "
                          "only -n N (a positive number of processes), --show-ranks and --raw-output before the "
                          "script")
     if not os.path.isfile(args.training_script):
         raise UsageError(f"no such script {args.training_script!r}")
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir,
-                        output_of(argv))
+                        output_of(argv), elastic)
 
 
 # -- explain ---------------------------------------------------------------------------------------

@@ -7,7 +7,11 @@ drops a lost worker and finishes with the others. With ``--keep-going``,
 ``autodist run`` starts the ranks itself, with torchrun's environment
 variables (the script and autodist see the same world as under torchrun),
 waits for every one, and names the ranks it lost. In synchronous training a
-lost rank still ends the job: the others' watchdog names it and they stop.
+lost rank still ends the job: the others' watchdog names it and they stop, unless
+the job is elastic (``autodist run --elastic``: :mod:`autodist.faults.elastic`).
+There, this process hosts the rendezvous store (it outlives every rank) and
+adds each rank that ends badly to the store's list of gone ranks at once, so
+that the others leave the step in flight and go on without it.
 """
 from __future__ import annotations
 
@@ -20,6 +24,22 @@ import time
 
 from autodist.cli.launch import failure_of, python_command, root_cause, summary
 from autodist.cli.output import LABELLED, Output, RankLines, relay
+from autodist.runtime.environment import exit_timeout
+
+
+def _past_the_end(procs: list[subprocess.Popen], ended: dict[int, float]) -> bool:
+    """Whether a rank finished cleanly more than ``AUTODIST_EXIT_TIMEOUT`` ago while others still run."""
+    done = [when for rank, when in ended.items() if procs[rank].returncode == 0]
+    return bool(done) and len(ended) < len(procs) and time.time() - min(done) > exit_timeout()
+
+
+def _how(status: int) -> str:
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
 
 
 def _free_port() -> int:
@@ -35,20 +55,39 @@ class _ErrorFile:
         self.error_file, self.exitcode, self.timestamp = path, exitcode, when
 
 
-def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED) -> int:
+class _Store:
+    """The job's rendezvous store, hosted here for an elastic job (so that it outlives every rank)."""
+
+    def __init__(self, port: int) -> None:
+        import torch.distributed as dist
+
+        from autodist.faults.elastic import GONE, PREFIX
+
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+        self.gone_key = f"{PREFIX}/{GONE}"
+
+    def gone(self, rank: int) -> None:
+        self.store.append(self.gone_key, f"{rank},")
+
+
+def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED, elastic: bool = False) -> int:
     """Run ``nproc`` ranks of ``script`` (the script and its arguments) on this machine; their exit status.
 
     With ``output`` labelled, the ranks' stdout and stderr are pipes read here, a labelled line at a time
     (see :mod:`autodist.cli.output`); raw, the ranks write to this process's own.
 
     Returns 0 when every rank that did not die of a signal or an error finished cleanly and rank 0 is among
-    them (the lost ranks are named); otherwise the first failure's status, as ``autodist run`` reports it.
+    them (``elastic``: any rank) (the lost ranks are named); otherwise the first failure's status, as
+    ``autodist run`` reports it. ``elastic``: the store is hosted here and each lost rank reported to it.
 
     Example:
         >>> run_each(3, ["train_ps.py", "--epochs", "3"], "/tmp/run")
     """
     port = _free_port()
+    store = _Store(port) if elastic else None
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    if elastic:
+        base |= {"AUTODIST_ELASTIC": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     procs, relays = [], []
     out, err = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
     pipe = subprocess.PIPE if output.labelled else None
@@ -56,7 +95,7 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
         env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(port), "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{rank}.json")}
-        # --loopback-store: rank 0 hosts the store on 127.0.0.1, as under autodist run without --keep-going
+        # --loopback-store: sockets on 127.0.0.1, the store hosted by rank 0 as without --keep-going (here if elastic)
         procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), "--loopback-store", *script],
                                       env=env, stdout=pipe, stderr=pipe))
         if output.labelled:
@@ -71,11 +110,24 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     ended: dict[int, float] = {}
+    left_behind: list[int] = []  # elastic: ranks still running AUTODIST_EXIT_TIMEOUT after another finished
     try:
         while len(ended) < nproc:
+            if store is not None and _past_the_end(procs, ended):
+                left_behind = [rank for rank, p in enumerate(procs) if rank not in ended]
+                for rank in left_behind:
+                    procs[rank].kill()
+                print(f"autodist run: {', '.join(f'rank {r}' for r in left_behind)} still running "
+                      f"{exit_timeout():g} s after another rank finished (frozen, or left out by the others): "
+                      f"stopped (AUTODIST_EXIT_TIMEOUT)", file=sys.stderr, flush=True)
             for rank, p in enumerate(procs):
                 if rank not in ended and p.poll() is not None:
                     ended[rank] = time.time()
+                    if store is not None and p.returncode != 0:
+                        store.gone(rank)
+                        if len(ended) < nproc:
+                            print(f"autodist run: rank {rank} ended ({_how(p.returncode)}); the other ranks go "
+                                  f"on without it (--elastic)", file=sys.stderr, flush=True)
             time.sleep(0.05)
     finally:
         for s, handler in previous.items():
@@ -90,7 +142,8 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                 for rank, p in enumerate(procs) if p.returncode != 0]
     if not failures:
         return 0
-    if procs[0].returncode == 0 and all(f.exitcode < 0 or f.error is not None for f in failures) and \
+    finished = any(p.returncode == 0 for p in procs) if elastic else procs[0].returncode == 0
+    if finished and all(f.exitcode < 0 or f.error is not None for f in failures) and \
             all(p.returncode == 0 for rank, p in enumerate(procs) if rank not in {f.rank for f in failures}):
         for f in failures:
             err.show_kept(f.rank)  # what a hidden rank said before it was lost

@@ -147,7 +147,7 @@ def _stay_on_loopback() -> tuple[object, object] | None:
 
     import torch.distributed as dist
 
-    from autodist.runtime.environment import detect_launch
+    from autodist.runtime.environment import detect_launch, elastic
 
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
     if loopback is not None:
@@ -155,7 +155,7 @@ def _stay_on_loopback() -> tuple[object, object] | None:
             os.environ.setdefault(variable, loopback)  # a choice of the user's stands
     launch = detect_launch(os.environ)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    if launch.rank != 0 or launch.master_port is None:
+    if launch.rank != 0 or launch.master_port is None or elastic():  # --elastic: the launcher hosts it
         return None
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -67,6 +67,24 @@ class BufferSync:
         """Count every buffer as changed at the next sync (their state before is unknown)."""
         self.snapshot = _Snapshot([])
 
+    def keep_counts(self) -> None:
+        """Record the buffers that are not floating point (BatchNorm's ``num_batches_tracked``) as they are now: the
+        state :meth:`restore` goes back to (elastic mode, at each sync every rank applies)."""
+        self.counts = [(b, b.clone()) for m in self.owners for b in m._buffers.values()
+                       if b is not None and not b.is_floating_point()]
+
+    def restore(self) -> None:
+        """Every buffer back to what it was at the last sync: the forward of a step no rank applies (elastic
+        mode: a rank was lost) changed them on this rank alone."""
+        with torch.no_grad():
+            for key, flat in self.snapshot.flat.items():
+                now = [b for b in self.buffers() if (b.dtype, b.device) == key]
+                if [b.numel() for b in now] == self.snapshot.sizes.get(key):
+                    for b, kept in zip(now, flat.split(self.snapshot.sizes[key])):
+                        b.copy_(kept.view_as(b))
+            for b, kept in getattr(self, "counts", []):
+                b.copy_(kept)
+
     def carry(self, dtype: torch.dtype, device: torch.device) -> int:
         """Let the buffers of this dtype and device ride in a bucket; the slots they need there."""
         self.carried = (dtype, device)

@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
+from autodist.dp import elastic_data
 from autodist.dp.handover import handed_over, slice_bounds
 from autodist.dp.loader_position import Position, Resuming, pass_over
 from autodist.dp.resplit import RankShard, refuse_split_again
 from autodist.dp.stream import Batches, StreamShard, rows
-from autodist.faults import watchdog
+from autodist.faults import elastic, watchdog
 from autodist.runtime import position, provenance
 from autodist.runtime.provenance import BatchShare
 
@@ -175,15 +176,17 @@ class ShardedLoader(DataLoader):
     position: Position  # where the loop stands in the epochs, for checkpoints (set by shard_loader)
 
     def __iter__(self) -> Iterator[Any]:
-        resuming = self.position.begin()
-        self.batch_sampler.resuming = resuming  # type: ignore[union-attr]
-        batches = super().__iter__()
-        epoch = self.position.epoch
         try:
             steps = len(self.batch_sampler)  # type: ignore[arg-type]
         except TypeError:  # a batch sampler without len(): nothing to compare
             steps = -1
         samples = len(self.dataset)  # type: ignore[arg-type]
+        if elastic.current() is not None:  # the ranks left after a lost one take the abandoned batches again
+            return elastic_data.epoch(self, super().__iter__, steps, samples)
+        resuming = self.position.begin()
+        self.batch_sampler.resuming = resuming  # type: ignore[union-attr]
+        batches = super().__iter__()
+        epoch = self.position.epoch
         watchdog.epoch_begins(self.watch_key, epoch, steps, samples)
         return handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
                            (self.watch_key, epoch, steps, samples), self.position)
@@ -297,6 +300,7 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
     sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
                             collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset, dim), **options)
     sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
+    sharded.order = share if isinstance(share, elastic_data.ElasticOrder) else None
     sharded.position = Position([loader.generator, getattr(sampler, "generator", None)])
     # what DDP code reaches for (loader.sampler.set_epoch(epoch)); the batches come from batch_sampler
     object.__setattr__(sharded, "sampler", EpochSampler(loader.dataset, getattr(loader.batch_sampler, "sampler",

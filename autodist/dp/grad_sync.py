@@ -35,17 +35,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.dp import same_batch
+from autodist.dp import abandoned, same_batch
 from autodist.dp.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
 from autodist.dp.buffer_sync import BufferSync
-from autodist.dp.exchange import Exchange
+from autodist.dp.exchange import AllReduce, Exchange
 from autodist.dp.exchange import choose as choose_exchange
 from autodist.dp.replicate import first_difference, model_tensors, signature
 from autodist.dp.shares import Counted, SampleCounter, combine, watch_outputs
 from autodist.dp.structure import Watch
 from autodist.dp.weak_hooks import on_grad_accumulated
 from autodist.dp.weights import Pack, Window
-from autodist.faults import watchdog
+from autodist.faults import elastic, watchdog
 from autodist.runtime import plain, provenance
 from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
@@ -70,7 +70,9 @@ class GradSync:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
                  first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True,
                  counter: SampleCounter | None = None, scatter: Scatter | None = None) -> None:
-        self.group = group
+        self.elastic = elastic.current()  # under autodist run --elastic: summed over the ranks alive together
+        self.group = group if self.elastic is None else self.elastic.group
+        self.failed: BaseException | None = None  # elastic: this sync's all-reduce failed (a rank was lost)
         self.scatter = scatter  # shard="gradients": buckets reduce-scattered, each rank keeps its part
         self.hooks = hooks
         self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
@@ -93,6 +95,8 @@ class GradSync:
         self.param_handles: list[Any] = []
         self.structure = Watch(model, [p for _, p in self.named])
         self._build()
+        if self.elastic is not None:
+            self.buffer_sync.keep_counts()
         self._ready_exchange()  # now, inside parallelize (a collective), so that its summary line can say which
         # first: before shard="parameters" gathers the root (under mixed_precision in another dtype)
         # (under shard="parameters" outside torch.compile's graphs: it reads the parameters, at rest there)
@@ -149,6 +153,8 @@ class GradSync:
     def _ready_exchange(self) -> Exchange:
         """How this layout's buckets are summed, chosen with the other ranks (at the first sync after a build:
         every rank reaches that in the same order relative to its other collectives)."""
+        if self.exchange is None and self.elastic is not None:  # a rank may die mid-sum: never shared memory
+            self.exchange = AllReduce([b.flat for b in self.buckets], self.group)
         if self.exchange is None:
             with waiting("exchange"):
                 self.exchange = choose_exchange([b.flat for b in self.buckets], self.group) if self.scatter is None \
@@ -313,7 +319,13 @@ class GradSync:
         part = exchange.own(index) if self._copies_back() else None  # only where the sums are copied back
         own = bucket.pack(self.packing.count, self.packing.scale, part)  # see dp/own_part.py
         bucket.sent = True
-        exchange.send(index, bucket.flat, own)
+        if self.elastic is None:
+            exchange.send(index, bucket.flat, own)
+        elif self.failed is None:
+            try:
+                exchange.send(index, bucket.flat, own)
+            except Exception as exc:  # noqa: BLE001 - the group lost a rank: the agreement at the end says abort
+                self.failed = exc
 
     def flush(self) -> None:
         """Send what is not sent yet, wait for everything, and leave averaged gradients in ``.grad``."""
@@ -323,7 +335,10 @@ class GradSync:
             self._start(index)
         exchange = self._ready_exchange()
         with waiting("sync"):  # the watchdog names the ranks that never arrive
-            exchange.finish()
+            if self.elastic is None:
+                exchange.finish()
+            elif not self._agreed(exchange):
+                return  # abandoned: no rank applies this step (see autodist.faults.elastic)
         packing = self.packing
         assert packing is not None or not self.buckets
         total = self.buckets[0].total() if self.buckets else packing.count if packing else 0.0
@@ -357,6 +372,32 @@ class GradSync:
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
         self.window.reset()
         self.next_bucket, self.packing = 0, None
+
+    def _agreed(self, exchange: Exchange) -> bool:
+        """Elastic: whether every rank applies this sync; if not, the step is abandoned here, the ranks left
+        regroup, and the next sync goes over them."""
+        if self.failed is None:
+            try:
+                exchange.finish()
+            except Exception as exc:  # noqa: BLE001 - a peer's connection reset, or the group's timeout
+                self.failed = exc
+        assert self.elastic is not None
+        if self.elastic.agree(self.failed is None):
+            abandoned.committed()
+            self.buffer_sync.keep_counts()
+            return True
+        failed, self.failed = self.failed, None
+        self.exchange = None  # its all-reduce may still hold the buckets: new ones are built below
+        self.window.reset()
+        self.next_bucket, self.packing = 0, None
+        for p in self.params:
+            p.grad = None
+        self.buffer_sync.restore()
+        self.elastic.regroup(failed)
+        self.group = self.elastic.group
+        self._build()
+        abandoned.mark()
+        return False
 
     def _copies_back(self) -> bool:
         """Whether this sync copies the sums back into autograd's gradients: after accumulation (see

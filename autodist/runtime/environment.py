@@ -143,6 +143,20 @@ def hang_timeout(env: Mapping[str, str] = os.environ) -> float:
     return _seconds(env, "AUTODIST_TIMEOUT", "60")
 
 
+def elastic(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the ranks left after one is lost go on (``autodist run --elastic`` sets ``AUTODIST_ELASTIC=1``);
+    the launcher then hosts the rendezvous store, so that it outlives every rank.
+
+    Example:
+        >>> elastic({"AUTODIST_ELASTIC": "1"}), elastic({})
+        (True, False)
+    """
+    text = env.get("AUTODIST_ELASTIC", "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"AUTODIST_ELASTIC={text!r}: give 1 (the ranks left after one is lost go on) or 0")
+    return text == "1"
+
+
 def busy_timeout(env: Mapping[str, str] = os.environ) -> float:
     """Seconds a rank waiting in a collective waits for a rank that is alive and in its own code (evaluating,
     saving or logging alone; its heartbeat goes on) before the watchdog stops every rank:

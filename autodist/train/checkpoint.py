@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp import loader_position
+from autodist.faults import elastic
 from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
 from autodist.mp.rewrite import mp_modules
@@ -176,10 +177,17 @@ def _dense_entries(packed: dict[int, dict[str, Any]], params: list[tuple[nn.Para
             for index, entries in sorted(packed.items())}
 
 
+def _writer(world: World) -> bool:
+    """Whether this rank writes the checkpoint: rank 0, or in an elastic job the first of the ranks left."""
+    state = elastic.current()
+    return world.rank == 0 if state is None else state.rank == 0
+
+
 def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> None:
-    """Rank 0 writes; then every rank waits for it, and raises too if it failed."""
+    """Rank 0 (:func:`_writer`) writes; then every rank waits for it, and raises too if it failed."""
     error: BaseException | None = None
-    if world.rank == 0:
+    state = elastic.current()
+    if _writer(world):
         try:
             atomic_save(payload, path)  # type: ignore[arg-type]
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
@@ -188,7 +196,7 @@ def _write_on_rank0(payload: dict[str, Any] | None, path: str, world: World) -> 
     if world.size > 1:  # an all-reduce is the barrier, and tells the others whether rank 0 succeeded
         device = world.device if world.backend == "nccl" else torch.device("cpu")
         flag = torch.tensor([float(failed)], device=device)
-        dist.all_reduce(flag)
+        dist.all_reduce(flag, group=None if state is None else state.group)
         failed = bool(flag.item())
     if error is not None:
         raise error
@@ -316,7 +324,7 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         optim = pipeline.dense_optimizer_state(optim)
     state = gather_state_dict(model)
     payload = None
-    if world.rank == 0:
+    if _writer(world):
         payload = contents(state, optim, extra, rng, sync, loader_position.positions(model))
     _write_on_rank0(payload, path, world)
 

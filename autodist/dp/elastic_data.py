@@ -1,0 +1,76 @@
+"""The sharded DataLoader in elastic mode: after a lost rank, the batches since the last applied step again,
+each global batch split over the ranks left.
+
+Each time the loop asks for a batch, the loader first looks at the elastic state
+(:mod:`autodist.faults.elastic`): if a sync was applied since the last batch, every batch taken so far is in the
+training; if the ranks regrouped, the batches taken since the last applied sync were abandoned, and the epoch
+goes on from there: its generators set back to how it began, the batches before passed over by index (no
+sample is loaded: :mod:`autodist.dp.loader_position`, as a checkpoint resumes), and each later global batch
+split over the new generation's ranks. The loop sees one more iteration per abandoned step; the epoch ends
+where one process's does.
+
+A sampler that draws from the global RNG (``shuffle=True`` without a generator) draws on every rank, and the
+epoch's order is the one the first rank to draw wrote into the store, kept there for the epoch: no collective
+(which a lost rank could break), and an epoch taken up again after a regroup keeps its order.
+
+Example:
+    >>> model, loader = autodist.parallelize(model, loader)     # under autodist run --elastic
+    >>> for x, y in loader: ...                                  # a rank lost at step 7: step 7 comes twice
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+from autodist.dp.handover import handed_over
+from autodist.faults import elastic
+
+KEPT_EPOCHS = 2  # orders kept in the store per loader: the epoch in progress and the one before
+
+
+class ElasticOrder:
+    """An epoch's sample order, the same on every rank, through the store (see the module docstring); ``key``
+    names the loader and epoch, set by :func:`epoch` before each iteration."""
+
+    def __init__(self) -> None:
+        self.key = ""
+
+    def __call__(self, order: Iterable[int]) -> list[int]:
+        drawn = ",".join(map(str, order))  # every rank draws: the global RNGs move alike
+        state = elastic.current()
+        assert state is not None and self.key
+        return [int(i) for i in state.store.compare_set(f"order/{self.key}", "", drawn).decode().split(",") if i]
+
+
+def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: int) -> Iterator[Any]:
+    """One epoch of ``loader`` (a ShardedLoader) in elastic mode; ``fresh()`` starts the DataLoader's own
+    iterator over its batch sampler as it is set."""
+    state = elastic.current()
+    assert state is not None
+    position, sampler = loader.position, loader.batch_sampler
+    resuming = position.begin()
+    number, began = position.epoch, dict(position.began)
+    order: ElasticOrder | None = getattr(loader, "order", None)
+    if order is not None:
+        if number >= KEPT_EPOCHS:
+            state.store.delete_key(f"order/{loader.watch_key}/{number - KEPT_EPOCHS}")
+        order.key = f"{loader.watch_key}/{number}"
+    at_commit = position.taken  # the batches every applied sync covers
+    while True:
+        sampler.resuming, sampler.rank, sampler.size = resuming, state.rank, state.size
+        generation, seen = state.generation, state.committed
+        iterator = fresh()
+        batches = handed_over(iterator, sampler.latest_shares, (loader.watch_key, number, steps, samples), position)
+        regrouped = False
+        for batch in batches:
+            yield batch
+            regrouped = state.generation != generation
+            if state.committed > seen and not regrouped:
+                at_commit = position.taken
+            seen = state.committed
+            if regrouped:
+                break
+        batches.close()
+        if not regrouped:
+            return
+        position.pending = {"epoch": number, "taken": at_commit, **began}
+        resuming = position.begin()

@@ -1,0 +1,222 @@
+"""Elastic data parallelism: the ranks left after one is lost go on with the same training, without a restart.
+
+Under ``autodist run --elastic`` (``AUTODIST_ELASTIC=1``) plain data parallelism sums its gradients over a process
+group of this module's, one per *generation* (the ranks alive together), made with the group's timeout at
+``AUTODIST_TIMEOUT``. The launcher hosts the rendezvous store, so the store outlives every rank, and it appends
+each rank that ends badly to the store's ``gone`` list at once.
+
+Each sync ends with an agreement in the store, so that every rank applies the same steps:
+
+* a rank whose all-reduce completed adds one to the sync's count; the rank that completes the count writes
+  ``commit``;
+* a rank whose all-reduce failed (a peer's connection reset; the group's timeout for a peer frozen or cut
+  off) writes ``abort``; so does a rank waiting for the outcome when the launcher reports a rank of the
+  generation gone, or once it has waited ``AUTODIST_TIMEOUT``;
+* the first word written stands (compare-and-set): every rank acts on the same one.
+
+After an abort nobody applies the step: the ranks meet in the next generation. Each appends itself to its
+arrival list; the list closes when every rank of the old generation has arrived or is gone, or
+``AUTODIST_TIMEOUT`` after the first arrival (each rank aborts the old group as it leaves it, so that a peer
+still blocked in its collective, waiting for this rank, fails at once), and the first rank to close it writes the members (again
+compare-and-set). The members make a new group among themselves (``new_group`` with local
+synchronisation: the default group, which holds the lost rank, is not used again) and number themselves
+0..n-1 in their old order. A rank that arrives after the list closed is not a member: it raises, naming why.
+
+Example:
+    >>> elastic = start(world, timeout=60.0)     # every rank, in parallelize, under autodist run --elastic
+    >>> ok = elastic.agree(completed=True)       # each sync: True if every rank applies it
+    >>> if not ok: elastic.regroup("rank 2's connection was reset")
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from autodist.runtime import ending
+from autodist.runtime.environment import Launch, rendezvous_address
+from autodist.runtime.world import World, log
+
+PREFIX = "autodist/elastic"  # the launcher writes gone ranks under it (see autodist.cli.keep_going)
+GONE = "gone"  # "3,5," the ranks the launcher saw end badly
+
+
+class LeftOut(RuntimeError):
+    """This rank arrived at a generation after its members were fixed: the others went on without it."""
+
+
+class Elastic:
+    """This rank's place in the ranks that are alive together: the generation, its members (ranks of the
+    launch, in order), the group they sum over, and the count of syncs agreed on in it."""
+
+    def __init__(self, store: Any, me: int, size: int, timeout: float) -> None:
+        self.store, self.me, self.timeout = store, me, timeout
+        self.generation = 0
+        self.members: tuple[int, ...] = tuple(range(size))
+        self.syncs = 0  # the syncs of this generation agreed on (committed or aborted)
+        self.committed = 0  # every sync committed since the start, in every generation
+        self.gone_known: set[int] = set()  # lost before this generation formed
+        self.group = self._group()
+        self.listeners: list[Callable[[], None]] = []  # called after each regroup
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among the members."""
+        return self.members.index(self.me)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def _group(self) -> dist.ProcessGroup:
+        return dist.new_group(list(self.members), use_local_synchronization=True,
+                              timeout=timedelta(seconds=self.timeout))
+
+    def gone(self) -> set[int]:
+        """The ranks the launcher saw end badly so far."""
+        text = self.store.get(GONE).decode() if self.store.check([GONE]) else ""
+        return {int(r) for r in text.split(",") if r}
+
+    # -- each sync -------------------------------------------------------------------------------
+    def agree(self, completed: bool) -> bool:
+        """Whether every rank of the generation applies this sync (each rank calls it once per sync, with
+        whether its own all-reduce ``completed``); the same answer on every rank that gets one."""
+        self.syncs += 1
+        key = f"{self.generation}/sync/{self.syncs}"
+        if completed:
+            if self.store.add(f"{key}/done", 1) == self.size:
+                self.store.compare_set(f"{key}/outcome", "", "commit")
+                if self.syncs > 1:  # every rank is past the previous sync's outcome: its keys can go
+                    before = f"{self.generation}/sync/{self.syncs - 1}"
+                    self.store.delete_key(f"{before}/done")
+                    self.store.delete_key(f"{before}/outcome")
+        else:
+            self.store.compare_set(f"{key}/outcome", "", "abort")
+        outcome = self._outcome(f"{key}/outcome")
+        self.committed += outcome == "commit"
+        return outcome == "commit"
+
+    def _outcome(self, key: str) -> str:
+        """The sync's word, once written; ``abort`` written here if a member is gone or the wait is too long."""
+        began = time.monotonic()
+        pause, looked = 0.0002, began
+        while not self.store.check([key]):
+            now = time.monotonic()
+            if now - looked > 0.25:  # rarely: a member that ended after its all-reduce completed
+                looked = now
+                lost = (self.gone() - self.gone_known) & set(self.members)
+                if lost or now - began > self.timeout:
+                    return self.store.compare_set(key, "", "abort").decode()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        return self.store.get(key).decode()
+
+    # -- a new generation --------------------------------------------------------------------------
+    def regroup(self, failed: BaseException | None) -> None:
+        """Meet the ranks left in the next generation and sum over them from now on (see the module
+        docstring); ``failed``: this rank's collective's error (None: another rank's failed). Raises
+        :class:`LeftOut` if they went on without this rank."""
+        began = time.monotonic()
+        _abort(self.group)  # first: a member still blocked in it, waiting for this rank, fails now
+        nxt = self.generation + 1
+        arrived, members = f"{nxt}/arrived", f"{nxt}/members"
+        self.store.append(arrived, f"{self.me},")
+        while not self.store.check([members]):
+            here = {int(r) for r in self.store.get(arrived).decode().split(",") if r}
+            gone = self.gone()
+            # a member blocked in the old group's collective fails at once (aborted above), or by its timeout
+            if set(self.members) - gone <= here or time.monotonic() - began > self.timeout:
+                chosen = ",".join(str(r) for r in self.members if r in here)
+                self.store.compare_set(members, "", chosen)
+                break
+            time.sleep(0.01)
+        fixed = tuple(int(r) for r in self.store.get(members).decode().split(",") if r)
+        if self.me not in fixed:
+            raise LeftOut(f"rank {self.me} reached generation {nxt} of the elastic job after the other ranks had "
+                          f"gone on without it (ranks {list(fixed)}): it came more than AUTODIST_TIMEOUT="
+                          f"{self.timeout:g} s after the first; the job goes on without this rank")
+        lost = [r for r in self.members if r not in fixed]
+        self.generation, self.members, self.syncs = nxt, fixed, 0
+        self.gone_known = self.gone()
+        self.group = self._group()
+        if self.rank == 0:
+            log.warning("elastic: lost %s (%s); the step in flight was abandoned (no rank applied it), and %s %s "
+                        "on as generation %d, each global batch split over %s: the same training (%.2f s to "
+                        "regroup)", _ranks(lost), _reason(failed), _ranks(fixed), "goes" if len(fixed) == 1 else "go",
+                        nxt, "it" if len(fixed) == 1 else "them", time.monotonic() - began)
+        for listener in list(self.listeners):
+            listener()
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    """Close the old generation's connections, so that a member still blocked in its collective (waiting for a
+    peer that left it) fails now rather than at the group's timeout."""
+    try:
+        group.abort()
+    except Exception as exc:  # noqa: BLE001 - a backend without abort: its collectives end at the timeout
+        log.debug("elastic: the old group could not be aborted: %s", exc)
+
+
+def _reason(failed: BaseException | None) -> str:
+    """Why the sync failed, in a few words: gloo's message without its source location and advice."""
+    if failed is None:
+        return "another rank's gradient sync failed"
+    line = (str(failed).strip().splitlines() or [type(failed).__name__])[0]
+    line = line.split("] ", 1)[-1] if line.startswith("[") else line
+    return "the gradient sync failed: " + line.split(". ", 1)[0][:120]
+
+
+def _ranks(ranks: Any) -> str:
+    ranks = list(ranks)
+    return "none" if not ranks else ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Meeting:
+    """The end of the script (:mod:`autodist.runtime.ending`): each member of the last generation arrives, and
+    nobody waits for a rank the launcher saw end."""
+
+    busy_words = ""
+
+    def __init__(self, state: Elastic) -> None:
+        self.state = state
+
+    def _waiting_for(self) -> list[int]:
+        here = {int(r) for r in self.state.store.get("end").decode().split(",") if r}
+        gone = self.state.gone()
+        return [r for r in self.state.members if r not in here and r not in gone]
+
+    def arrive(self) -> None:
+        self.state.store.append("end", f"{self.state.me},")
+        while self._waiting_for():
+            time.sleep(0.05)
+
+    def missing(self) -> str:
+        return f"{_ranks(self._waiting_for())} of the elastic job did not reach the end of the script"
+
+    def give_up(self, message: str) -> None:
+        log.error("%s", message)
+        ending.leave(1, message)
+
+    def busy_line(self, waited: float) -> str | None:
+        return None  # no heartbeats in elastic mode: a missing rank cannot be told busy from hung
+
+
+_elastic: Elastic | None = None
+
+
+def start(world: World, launch: Launch, timeout: float) -> Elastic:
+    """This process's elastic state (made once, by every rank together); a client of the launcher's store."""
+    global _elastic
+    if _elastic is None:
+        host, port = rendezvous_address(launch)
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 30.0)))
+        _elastic = Elastic(dist.PrefixStore(PREFIX, client), world.rank, world.size, timeout)
+        ending.use_meeting(Meeting(_elastic))
+    return _elastic
+
+
+def current() -> Elastic | None:
+    """The elastic state where the job is elastic and it was started; None otherwise."""
+    return _elastic

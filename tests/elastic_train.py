@@ -1,0 +1,63 @@
+"""A float64 training run that loses ranks, run by tests/elastic/test_elastic.py under ``autodist run --elastic``.
+
+Usage: python elastic_train.py OUT KILLS [EPOCHS]. KILLS is "" or comma-separated RANK:STEP:WHERE, each rank
+SIGKILLing itself at its loop's STEP-th iteration (counted from 0 over the whole run): WHERE is "backward"
+(in the middle of backward), "between" (after the optimizer step), "step" (inside optimizer.step) or
+"freeze" (SIGSTOP after the optimizer step: alive, silent, as a host cut off). Each rank that finishes writes OUT.<rank>: its parameters, the optimizer's
+state, the learning rate, and the batches its loop took. Run in one process (no launcher) it is the reference.
+"""
+import os
+import signal
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+
+torch.set_default_dtype(torch.float64)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(90, 5, generator=g), torch.randint(0, 3, (90,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=12, shuffle=True)  # the global RNG draws the order
+
+
+def main(out: str, kills: str, epochs: int) -> None:
+    torch.manual_seed(5)
+    net, data = autodist.parallelize(model(), loader())
+    rank = autodist.rank()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    mine = [(int(s), where) for r, s, where in (k.split(":") for k in kills.split(",") if k) if int(r) == rank]
+    taken = 0
+    for _ in range(epochs):
+        for x, y in data:
+            die = next((where for s, where in mine if s == taken), None)
+            taken += 1
+            opt.zero_grad()
+            out_ = net(x)
+            if die == "backward":  # after the last layer's gradients, before the first's
+                net[0].bias.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+            F.cross_entropy(out_, y).backward()
+            if die == "step":
+                opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+            opt.step()
+            sched.step()
+            if die in ("between", "freeze"):
+                os.kill(os.getpid(), signal.SIGKILL if die == "between" else signal.SIGSTOP)
+    state = {"params": {n: p.detach().clone() for n, p in net.state_dict().items()},
+             "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
+             "lr": opt.param_groups[0]["lr"], "scheduler": sched.last_epoch, "taken": taken}
+    torch.save(state, f"{out}.{rank}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "", int(sys.argv[3]) if len(sys.argv) > 3 else 2)

@@ -1,0 +1,86 @@
+"""Elastic data parallelism on real ranks under ``autodist run --elastic``: ranks lost at chosen points (SIGKILL
+mid-backward, inside the optimizer step, between steps; rank 0, which would otherwise host the store; two in one
+run; one frozen by SIGSTOP), and the ranks left finish the same training as one process, in float64."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(os.path.dirname(HERE), "elastic_train.py")  # tests/elastic_train.py
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path, *args: str, ranks: int = 3, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", "-n", str(ranks), SCRIPT, *args],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=os.environ | {"AUTODIST_TIMEOUT": "6", "AUTODIST_EXIT_TIMEOUT": "10"} | (env or {}))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The same script in one process, on the same global batches."""
+    out = tmp_path_factory.mktemp("reference") / "one"
+    subprocess.run([sys.executable, SCRIPT, str(out), ""], check=True, timeout=120,
+                   env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    return torch.load(f"{out}.0")
+
+
+def _same_training(state: dict, reference: dict) -> None:
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(state["params"][name], value, msg=lambda m: f"{name}: {m}")
+    for mine, theirs in zip(state["momentum"], reference["momentum"]):
+        torch.testing.assert_close(mine, theirs)
+    assert state["lr"] == reference["lr"] and state["scheduler"] == reference["scheduler"]
+
+
+@pytest.mark.parametrize("kills, lost", [
+    ("2:3:between", [2]),
+    ("1:5:step", [1]),
+    ("2:4:backward", [2]),
+    ("0:2:between", [0]),
+    ("2:2:backward,0:9:step", [2, 0]),
+])
+def test_the_ranks_left_finish_the_same_training(tmp_path, reference, kills, lost):
+    proc = _run(tmp_path, str(tmp_path / "out"), kills)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in lost:
+        assert f"rank {rank} ended (killed by SIGKILL); the other ranks go on" in proc.stderr
+    assert f"finished with {3 - len(lost)} of 3 ranks" in proc.stderr
+    assert "the step in flight was abandoned" in proc.stdout + proc.stderr
+    for rank in range(3):
+        wrote = (tmp_path / f"out.{rank}").exists()
+        assert wrote == (rank not in lost), (rank, proc.stderr[-2000:])
+        if wrote:
+            state = torch.load(tmp_path / f"out.{rank}")
+            _same_training(state, reference)
+            # each abandoned step came back as one more iteration of the loop; the optimizer and its
+            # scheduler took the single process's steps (compared above)
+            assert state["taken"] == reference["taken"] + len(lost)
+
+
+def test_a_frozen_rank_is_left_behind_after_the_timeout(tmp_path, reference):
+    proc = _run(tmp_path, str(tmp_path / "out"), "1:4:freeze", env={"AUTODIST_TIMEOUT": "3"})
+    said = proc.stdout + proc.stderr
+    assert "elastic: lost rank 1" in said, said[-3000:]
+    assert "rank 1 still running" in said and "stopped (AUTODIST_EXIT_TIMEOUT)" in said
+    for rank in (0, 2):
+        state = torch.load(tmp_path / f"out.{rank}")
+        _same_training(state, reference)
+        assert state["taken"] == reference["taken"] + 1
+
+
+def test_a_layout_that_cannot_lose_a_rank_is_refused(tmp_path):
+    script = tmp_path / "sharded.py"
+    script.write_text("import torch, autodist\n"
+                      "from torch.utils.data import DataLoader, TensorDataset\n"
+                      "data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)\n"
+                      "autodist.parallelize(torch.nn.Linear(2, 2), data, shard='optimizer')\n")
+    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", "-n", "2", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--elastic goes on after a lost rank with plain data parallelism only; this layout has " \
+           "shard='optimizer'" in proc.stderr
