@@ -10,8 +10,8 @@ Each sync ends with an agreement in the store, so that every rank applies the sa
 * a rank whose all-reduce completed adds one to the sync's count; the rank that completes the count writes
   ``commit``;
 * a rank whose all-reduce failed (a peer's connection reset; the group's timeout for a peer frozen or cut
-  off) writes ``abort``; so does a rank waiting for the outcome when the launcher reports a rank of the
-  generation gone, or once it has waited ``AUTODIST_TIMEOUT``;
+  off) writes ``abort``; so does a rank that has waited ``AUTODIST_TIMEOUT`` for the outcome (a member ended
+  between its all-reduce and its count);
 * the first word written stands (compare-and-set): every rank acts on the same one.
 
 After an abort nobody applies the step: the ranks meet in the next generation. Each appends itself to its
@@ -57,7 +57,6 @@ class Elastic:
         self.members: tuple[int, ...] = tuple(range(size))
         self.syncs = 0  # the syncs of this generation agreed on (committed or aborted)
         self.committed = 0  # every sync committed since the start, in every generation
-        self.gone_known: set[int] = set()  # lost before this generation formed
         self.group = self._group()
         self.listeners: list[Callable[[], None]] = []  # called after each regroup
 
@@ -99,18 +98,12 @@ class Elastic:
         return outcome == "commit"
 
     def _outcome(self, key: str) -> str:
-        """The sync's word, once written; ``abort`` written here if a member is gone or the wait is too long."""
-        began = time.monotonic()
-        pause, looked = 0.0002, began
-        while not self.store.check([key]):
-            now = time.monotonic()
-            if now - looked > 0.25:  # rarely: a member that ended after its all-reduce completed
-                looked = now
-                lost = (self.gone() - self.gone_known) & set(self.members)
-                if lost or now - began > self.timeout:
-                    return self.store.compare_set(key, "", "abort").decode()
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+        """The sync's word, once written (the store wakes the wait: no polling); ``abort`` written here if it
+        is not written within ``AUTODIST_TIMEOUT``: a member ended between its all-reduce and its count."""
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout))
+        except dist.DistStoreError:
+            return self.store.compare_set(key, "", "abort").decode()
         return self.store.get(key).decode()
 
     # -- a new generation --------------------------------------------------------------------------
@@ -139,7 +132,6 @@ class Elastic:
                           f"{self.timeout:g} s after the first; the job goes on without this rank")
         lost = [r for r in self.members if r not in fixed]
         self.generation, self.members, self.syncs = nxt, fixed, 0
-        self.gone_known = self.gone()
         self.group = self._group()
         if self.rank == 0:
             log.warning("elastic: lost %s (%s); the step in flight was abandoned (no rank applied it), and %s %s "

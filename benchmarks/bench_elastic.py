@@ -1,0 +1,156 @@
+"""A lost rank: ``autodist run --elastic`` against torchrun's restart from a checkpoint, on the same job.
+
+What it measures
+    3 real ranks (gloo, CPU) train an MLP on a DataLoader; rank 2 SIGKILLs itself right after step ``--kill-at``.
+    Each rank logs, after every optimizer step, how many steps the training has applied and when.
+
+    * elastic: ``autodist run --elastic -n 3``: the other two abandon the step in flight, regroup and go on.
+    * restart: ``autodist run -n 3 --max-restarts 1``: torchrun stops the others and starts all three again;
+      the script resumes from its last ``autodist.save`` (one every ``--every`` steps) and repeats the steps
+      since (torchrun's elastic agent, the peer: DeepSpeed and torchrun users restart so).
+
+    "to the step in flight" is the time from the kill to the first rank completing the step the victim never
+    finished: the training is past the failure. "repeated" counts the steps done twice. The steady step time
+    (median over the steps before the kill) of the elastic job is put beside the same job launched without
+    ``--elastic``, which sums through shared memory on one machine, and beside it through gloo
+    (``AUTODIST_SHARED_MEMORY=0``), as elastic mode always does: the difference to the second is what the
+    agreement in the store costs each step. Medians over ``--repeats`` runs.
+
+How to run
+    python benchmarks/bench_elastic.py                 # about 2 minutes on 2 cores
+    python benchmarks/bench_elastic.py --quick         # smoke run: a tiny model, one repeat
+
+How to read it
+    The restart's time holds torchrun noticing the death, stopping the others, starting three fresh Python
+    processes that import torch, the rendezvous, ``parallelize``, loading the checkpoint and the repeated steps;
+    the elastic one holds gloo's connection reset, the agreement, a new process group and the abandoned step's
+    batch again.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def worker(folder: str, mode: str, steps: int, kill_at: int, every: int, width: int) -> None:
+    """One rank of the job (run by the launcher): trains ``steps`` steps, logging each applied one."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import autodist
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(3 * 32 * 30, 64), torch.randint(0, 10, (3 * 32 * 30,)))
+    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    model, loader = autodist.parallelize(model, DataLoader(data, batch_size=96, shuffle=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # counts the steps applied
+    rank, attempt = autodist.rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    checkpoint = os.path.join(folder, "ckpt.pt")
+    applied = autodist.resume(checkpoint, model, optimizer, applied=0)["applied"] if mode == "restart" else 0
+    schedule.last_epoch = applied
+    log = open(os.path.join(folder, f"steps.{rank}.{attempt}"), "a", buffering=1)
+    while schedule.last_epoch < steps:
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            schedule.step()  # held back on an abandoned step (elastic)
+            log.write(f"{schedule.last_epoch} {time.time()}\n")
+            if mode == "restart" and schedule.last_epoch % every == 0:
+                autodist.save(checkpoint, model, optimizer, applied=schedule.last_epoch)
+            if rank == 2 and attempt == "0" and schedule.last_epoch == kill_at:
+                with open(os.path.join(folder, "killed"), "w") as f:
+                    f.write(f"{time.time()}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if schedule.last_epoch >= steps:
+                break
+
+
+def _logs(folder: str) -> list[tuple[int, float, str]]:
+    out = []
+    for name in os.listdir(folder):
+        if name.startswith("steps."):
+            with open(os.path.join(folder, name)) as f:
+                out += [(int(a), float(b), name) for a, b in (line.split() for line in f if line.strip())]
+    return out
+
+
+def _repeated(logs: list[tuple[int, float, str]]) -> int:
+    """Steps rank 0 applied twice: in each attempt's log an applied step moves the count (an abandoned
+    iteration, elastic, logs the count it left), and a restart's attempt applies again what the first did."""
+    applied: list[int] = []
+    for name in sorted({name for _, _, name in logs if name.startswith("steps.0.")}):
+        counts = [s for s, _, n in sorted(logs, key=lambda e: e[1]) if n == name]
+        applied += [s for before, s in zip([-1] + counts, counts) if s != before]
+    return len(applied) - len(set(applied))
+
+
+def run(mode: str, steps: int, kill_at: int | None, every: int, width: int) -> dict[str, float]:
+    """One job; its recovery time, repeated steps and steady step time."""
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as folder:
+        launch = {"elastic": ["--elastic"], "restart": ["--max-restarts", "1"], "plain": [], "gloo": []}[mode]
+        env = os.environ | {"AUTODIST_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        if mode == "gloo":  # the exchange elastic mode uses: the backend's all-reduce, never shared memory
+            env["AUTODIST_SHARED_MEMORY"] = "0"
+        subprocess.run([sys.executable, "-m", "autodist", "run", *launch, "-n", "3", "--show-ranks", "0",
+                        os.path.abspath(__file__), "--worker", folder, mode,
+                        str(steps), str(-1 if kill_at is None else kill_at), str(every), str(width)],
+                       check=True, env=env, capture_output=True, text=True, timeout=600)
+        logs = _logs(folder)
+        first = sorted(t for s, t, name in logs if name == "steps.0.0")
+        steady = statistics.median(b - a for a, b in zip(first[1:], first[2:(kill_at or steps)]))
+        result = {"step_s": steady}
+        if kill_at is not None:
+            with open(os.path.join(folder, "killed")) as f:
+                killed = float(f.read())
+            result["recovery_s"] = min(t for s, t, _ in logs if s == kill_at + 1 and t > killed) - killed
+            result["repeated"] = _repeated(logs)
+        return result
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        folder, mode, steps, kill_at, every, width = sys.argv[2:8]
+        worker(folder, mode, int(steps), int(kill_at), int(every), int(width))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--kill-at", type=int, default=25)
+    parser.add_argument("--every", type=int, default=10, help="restart: a checkpoint every this many steps")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.kill_at, args.every, args.width, args.repeats = 8, 5, 4, 32, 1
+    rows: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.repeats):  # interleaved, so that a busy moment of the machine falls on every mode
+        for mode, kill in (("elastic", args.kill_at), ("restart", args.kill_at), ("plain", None), ("gloo", None)):
+            rows.setdefault(mode, []).append(run(mode, args.steps, kill, args.every, args.width))
+    median = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for mode, runs in rows.items()}
+    print(f"3 ranks, MLP width {args.width}, rank 2 killed after step {args.kill_at}, a checkpoint every "
+          f"{args.every} steps (restart); medians of {args.repeats}")
+    print(f"{'':28}{'to the step in flight':>24}{'steps repeated':>16}{'step time':>12}")
+    for mode, label in (("elastic", "autodist run --elastic"), ("restart", "torchrun restart + resume"),
+                        ("plain", "no failure, not elastic"), ("gloo", "the same, through gloo")):
+        m = median[mode]
+        recovery = f"{m['recovery_s']:.2f} s" if "recovery_s" in m else "-"
+        repeated = f"{m['repeated']:.0f}" if "repeated" in m else "-"
+        print(f"{label:28}{recovery:>24}{repeated:>16}{m['step_s'] * 1000:>9.1f} ms")
+    print(f"restart / elastic, time to the step in flight: "
+          f"{median['restart']['recovery_s'] / median['elastic']['recovery_s']:.1f}x; "
+          f"elastic step time / plain: {median['elastic']['step_s'] / median['plain']['step_s']:.2f}x, "
+          f"/ plain through gloo (the agreement alone): {median['elastic']['step_s'] / median['gloo']['step_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
