@@ -211,6 +211,10 @@ def _start_elastic(world: World, dims: ParallelDims, shard: str | None, strategy
                          f"layout has {', '.join(layout)}, whose state a lost rank takes with it. Run it without "
                          f"--elastic and resume from the last checkpoint (autodist.save / autodist.resume, "
                          f"docs/checkpoints.md), or drop those options (docs/elastic.md)")
+    if world.backend != "gloo":
+        raise ValueError(f"autodist run --elastic needs the gloo backend, whose all-reduce fails where a peer is "
+                         f"lost and whose wait blocks until it did or failed; this job uses {world.backend!r}: "
+                         f"pass backend='gloo' to parallelize, or run without --elastic (docs/elastic.md)")
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         raise ValueError(f"autodist run --elastic splits each global batch over the ranks left, so it needs the "
                          f"data as a DataLoader over a map-style Dataset, passed to parallelize; got "

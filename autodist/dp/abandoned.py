@@ -80,6 +80,3 @@ def committed() -> None:
     global _pending
     _pending = False
 
-
-def pending() -> bool:
-    return _pending

@@ -40,6 +40,7 @@ class BufferSync:
         self.snapshot = _Snapshot(self.buffers())
         self.sent: torch.Tensor | None = None  # the carried buffers as packed this sync; None: they did not ride
         self.warned_late_change = False
+        self.counts: list[tuple[torch.Tensor, torch.Tensor]] = []  # elastic: the other buffers at the last sync
 
     def find_owners(self, model: nn.Module) -> None:
         """Find the modules holding buffers: once, and again when something was registered since
@@ -82,7 +83,7 @@ class BufferSync:
                 if [b.numel() for b in now] == self.snapshot.sizes.get(key):
                     for b, kept in zip(now, flat.split(self.snapshot.sizes[key])):
                         b.copy_(kept.view_as(b))
-            for b, kept in getattr(self, "counts", []):
+            for b, kept in self.counts:
                 b.copy_(kept)
 
     def carry(self, dtype: torch.dtype, device: torch.device) -> int:

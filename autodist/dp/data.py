@@ -142,6 +142,8 @@ class RankSliceBatchSampler(Sampler[list]):
 
     def _slices(self, shares: deque[BatchShare], resuming: Resuming | None) -> Iterator[list]:
         batches = iter(self.batch_sampler)
+        if resuming is not None and resuming.drawn and resuming.skip == 0:  # the sampler draws at its first batch:
+            batches = itertools.chain([next(batches)], batches)  # now, on the epoch's generators, as it did
         start = 0 if resuming is None else pass_over(batches, resuming)  # indices only: no sample is loaded
         for number, batch in enumerate(batches, start):
             batch = list(batch)

@@ -37,7 +37,8 @@ class ElasticOrder:
     def __call__(self, order: Iterable[int]) -> list[int]:
         drawn = ",".join(map(str, order))  # every rank draws: the global RNGs move alike
         state = elastic.current()
-        assert state is not None and self.key
+        if state is None or not self.key:
+            raise RuntimeError("an elastic loader's order was asked for outside an elastic job's epoch")
         return [int(i) for i in state.store.compare_set(f"order/{self.key}", "", drawn).decode().split(",") if i]
 
 
@@ -45,7 +46,8 @@ def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: 
     """One epoch of ``loader`` (a ShardedLoader) in elastic mode; ``fresh()`` starts the DataLoader's own
     iterator over its batch sampler as it is set."""
     state = elastic.current()
-    assert state is not None
+    if state is None:
+        raise RuntimeError("elastic_data.epoch runs in an elastic job only (autodist run --elastic)")
     position, sampler = loader.position, loader.batch_sampler
     resuming = position.begin()
     number, began = position.epoch, dict(position.began)
@@ -74,3 +76,5 @@ def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: 
             return
         position.pending = {"epoch": number, "taken": at_commit, **began}
         resuming = position.begin()
+        if resuming is not None:
+            resuming.drawn = True  # the order was drawn in this epoch already, before the generators as they are

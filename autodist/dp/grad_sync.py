@@ -376,12 +376,13 @@ class GradSync:
     def _agreed(self, exchange: Exchange) -> bool:
         """Elastic: whether every rank applies this sync; if not, the step is abandoned here, the ranks left
         regroup, and the next sync goes over them."""
+        assert self.elastic is not None and isinstance(exchange, AllReduce)
         if self.failed is None:
             try:
+                self.elastic.wait_for(exchange.works)  # or until another rank gave this sync up
                 exchange.finish()
             except Exception as exc:  # noqa: BLE001 - a peer's connection reset, or the group's timeout
                 self.failed = exc
-        assert self.elastic is not None
         if self.elastic.agree(self.failed is None):
             abandoned.committed()
             self.buffer_sync.keep_counts()

@@ -31,6 +31,7 @@ class Resuming:
 
     skip: int
     then: torch.Tensor
+    drawn: bool = False  # the epoch's order was drawn before ``then`` was taken: draw it before putting it back
 
 
 class Position:

@@ -16,22 +16,23 @@ Each sync ends with an agreement in the store, so that every rank applies the sa
 
 After an abort nobody applies the step: the ranks meet in the next generation. Each appends itself to its
 arrival list; the list closes when every rank of the old generation has arrived or is gone, or
-``AUTODIST_TIMEOUT`` after the first arrival (each rank aborts the old group as it leaves it, so that a peer
-still blocked in its collective, waiting for this rank, fails at once), and the first rank to close it writes the members (again
+``AUTODIST_TIMEOUT`` after this rank arrived. A rank whose all-reduce waits for a peer that left it does not
+wait for gloo's timeout: it watches the sync's outcome key while it waits (:meth:`Elastic.wait_for`), and
+leaves once another rank wrote ``abort``, and the first rank to close it writes the members (again
 compare-and-set). The members make a new group among themselves (``new_group`` with local
 synchronisation: the default group, which holds the lost rank, is not used again) and number themselves
 0..n-1 in their old order. A rank that arrives after the list closed is not a member: it raises, naming why.
 
 Example:
-    >>> elastic = start(world, timeout=60.0)     # every rank, in parallelize, under autodist run --elastic
-    >>> ok = elastic.agree(completed=True)       # each sync: True if every rank applies it
-    >>> if not ok: elastic.regroup("rank 2's connection was reset")
+    >>> state = start(world, launch, timeout=60.0)   # every rank, in parallelize, under autodist run --elastic
+    >>> if not state.agree(completed=True):         # each sync: False if no rank applies it
+    ...     state.regroup(error)                     # this rank's all-reduce error, or None
 """
 from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -41,6 +42,10 @@ from autodist.runtime.world import World, log
 
 PREFIX = "autodist/elastic"  # the launcher writes gone ranks under it (see autodist.cli.keep_going)
 GONE = "gone"  # "3,5," the ranks the launcher saw end badly
+
+
+class GaveUp(RuntimeError):
+    """Another rank wrote ``abort`` for this sync while this rank's all-reduce still waited."""
 
 
 class LeftOut(RuntimeError):
@@ -58,7 +63,6 @@ class Elastic:
         self.syncs = 0  # the syncs of this generation agreed on (committed or aborted)
         self.committed = 0  # every sync committed since the start, in every generation
         self.group = self._group()
-        self.listeners: list[Callable[[], None]] = []  # called after each regroup
 
     @property
     def rank(self) -> int:
@@ -97,6 +101,21 @@ class Elastic:
         self.committed += outcome == "commit"
         return outcome == "commit"
 
+    def wait_for(self, works: list[Any]) -> None:
+        """Return once every work (this sync's all-reduces) has completed, well or not; raise if another rank
+        wrote ``abort`` for this sync first: a peer it waits for may wait for a rank that left (gloo's abort
+        does not end a wait already under way, and its timeout is ``AUTODIST_TIMEOUT``)."""
+        key = f"{self.generation}/sync/{self.syncs + 1}/outcome"  # only an abort is written before this rank counts
+        pause, looked = 0.0001, time.monotonic()
+        while not all(work is None or work.is_completed() for work in works):
+            now = time.monotonic()
+            if now - looked > 0.05:
+                looked = now
+                if self.store.check([key]):
+                    raise GaveUp("another rank's gradient sync failed")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+
     def _outcome(self, key: str) -> str:
         """The sync's word, once written (the store wakes the wait: no polling); ``abort`` written here if it
         is not written within ``AUTODIST_TIMEOUT``: a member ended between its all-reduce and its count."""
@@ -112,7 +131,7 @@ class Elastic:
         docstring); ``failed``: this rank's collective's error (None: another rank's failed). Raises
         :class:`LeftOut` if they went on without this rank."""
         began = time.monotonic()
-        _abort(self.group)  # first: a member still blocked in it, waiting for this rank, fails now
+        _abort(self.group)  # this rank is done with it (its peers' waits end by wait_for: gloo's abort does not)
         nxt = self.generation + 1
         arrived, members = f"{nxt}/arrived", f"{nxt}/members"
         self.store.append(arrived, f"{self.me},")
@@ -121,7 +140,7 @@ class Elastic:
             gone = self.gone()
             # a member blocked in the old group's collective fails at once (aborted above), or by its timeout
             if set(self.members) - gone <= here or time.monotonic() - began > self.timeout:
-                chosen = ",".join(str(r) for r in self.members if r in here)
+                chosen = ",".join(str(r) for r in self.members if r in here and r not in gone)
                 self.store.compare_set(members, "", chosen)
                 break
             time.sleep(0.01)
@@ -138,13 +157,11 @@ class Elastic:
                         "on as generation %d, each global batch split over %s: the same training (%.2f s to "
                         "regroup)", _ranks(lost), _reason(failed), _ranks(fixed), "goes" if len(fixed) == 1 else "go",
                         nxt, "it" if len(fixed) == 1 else "them", time.monotonic() - began)
-        for listener in list(self.listeners):
-            listener()
 
 
 def _abort(group: dist.ProcessGroup) -> None:
-    """Close the old generation's connections, so that a member still blocked in its collective (waiting for a
-    peer that left it) fails now rather than at the group's timeout."""
+    """Let the old generation's group go as far as the backend allows (gloo's abort in torch 2.13 ends no wait
+    already under way: :meth:`Elastic.wait_for` is what ends those)."""
     try:
         group.abort()
     except Exception as exc:  # noqa: BLE001 - a backend without abort: its collectives end at the timeout
@@ -153,7 +170,7 @@ def _abort(group: dist.ProcessGroup) -> None:
 
 def _reason(failed: BaseException | None) -> str:
     """Why the sync failed, in a few words: gloo's message without its source location and advice."""
-    if failed is None:
+    if failed is None or isinstance(failed, GaveUp):
         return "another rank's gradient sync failed"
     line = (str(failed).strip().splitlines() or [type(failed).__name__])[0]
     line = line.split("] ", 1)[-1] if line.startswith("[") else line

@@ -322,7 +322,7 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     pipeline = pipeline_of(model)
     if optim is not None and pipeline is not None:  # each stage holds its blocks' state
         optim = pipeline.dense_optimizer_state(optim)
-    state = gather_state_dict(model)
+    state = gather_state_dict(model, all_ranks=elastic.current() is not None)  # the writer may not be rank 0
     payload = None
     if _writer(world):
         payload = contents(state, optim, extra, rng, sync, loader_position.positions(model))

@@ -20,13 +20,17 @@ def _run(tmp_path, *args: str, ranks: int = 3, env: dict | None = None) -> subpr
                           env=os.environ | {"AUTODIST_TIMEOUT": "6", "AUTODIST_EXIT_TIMEOUT": "10"} | (env or {}))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
+def _one_process(folder, epochs: int = 2) -> dict:
     """The same script in one process, on the same global batches."""
-    out = tmp_path_factory.mktemp("reference") / "one"
-    subprocess.run([sys.executable, SCRIPT, str(out), ""], check=True, timeout=120,
+    out = folder / f"one{epochs}"
+    subprocess.run([sys.executable, SCRIPT, str(out), "", str(epochs)], check=True, timeout=120,
                    env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     return torch.load(f"{out}.0")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    return _one_process(tmp_path_factory.mktemp("reference"))
 
 
 def _same_training(state: dict, reference: dict) -> None:
@@ -60,6 +64,18 @@ def test_the_ranks_left_finish_the_same_training(tmp_path, reference, kills, los
             # each abandoned step came back as one more iteration of the loop; the optimizer and its
             # scheduler took the single process's steps (compared above)
             assert state["taken"] == reference["taken"] + len(lost)
+
+
+def test_a_loss_at_an_epoch_boundary_keeps_the_next_epochs_order(tmp_path):
+    # rank 1 dies after the last step of epoch 0: the first sync of epoch 1 is abandoned, that epoch is taken
+    # up from its first batch (its order drawn again on its generators), and epoch 2 draws as one process
+    proc = _run(tmp_path, str(tmp_path / "out"), "1:7:between", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = _one_process(tmp_path, epochs=3)
+    for rank in (0, 2):
+        state = torch.load(tmp_path / f"out.{rank}")
+        _same_training(state, reference)
+        assert state["taken"] == reference["taken"] + 1
 
 
 def test_a_frozen_rank_is_left_behind_after_the_timeout(tmp_path, reference):
