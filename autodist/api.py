@@ -219,7 +219,7 @@ def _start_elastic(world: World, dims: ParallelDims, shard: str | None, strategy
         raise ValueError(f"autodist run --elastic splits each global batch over the ranks left, so it needs the "
                          f"data as a DataLoader over a map-style Dataset, passed to parallelize; got "
                          f"{_kind(data)}. Wrap it: DataLoader(TensorDataset(x, y), batch_size=...) (docs/elastic.md)")
-    elastic.start(world, environment.launch(), hang_timeout())
+    elastic.start(world, environment.launch(), hang_timeout(), busy_timeout())
 
 
 def _kind(data: data_mod.DataLike) -> str:

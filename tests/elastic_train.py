@@ -3,12 +3,14 @@
 Usage: python elastic_train.py OUT KILLS [EPOCHS]. KILLS is "" or comma-separated RANK:STEP:WHERE, each rank
 SIGKILLing itself at its loop's STEP-th iteration (counted from 0 over the whole run): WHERE is "backward"
 (in the middle of backward), "between" (after the optimizer step), "step" (inside optimizer.step) or
-"freeze" (SIGSTOP after the optimizer step: alive, silent, as a host cut off). Each rank that finishes writes OUT.<rank>: its parameters, the optimizer's
+"freeze" (SIGSTOP after the optimizer step: alive, silent, as a host cut off) or "busy" (BUSY_S seconds in
+its own code after the optimizer step, evaluating alone: waited for, not lost). Each rank that finishes writes OUT.<rank>: its parameters, the optimizer's
 state, the learning rate, and the batches its loop took. Run in one process (no launcher) it is the reference.
 """
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,8 @@ def main(out: str, kills: str, epochs: int) -> None:
                 opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
             opt.step()
             sched.step()
+            if die == "busy":
+                time.sleep(float(os.environ["BUSY_S"]))
             if die in ("between", "freeze"):
                 os.kill(os.getpid(), signal.SIGKILL if die == "between" else signal.SIGSTOP)
     state = {"params": {n: p.detach().clone() for n, p in net.state_dict().items()},

@@ -1,6 +1,7 @@
 """One cell of the fault matrix (tests/faults/test_fault_matrix.py): a sync mode, a fault, a checkpoint.
 
-Usage: python matrix_train.py MODE FAULT CHECKPOINT, under a launcher on 2 ranks. MODE: backward, manual,
+Usage: python matrix_train.py MODE FAULT CHECKPOINT, under a launcher on 2 ranks. MODE: backward (elastic: the
+same under autodist run --elastic), manual,
 localsgd, diloco, gossip, hierarchical, downpour, easgd, mp2, pp2, shard-optimizer, shard-gradients, shard-parameters
 (and comm: no parallelize).
 FAULT, on rank 1 at step 4: none (the script ends without any flush or close call), raise, kill (SIGKILL),
@@ -25,7 +26,7 @@ FAULT_STEP = 4
 
 def strategy(mode: str) -> dict:
     return {
-        "backward": lambda: {}, "manual": lambda: {"sync": "manual"}, "mp2": lambda: {"mp": 2}, "pp2": lambda: {"pp": 2},
+        "backward": lambda: {}, "elastic": lambda: {}, "manual": lambda: {"sync": "manual"}, "mp2": lambda: {"mp": 2}, "pp2": lambda: {"pp": 2},
         "localsgd": lambda: {"sync": autodist.LocalSGD(every=2)},
         "diloco": lambda: {"sync": autodist.DiLoCo(every=4, fragments=2, overlap=1)},  # streamed: averages in flight
         "gossip": lambda: {"sync": autodist.Gossip()},

@@ -15,8 +15,9 @@ Each sync ends with an agreement in the store, so that every rank applies the sa
 * the first word written stands (compare-and-set): every rank acts on the same one.
 
 After an abort nobody applies the step: the ranks meet in the next generation. Each appends itself to its
-arrival list; the list closes when every rank of the old generation has arrived or is gone, or
-``AUTODIST_TIMEOUT`` after this rank arrived. A rank whose all-reduce waits for a peer that left it does not
+arrival list; the list closes when every rank of the old generation has arrived or is gone; a missing rank whose
+heartbeat (:func:`beat`) goes on, busy alone in its own code, is waited for up to ``AUTODIST_BUSY_TIMEOUT``, a
+silent one ``AUTODIST_TIMEOUT``. A rank whose all-reduce waits for a peer that left it does not
 wait for gloo's timeout: it watches the sync's outcome key while it waits (:meth:`Elastic.wait_for`), and
 leaves once another rank wrote ``abort``, and the first rank to close it writes the members (again
 compare-and-set). The members make a new group among themselves (``new_group`` with local
@@ -30,6 +31,7 @@ Example:
 """
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -56,8 +58,8 @@ class Elastic:
     """This rank's place in the ranks that are alive together: the generation, its members (ranks of the
     launch, in order), the group they sum over, and the count of syncs agreed on in it."""
 
-    def __init__(self, store: Any, me: int, size: int, timeout: float) -> None:
-        self.store, self.me, self.timeout = store, me, timeout
+    def __init__(self, store: Any, me: int, size: int, timeout: float, busy: float) -> None:
+        self.store, self.me, self.timeout, self.busy = store, me, timeout, busy
         self.generation = 0
         self.members: tuple[int, ...] = tuple(range(size))
         self.syncs = 0  # the syncs of this generation agreed on (committed or aborted)
@@ -135,11 +137,12 @@ class Elastic:
         nxt = self.generation + 1
         arrived, members = f"{nxt}/arrived", f"{nxt}/members"
         self.store.append(arrived, f"{self.me},")
+        alive = Alive(self.store, self.timeout, self.busy)
         while not self.store.check([members]):
             here = {int(r) for r in self.store.get(arrived).decode().split(",") if r}
             gone = self.gone()
-            # a member blocked in the old group's collective fails at once (aborted above), or by its timeout
-            if set(self.members) - gone <= here or time.monotonic() - began > self.timeout:
+            missing = [r for r in self.members if r not in here and r not in gone]
+            if not missing or alive.given_up(missing, nxt, speaks=self.me == min(here)):
                 chosen = ",".join(str(r) for r in self.members if r in here and r not in gone)
                 self.store.compare_set(members, "", chosen)
                 break
@@ -147,16 +150,70 @@ class Elastic:
         fixed = tuple(int(r) for r in self.store.get(members).decode().split(",") if r)
         if self.me not in fixed:
             raise LeftOut(f"rank {self.me} reached generation {nxt} of the elastic job after the other ranks had "
-                          f"gone on without it (ranks {list(fixed)}): it came more than AUTODIST_TIMEOUT="
-                          f"{self.timeout:g} s after the first; the job goes on without this rank")
+                          f"gone on without it (ranks {list(fixed)}): its heartbeat had stopped for "
+                          f"AUTODIST_TIMEOUT={self.timeout:g} s, or it was busy longer than AUTODIST_BUSY_TIMEOUT="
+                          f"{self.busy:g} s; the job goes on without this rank")
         lost = [r for r in self.members if r not in fixed]
         self.generation, self.members, self.syncs = nxt, fixed, 0
-        self.group = self._group()
-        if self.rank == 0:
+        try:
+            self.group = self._group()
+        except Exception as exc:  # noqa: BLE001 - a member was lost while the group formed: meet again
+            self.regroup(exc)
+            return
+        if self.rank == 0 and not lost:
+            log.warning("elastic: the gradient sync was given up (%s) while a rank was busy in its own code past "
+                        "AUTODIST_TIMEOUT; the step in flight was abandoned (no rank applied it) and %s go on as "
+                        "generation %d, the same ranks (%.2f s to regroup)", _reason(failed), _ranks(fixed), nxt,
+                        time.monotonic() - began)
+        elif self.rank == 0:
             log.warning("elastic: lost %s (%s); the step in flight was abandoned (no rank applied it), and %s %s "
                         "on as generation %d, each global batch split over %s: the same training (%.2f s to "
                         "regroup)", _ranks(lost), _reason(failed), _ranks(fixed), "goes" if len(fixed) == 1 else "go",
                         nxt, "it" if len(fixed) == 1 else "them", time.monotonic() - began)
+
+
+class Alive:
+    """Which missing members of a regroup are still waited for: a rank whose heartbeat goes on (alive in its own
+    code: evaluating or saving alone) up to ``AUTODIST_BUSY_TIMEOUT``, a silent one up to ``AUTODIST_TIMEOUT``."""
+
+    def __init__(self, store: Any, timeout: float, busy: float) -> None:
+        self.store, self.timeout, self.busy = store, timeout, busy
+        self.began = self.looked = self.said = time.monotonic()
+        self.beats: dict[int, tuple[int, float]] = {}  # rank: (its count, when it last moved)
+
+    def given_up(self, missing: list[int], generation: int, speaks: bool) -> bool:
+        """Whether to stop waiting for ``missing``; ``speaks``: this rank says, once a minute, who is waited for."""
+        now = time.monotonic()
+        if now - self.looked < 0.5 and self.beats:
+            return False
+        self.looked = now
+        for rank in missing:
+            count = self.store.add(f"beat/{rank}", 0)
+            if self.beats.get(rank, (None, 0.0))[0] != count:
+                self.beats[rank] = (count, now)
+        busy = [r for r in missing if now - self.beats[r][1] <= self.timeout]
+        if not busy:
+            return now - self.began > self.timeout
+        if now - self.began > self.busy:
+            return True
+        if speaks and (now - self.said > 60 or (self.said == self.began and now - self.began > self.timeout)):
+            self.said = now
+            log.warning("elastic: generation %d waits for %s, alive in its own code (its heartbeat goes on): up to "
+                        "AUTODIST_BUSY_TIMEOUT=%g s", generation, _ranks(busy), self.busy)
+        return False
+
+
+def beat(store: Any, rank: int, every: float = 1.0) -> None:
+    """This rank's heartbeat, in a thread of its own, on a store client of its own: a count raised every
+    ``every`` seconds while the process runs (a frozen process's stops)."""
+    def beating() -> None:
+        while True:
+            try:
+                store.add(f"beat/{rank}", 1)
+            except Exception:  # noqa: BLE001 - the store (the launcher) is gone: the job is ending
+                return
+            time.sleep(every)
+    threading.Thread(target=beating, name="autodist-elastic-heartbeat", daemon=True).start()
 
 
 def _abort(group: dist.ProcessGroup) -> None:
@@ -215,13 +272,18 @@ class Meeting:
 _elastic: Elastic | None = None
 
 
-def start(world: World, launch: Launch, timeout: float) -> Elastic:
-    """This process's elastic state (made once, by every rank together); a client of the launcher's store."""
+def start(world: World, launch: Launch, timeout: float, busy: float) -> Elastic:
+    """This process's elastic state (made once, by every rank together); a client of the launcher's store, and
+    another for the heartbeat."""
     global _elastic
     if _elastic is None:
         host, port = rendezvous_address(launch)
-        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 30.0)))
-        _elastic = Elastic(dist.PrefixStore(PREFIX, client), world.rank, world.size, timeout)
+
+        def client() -> Any:
+            return dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False,
+                                                          timeout=timedelta(seconds=max(timeout, 30.0))))
+        beat(client(), world.rank)
+        _elastic = Elastic(client(), world.rank, world.size, timeout, busy)
         ending.use_meeting(Meeting(_elastic))
     return _elastic
 

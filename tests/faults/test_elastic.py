@@ -1,6 +1,7 @@
 """Elastic data parallelism on real ranks under ``autodist run --elastic``: ranks lost at chosen points (SIGKILL
 mid-backward, inside the optimizer step, between steps; rank 0, which would otherwise host the store; two in one
-run; one frozen by SIGSTOP), and the ranks left finish the same training as one process, in float64."""
+run; one frozen by SIGSTOP), and the ranks left finish the same training as one process, in float64; a rank busy
+alone past the timeout is waited for, not lost."""
 import os
 import subprocess
 import sys
@@ -84,6 +85,20 @@ def test_a_frozen_rank_is_left_behind_after_the_timeout(tmp_path, reference):
     assert "elastic: lost rank 1" in said, said[-3000:]
     assert "rank 1 still running" in said and "stopped (AUTODIST_EXIT_TIMEOUT)" in said
     for rank in (0, 2):
+        state = torch.load(tmp_path / f"out.{rank}")
+        _same_training(state, reference)
+        assert state["taken"] == reference["taken"] + 1
+
+
+def test_a_rank_busy_alone_past_the_timeout_is_waited_for(tmp_path, reference):
+    # rank 0 evaluates alone for 3 x AUTODIST_TIMEOUT: the others' all-reduce gives up, but its heartbeat goes
+    # on, so the next generation waits for it: the same three ranks redo the step
+    proc = _run(tmp_path, str(tmp_path / "out"), "0:3:busy", env={"AUTODIST_TIMEOUT": "3", "BUSY_S": "9"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "generation 1 waits for rank 0, alive in its own code" in said
+    assert "while a rank was busy in its own code past AUTODIST_TIMEOUT" in said and "lost" not in said
+    for rank in range(3):
         state = torch.load(tmp_path / f"out.{rank}")
         _same_training(state, reference)
         assert state["taken"] == reference["taken"] + 1

@@ -1,5 +1,6 @@
 """The fault matrix: every sync mode and mp=2, each ending normally (no flush, no close) or with a fault on
-rank 1 (an exception, SIGKILL, a stall), run for real under `autodist run` on 2 ranks (tests/matrix_train.py).
+rank 1 (an exception, SIGKILL, a stall), run for real under `autodist run` on 2 ranks (tests/matrix_train.py);
+the row "elastic" is plain data parallelism under `autodist run --elastic`, where rank 0 finishes alone.
 
 Every cell: every process is gone within its bound (twice its mode's fault-free job in the same run, plus what
 the fault waits by design, plus 20 s: the machine's pace now, not a fixed number a slower or busier machine
@@ -24,7 +25,7 @@ from test_watchdog import BUSY, TIMEOUT, child_env
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the scripts
 SCRIPT = os.path.join(HERE, "matrix_train.py")
-MODES = ["backward", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2", "pp2",
+MODES = ["backward", "elastic", "manual", "localsgd", "diloco", "gossip", "hierarchical", "downpour", "easgd", "mp2", "pp2",
          "shard-optimizer", "shard-gradients", "shard-parameters"]
 FAULTS = ["none", "raise", "kill", "stall", "evaluate"]
 LIMIT = 90  # seconds a cell may take where its mode's fault-free cell did not run (a cell run alone)
@@ -54,8 +55,9 @@ def _run(mode: str, fault: str, folder: str, ranks: int = 2) -> Cell:
         del env["AUTODIST_BUSY_TIMEOUT"]
     start = time.time()
     try:
-        proc = subprocess.run([sys.executable, "-m", "autodist", "run", "-n", str(ranks), SCRIPT, mode, fault,
-                               checkpoint], env=env, capture_output=True, text=True, timeout=HANG)
+        elastic = ["--elastic"] if mode == "elastic" else []
+        proc = subprocess.run([sys.executable, "-m", "autodist", "run", *elastic, "-n", str(ranks), SCRIPT, mode,
+                               fault, checkpoint], env=env, capture_output=True, text=True, timeout=HANG)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{mode} x {fault}: the job was still running after {HANG} s:\n{e.stdout}\n{e.stderr}")
     end = time.time()
@@ -117,7 +119,9 @@ def test_cell(cells, mode, fault):
     bound, why = _bound(cells, mode, fault)
     assert cell.seconds < bound, f"{mode} x {fault} took {cell.seconds:.0f} s, expected under {why}:\n{cell.output}"
     assert "Traceback" not in cell.output or fault == "raise", cell.output
-    if fault == "none":
+    if mode == "elastic":
+        _elastic_cell(cell, fault)
+    elif fault == "none":
         assert cell.code == 0, cell.output
         # no error; a rank slow to reach a collective (a loaded machine) may be waited for, with its progress line
         errors = [line for line in cell.output.splitlines()
@@ -151,6 +155,27 @@ def test_cell(cells, mode, fault):
                          r"after step 4 of epoch 0", cell.output), cell.output
         assert 3 * TIMEOUT <= cell.after_fault, cell.output
     _checkpoint_intact(cell, fault)
+
+
+def _elastic_cell(cell: Cell, fault: str) -> None:
+    """Under autodist run --elastic: rank 1 lost (raise, kill, or stalled past AUTODIST_BUSY_TIMEOUT), rank 0
+    finishes alone, status 0, the last line naming the lost rank; rank 0 evaluating alone is waited for."""
+    assert cell.code == 0, cell.output
+    if fault in ("none", "evaluate"):
+        assert cell.output.count(" done at ") == 2 and "autodist run:" not in cell.output, cell.output
+        if fault == "evaluate":
+            assert "waits for rank 0, alive in its own code" in cell.output, cell.output
+            assert 3 * TIMEOUT <= cell.after_fault, cell.output
+        return
+    assert cell.output.count(" done at ") == 1, cell.output
+    how = {"raise": "exit code 1: ValueError: boom in rank 1's loss", "kill": "killed by SIGKILL",
+           "stall": "killed by SIGKILL"}[fault]
+    assert cell.last == f"autodist run: finished with 1 of 2 ranks; lost rank 1 ({how})", cell.output
+    assert "elastic: lost rank 1" in cell.output, cell.output
+    if fault == "stall":  # asleep, its heartbeat on: waited for up to BUSY, then left; stopped at the end
+        assert "waits for rank 1, alive in its own code" in cell.output, cell.output
+        assert "rank 1 still running" in cell.output, cell.output
+        assert BUSY <= cell.after_fault, cell.output
 
 
 @pytest.mark.slow
