@@ -16,6 +16,7 @@ import sys
 import tempfile
 from typing import Any, NoReturn, Sequence
 
+from autodist.cli.keep_going import Node
 from autodist.cli.launch import launch, python_command, run_script, supervise
 from autodist.cli.output import Output, ranks_of
 
@@ -70,10 +71,12 @@ Every torchrun option passes through unchanged (python -m torch.distributed.run
                          start the ranks without torchrun, so that the others
                          finish when one is lost: for autodist.Downpour /
                          autodist.EASGD training
-  --elastic              (autodist's, as --keep-going) the ranks left after one
-                         is lost go on with the same training: the step in
-                         flight is abandoned, every global batch is split over
-                         them (plain data parallelism; docs/elastic.md)
+  --elastic              (autodist's, as --keep-going; across machines also with
+                         --nnodes, --node-rank and --rdzv-endpoint) the ranks
+                         left after one is lost go on with the same training:
+                         the step in flight is abandoned, every global batch is
+                         split over them (plain data parallelism;
+                         docs/elastic.md)
 
 On one machine (none of --nnodes, --node-rank, --rdzv-*, --master-*,
 --standalone given) nothing listens beyond 127.0.0.1.
@@ -304,17 +307,51 @@ def _keep_going(argv: list[str], elastic: bool = False) -> int:
 
     args = _torchrun_parser().parse_args(argv)
     script_at = len(argv) - len(args.training_script_args) - 1
-    options = _without_own(_nproc_options(argv[:script_at]))
+    options, node = _node_options(_without_own(_nproc_options(argv[:script_at])), args) if elastic else \
+        (_without_own(_nproc_options(argv[:script_at])), None)
     if len(options) != 2 or options[0] != "--nproc-per-node" or not options[1].isdigit() or int(options[1]) < 1:
         raise UsageError(f"{'--elastic' if elastic else '--keep-going'} starts the ranks of this machine itself, "
                          "without torchrun: it takes "
                          "only -n N (a positive number of processes), --show-ranks and --raw-output before the "
-                         "script")
+                         f"script{' (and --nnodes, --node-rank, --master-addr, --master-port or --rdzv-endpoint)' if elastic else ''}")
     if not os.path.isfile(args.training_script):
         raise UsageError(f"no such script {args.training_script!r}")
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir,
-                        output_of(argv), elastic)
+                        output_of(argv), elastic, node)
+
+
+_NODE_OPTIONS = ("--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
+                 "--master_port", "--rdzv-endpoint", "--rdzv_endpoint")
+
+
+def _node_options(options: list[str], args: argparse.Namespace) -> tuple[list[str], Node | None]:
+    """``options`` less the multi-node ones, and the node they describe (None on one machine): --elastic
+    across machines, the launcher of node 0 hosting the store at the rendezvous address."""
+    rest, i, given = [], 0, False
+    while i < len(options):
+        name = options[i].split("=", 1)[0]
+        if name in _NODE_OPTIONS:
+            given = True
+            i += 1 if "=" in options[i] else 2
+        else:
+            rest.append(options[i])
+            i += 1
+    if not given:
+        return rest, None
+    nodes = str(args.nnodes)
+    if not nodes.isdigit() or int(nodes) < 1:
+        raise UsageError(f"--elastic takes a fixed --nnodes N across machines, got {nodes!r}")
+    if args.rdzv_endpoint:
+        addr, _, port = args.rdzv_endpoint.rpartition(":")
+    else:
+        addr, port = args.master_addr, str(args.master_port)
+    if not addr or not port.isdigit():
+        raise UsageError("--elastic across machines needs the rendezvous address: --rdzv-endpoint HOST:PORT, or "
+                         "--master-addr HOST --master-port PORT (node 0's machine hosts the store there)")
+    if not 0 <= int(args.node_rank) < int(nodes):
+        raise UsageError(f"--node-rank {args.node_rank} is not one of the {nodes} nodes (0..{int(nodes) - 1})")
+    return rest, Node(int(nodes), int(args.node_rank), addr, int(port))
 
 
 # -- explain ---------------------------------------------------------------------------------------

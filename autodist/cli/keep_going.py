@@ -11,7 +11,9 @@ lost rank still ends the job: the others' watchdog names it and they stop, unles
 the job is elastic (``autodist run --elastic``: :mod:`autodist.faults.elastic`).
 There, this process hosts the rendezvous store (it outlives every rank) and
 adds each rank that ends badly to the store's list of gone ranks at once, so
-that the others leave the step in flight and go on without it.
+that the others leave the step in flight and go on without it. Across
+machines (:class:`Node`) each machine's launcher starts its own ranks, node
+0's hosts the store and the others report to it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 
 from autodist.cli.launch import failure_of, python_command, root_cause, summary
 from autodist.cli.output import LABELLED, Output, RankLines, relay
@@ -55,22 +59,36 @@ class _ErrorFile:
         self.error_file, self.exitcode, self.timestamp = path, exitcode, when
 
 
-class _Store:
-    """The job's rendezvous store, hosted here for an elastic job (so that it outlives every rank)."""
+@dataclass(frozen=True)
+class Node:
+    """This machine's place in an elastic job across machines: ``count`` nodes, this one ``rank``; the launcher of
+    node 0 hosts the store at ``addr:port``."""
 
-    def __init__(self, port: int) -> None:
+    count: int
+    rank: int
+    addr: str
+    port: int
+
+
+class _Store:
+    """The job's rendezvous store, hosted here for an elastic job (so that it outlives every rank); on a node
+    other than 0, a client of node 0's."""
+
+    def __init__(self, addr: str, port: int, hosts: bool) -> None:
         import torch.distributed as dist
 
         from autodist.faults.elastic import GONE, PREFIX
 
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+        self.store = dist.TCPStore(addr, port, is_master=hosts, wait_for_workers=False, multi_tenant=True,
+                                   timeout=timedelta(minutes=10))
         self.gone_key = f"{PREFIX}/{GONE}"
 
     def gone(self, rank: int) -> None:
         self.store.append(self.gone_key, f"{rank},")
 
 
-def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED, elastic: bool = False) -> int:
+def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED, elastic: bool = False,
+             node: Node | None = None) -> int:
     """Run ``nproc`` ranks of ``script`` (the script and its arguments) on this machine; their exit status.
 
     With ``output`` labelled, the ranks' stdout and stderr are pipes read here, a labelled line at a time
@@ -78,13 +96,15 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
 
     Returns 0 when every rank that did not die of a signal or an error finished cleanly and rank 0 is among
     them (``elastic``: any rank) (the lost ranks are named); otherwise the first failure's status, as
-    ``autodist run`` reports it. ``elastic``: the store is hosted here and each lost rank reported to it.
+    ``autodist run`` reports it. ``elastic``: the store is hosted here and each lost rank reported to it;
+    ``node``: this machine's place in a job across machines (its ranks numbered after the nodes before it).
 
     Example:
         >>> run_each(3, ["train_ps.py", "--epochs", "3"], "/tmp/run")
     """
-    port = _free_port()
-    store = _Store(port) if elastic else None
+    node = node or Node(1, 0, "127.0.0.1", _free_port())
+    store = _Store(node.addr, node.port, hosts=node.rank == 0) if elastic else None
+    first = node.rank * nproc  # this machine's first global rank
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     if elastic:
         base |= {"AUTODIST_ELASTIC": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
@@ -92,14 +112,17 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
     out, err = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
     pipe = subprocess.PIPE if output.labelled else None
     for rank in range(nproc):
-        env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                      "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                      "MASTER_PORT": str(port), "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{rank}.json")}
-        # --loopback-store: sockets on 127.0.0.1, the store hosted by rank 0 as without --keep-going (here if elastic)
-        procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), "--loopback-store", *script],
+        env = base | {"RANK": str(first + rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(node.count * nproc),
+                      "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node.rank), "MASTER_ADDR": node.addr,
+                      "MASTER_PORT": str(node.port),
+                      "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{first + rank}.json")}
+        # --loopback-store: sockets on 127.0.0.1, the store hosted by rank 0 as without --keep-going (here if
+        # elastic); across machines gloo goes out through the interface that reaches node 0
+        loopback = ["--loopback-store"] if node.count == 1 else []
+        procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), *loopback, *script],
                                       env=env, stdout=pipe, stderr=pipe))
         if output.labelled:
-            relays += [relay(procs[-1].stdout, rank, out), relay(procs[-1].stderr, rank, err)]
+            relays += [relay(procs[-1].stdout, first + rank, out), relay(procs[-1].stderr, first + rank, err)]
     stopped: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -117,16 +140,16 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                 left_behind = [rank for rank, p in enumerate(procs) if rank not in ended]
                 for rank in left_behind:
                     procs[rank].kill()
-                print(f"autodist run: {', '.join(f'rank {r}' for r in left_behind)} still running "
+                print(f"autodist run: {', '.join(f'rank {first + r}' for r in left_behind)} still running "
                       f"{exit_timeout():g} s after another rank finished (frozen, or left out by the others): "
                       f"stopped (AUTODIST_EXIT_TIMEOUT)", file=sys.stderr, flush=True)
             for rank, p in enumerate(procs):
                 if rank not in ended and p.poll() is not None:
                     ended[rank] = time.time()
                     if store is not None and p.returncode != 0:
-                        store.gone(rank)
+                        store.gone(first + rank)
                         if len(ended) < nproc:
-                            print(f"autodist run: rank {rank} ended ({_how(p.returncode)}); the other ranks go "
+                            print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); the other ranks go "
                                   f"on without it (--elastic)", file=sys.stderr, flush=True)
             time.sleep(0.05)
     finally:
@@ -138,17 +161,19 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
     if stopped:
         print("autodist run: interrupted; the ranks were stopped", file=sys.stderr, flush=True)
         return 128 + stopped[0]
-    failures = [failure_of(rank, _ErrorFile(os.path.join(workdir, f"{rank}.json"), p.returncode, ended[rank]))
+    failures = [failure_of(first + rank, _ErrorFile(os.path.join(workdir, f"{first + rank}.json"), p.returncode,
+                                                    ended[rank]))
                 for rank, p in enumerate(procs) if p.returncode != 0]
     if not failures:
         return 0
     finished = any(p.returncode == 0 for p in procs) if elastic else procs[0].returncode == 0
     if finished and all(f.exitcode < 0 or f.error is not None for f in failures) and \
-            all(p.returncode == 0 for rank, p in enumerate(procs) if rank not in {f.rank for f in failures}):
+            all(p.returncode == 0 for rank, p in enumerate(procs) if first + rank not in {f.rank for f in failures}):
         for f in failures:
             err.show_kept(f.rank)  # what a hidden rank said before it was lost
         lost = ", ".join(f"rank {f.rank} ({f.how}{': ' + f.error if f.error else ''})" for f in failures)
-        print(f"autodist run: finished with {nproc - len(failures)} of {nproc} ranks; lost {lost}",
+        here = " on this machine" if node.count > 1 else ""
+        print(f"autodist run: finished with {nproc - len(failures)} of {nproc} ranks{here}; lost {lost}",
               file=sys.stderr, flush=True)
         return 0
     err.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary

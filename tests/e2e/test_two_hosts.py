@@ -39,11 +39,13 @@ def cluster():
 class Job:
     """One `autodist run` per host, their output collected line by line with the time each line came."""
 
-    def __init__(self, cluster: Cluster, nproc: int, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, cluster: Cluster, nproc: int, args: list[str], env: dict[str, str] | None = None,
+                 elastic: bool = False) -> None:
         self.procs: list[subprocess.Popen] = []
         self.lines: list[list[tuple[float, str]]] = []
         for node, host in enumerate(cluster.hosts):
-            cmd = [sys.executable, "-m", "autodist", "run", "--nnodes", str(len(cluster.hosts)),
+            cmd = [sys.executable, "-m", "autodist", "run", *(["--elastic"] if elastic else []),
+                   "--nnodes", str(len(cluster.hosts)),
                    "--node-rank", str(node), "--rdzv-endpoint", f"{cluster.a.addr}:{PORT}",
                    "-n", str(nproc), SCRIPT, *args]
             proc = cluster.popen(host, cmd, env=_env() | (env or {}), stdout=subprocess.PIPE,
@@ -191,3 +193,21 @@ def test_death_of_a_whole_host_is_named_on_the_other(cluster, tmp_path, how):
     words = {"killed": "rank 1 died without a word", "unplugged": "rank 1 sent no heartbeat for"}[how]
     assert words in job.output(0), job.describe()
     assert ended < TIMEOUT + 10, job.describe()  # the timeout, a tick, the launcher stopping
+
+
+@pytest.mark.e2e
+def test_elastic_job_finishes_on_one_host_when_the_other_is_unplugged(cluster, tmp_path):
+    # autodist run --elastic on both hosts, one rank each; host A's launcher hosts the store. Host B's link
+    # goes down and its processes die: rank 0 gives its all-reduce up at the group's timeout, rank 1's heartbeat
+    # is silent, and rank 0 finishes alone: the same training as one process
+    out = tmp_path / "state.pt"
+    job = Job(cluster, 1, [str(out), "--epochs", "6", "--step-sleep", "0.2"], env={"AUTODIST_TIMEOUT": str(TIMEOUT)},
+              elastic=True)
+    job.wait_for(0, "step 5", timeout=90)
+    subprocess.run(["ip", "-n", cluster.b.netns, "link", "set", cluster.b.dev, "down"], check=True)
+    assert cluster.kill_host(cluster.b), "nothing ran on host B"
+    codes = job.wait(timeout=120)
+    assert codes[0] == 0, job.describe()
+    assert "elastic: lost rank 1" in job.output(0), job.describe()
+    saved = torch.load(out, weights_only=True)
+    assert_close(saved["state"], two_hosts_train.reference(epochs=6), rtol=1e-5, atol=1e-6)
