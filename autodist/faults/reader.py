@@ -97,6 +97,7 @@ class Reader:
         self.keys_made = False
         self.statuses: dict[int, Status | None] = {}
         self.silent: dict[int, float] = {}
+        self.suspects: dict[int, tuple[str, int, int]] = {}  # rank -> (its wait, syncs, seq): a verdict seen once
 
     def since(self, rank: int, seq: int, when: float) -> None:
         """Rank ``rank`` was last heard of (its ``seq``) at ``when``: a reader that takes over from a frozen one
@@ -176,6 +177,7 @@ class Reader:
                     and silent.get(rank, 0.0) < 2 * self.tick:
                 groups.setdefault(status.wait, []).append(self._now(status))
         due: dict[int, list] = {}
+        suspected: set[int] = set()
         for wait, members in groups.items():
             first = max(members, key=lambda s: (s.wait_s, -s.rank))
             if first.wait_s < self.tick:
@@ -183,15 +185,29 @@ class Reader:
             others = {r: s for r, s in statuses.items() if r != first.rank}
             message = judge(first, others, silent, self.timeout, self.tick, self.busy, self.busy_words)
             if message is not None:
-                return first.rank, message
+                if self._confirmed(first):
+                    return first.rank, message
+                suspected.add(first.rank)
+                continue
             line = self._line(members[0], wait, statuses, silent)
             if line is not None:
                 due[members[0].rank] = line
+        self.suspects = {rank: seen for rank, seen in self.suspects.items() if rank in suspected}
         self.lines = {key: at for key, at in self.lines.items() if key[1] in groups}  # waits that ended: forgotten
         speaking = {rank for rank, _ in self.lines}
         self.say = {rank: said for rank, said in self.say.items() if rank in speaking}
         self.say.update(due)
         return None
+
+    def _confirmed(self, waiter: Status) -> bool:
+        """Whether the verdict found for ``waiter`` stands on a newer status of it, still in the same wait with
+        the same syncs done. The statuses are read together but published apart: a waiter's may be up to a tick
+        old, while another rank's, newer, shows it past the collective the waiter had already left."""
+        seen = self.suspects.get(waiter.rank)
+        if seen is not None and seen[:2] == (waiter.wait, waiter.syncs):
+            return waiter.seq > seen[2] or waiter.rank == self.rank
+        self.suspects[waiter.rank] = (waiter.wait or "", waiter.syncs, waiter.seq)
+        return False
 
     def _line(self, speaker: Status, wait: str, statuses: dict[int, Status | None],
               silent: dict[int, float]) -> list | None:
