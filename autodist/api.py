@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import weakref
 from functools import partial
 from typing import Any, Callable, Literal
 
@@ -12,7 +13,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader, IterableDataset
 
 from autodist import sync as sync_mod
-from autodist.dp import batch_layout, elastic_data, loader_position, precision, wrappers
+from autodist.dp import batch_layout, elastic_data, joining, loader_position, precision, wrappers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
@@ -220,6 +221,18 @@ def _start_elastic(world: World, dims: ParallelDims, shard: str | None, strategy
                          f"data as a DataLoader over a map-style Dataset, passed to parallelize; got "
                          f"{_kind(data)}. Wrap it: DataLoader(TensorDataset(x, y), batch_size=...) (docs/elastic.md)")
     elastic.start(world, environment.launch(), hang_timeout(), busy_timeout())
+
+
+def _elastic_loader(model: nn.Module, loader: Any, sync_state: Any) -> None:
+    """The loader of an elastic job knows its model (to send its state to a rank that joins); a rank that
+    joined loads the state the first member sent (:mod:`autodist.dp.joining`)."""
+    loader.elastic_model = weakref.ref(model)
+    joining.listen()
+    state = elastic.current()
+    if state is not None and state.joined_with is not None:
+        state.joined_epoch = joining.receive(state.joined_with, model, [loader])
+        state.joined_with = None
+        sync_state.forget_buffers()  # the model's buffers were replaced: every one counts as changed
 
 
 def _kind(data: data_mod.DataLike) -> str:
@@ -626,6 +639,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                                     at_rest, int(bucket_mb * MB))
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
+    if elastic_job:
+        _elastic_loader(model, data_shard, sync_state)
     if dims.dp > 1 and batch_dim is None and samples is None:
         batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
@@ -642,6 +657,9 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                  dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))
+        if elastic_job:
+            log.info("elastic (autodist run --elastic): a lost rank's step is abandoned and the ranks left go on "
+                     "with the same training (docs/elastic.md)")
         if cut is not None:
             log.info("%s", cut)
     return model, data_shard

@@ -39,8 +39,11 @@ def main(out: str, kills: str, epochs: int) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     mine = [(int(s), where) for r, s, where in (k.split(":") for k in kills.split(",") if k) if int(r) == rank]
+    if os.environ.get("AUTODIST_ELASTIC_JOIN"):
+        mine = []  # restarted to join the others: it lives
     taken = 0
-    for _ in range(epochs):
+    # written for restarts: a rank that joins a running elastic job gets the others' epoch (no file is read)
+    for _ in range(autodist.resume(f"{out}.never-saved", net, opt, epoch=0)["epoch"], epochs):
         for x, y in data:
             die = next((where for s, where in mine if s == taken), None)
             taken += 1
@@ -53,6 +56,7 @@ def main(out: str, kills: str, epochs: int) -> None:
                 opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
             opt.step()
             sched.step()
+            time.sleep(float(os.environ.get("STEP_S", "0")))  # for a rank restarted to join while the others train
             if die == "busy":
                 time.sleep(float(os.environ["BUSY_S"]))
             if die in ("between", "freeze"):

@@ -318,21 +318,23 @@ def _keep_going(argv: list[str], elastic: bool = False) -> int:
         raise UsageError(f"no such script {args.training_script!r}")
     with tempfile.TemporaryDirectory(prefix="autodist-run-") as workdir:
         return run_each(int(options[1]), [args.training_script, *args.training_script_args], workdir,
-                        output_of(argv), elastic, node)
+                        output_of(argv), elastic, node, int(args.max_restarts) if elastic else 0)
 
 
 _NODE_OPTIONS = ("--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
                  "--master_port", "--rdzv-endpoint", "--rdzv_endpoint")
+_RESTARTS = ("--max-restarts", "--max_restarts")
 
 
 def _node_options(options: list[str], args: argparse.Namespace) -> tuple[list[str], Node | None]:
-    """``options`` less the multi-node ones, and the node they describe (None on one machine): --elastic
-    across machines, the launcher of node 0 hosting the store at the rendezvous address."""
+    """``options`` less the multi-node ones (and ``--max-restarts``, which --elastic takes too), and the node
+    they describe (None on one machine): --elastic across machines, the launcher of node 0 hosting the store at
+    the rendezvous address."""
     rest, i, given = [], 0, False
     while i < len(options):
         name = options[i].split("=", 1)[0]
-        if name in _NODE_OPTIONS:
-            given = True
+        if name in _NODE_OPTIONS or name in _RESTARTS:
+            given = given or name in _NODE_OPTIONS
             i += 1 if "=" in options[i] else 2
         else:
             rest.append(options[i])

@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from autodist.cli.launch import failure_of, python_command, root_cause, summary
 from autodist.cli.output import LABELLED, Output, RankLines, relay
@@ -88,7 +89,7 @@ class _Store:
 
 
 def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED, elastic: bool = False,
-             node: Node | None = None) -> int:
+             node: Node | None = None, restarts: int = 0) -> int:
     """Run ``nproc`` ranks of ``script`` (the script and its arguments) on this machine; their exit status.
 
     With ``output`` labelled, the ranks' stdout and stderr are pipes read here, a labelled line at a time
@@ -97,7 +98,8 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
     Returns 0 when every rank that did not die of a signal or an error finished cleanly and rank 0 is among
     them (``elastic``: any rank) (the lost ranks are named); otherwise the first failure's status, as
     ``autodist run`` reports it. ``elastic``: the store is hosted here and each lost rank reported to it;
-    ``node``: this machine's place in a job across machines (its ranks numbered after the nodes before it).
+    ``node``: this machine's place in a job across machines (its ranks numbered after the nodes before it);
+    ``restarts``: elastic, how many lost ranks of this machine are started again, each joining the others.
 
     Example:
         >>> run_each(3, ["train_ps.py", "--epochs", "3"], "/tmp/run")
@@ -108,21 +110,28 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     if elastic:
         base |= {"AUTODIST_ELASTIC": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    procs, relays = [], []
+    relays: list[Any] = []
     out, err = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
     pipe = subprocess.PIPE if output.labelled else None
-    for rank in range(nproc):
+
+    def start(rank: int, join: int | None = None) -> subprocess.Popen:
         env = base | {"RANK": str(first + rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(node.count * nproc),
                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node.rank), "MASTER_ADDR": node.addr,
                       "MASTER_PORT": str(node.port),
                       "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{first + rank}.json")}
+        if join is not None:  # restarted into the running job: it joins the others (autodist.faults.elastic)
+            env["AUTODIST_ELASTIC_JOIN"] = str(join)
         # --loopback-store: sockets on 127.0.0.1, the store hosted by rank 0 as without --keep-going (here if
         # elastic); across machines gloo goes out through the interface that reaches node 0
         loopback = ["--loopback-store"] if node.count == 1 else []
-        procs.append(subprocess.Popen([*python_command("_rank", unbuffered=True), *loopback, *script],
-                                      env=env, stdout=pipe, stderr=pipe))
+        proc = subprocess.Popen([*python_command("_rank", unbuffered=True), *loopback, *script],
+                                env=env, stdout=pipe, stderr=pipe)
         if output.labelled:
-            relays += [relay(procs[-1].stdout, first + rank, out), relay(procs[-1].stderr, first + rank, err)]
+            relays.extend([relay(proc.stdout, first + rank, out), relay(proc.stderr, first + rank, err)])
+        return proc
+
+    procs = [start(rank) for rank in range(nproc)]
+    restarted = 0  # elastic: ranks restarted to join the others, out of ``restarts``
     stopped: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -140,6 +149,7 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                 left_behind = [rank for rank, p in enumerate(procs) if rank not in ended]
                 for rank in left_behind:
                     procs[rank].kill()
+                    procs[rank].wait()
                 print(f"autodist run: {', '.join(f'rank {first + r}' for r in left_behind)} still running "
                       f"{exit_timeout():g} s after another rank finished (frozen, or left out by the others): "
                       f"stopped (AUTODIST_EXIT_TIMEOUT)", file=sys.stderr, flush=True)
@@ -148,7 +158,15 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                     ended[rank] = time.time()
                     if store is not None and p.returncode != 0:
                         store.gone(first + rank)
-                        if len(ended) < nproc:
+                        if len(ended) < nproc and restarted < restarts:
+                            restarted += 1  # a member number no rank had: node.count * nproc and up, per node
+                            join = node.count * nproc + node.rank + node.count * (restarted - 1)
+                            print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); restarted "
+                                  f"({restarted} of {restarts}), it joins the others after their next step",
+                                  file=sys.stderr, flush=True)
+                            procs[rank] = start(rank, join)
+                            del ended[rank]
+                        elif len(ended) < nproc:
                             print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); the other ranks go "
                                   f"on without it (--elastic)", file=sys.stderr, flush=True)
             time.sleep(0.05)

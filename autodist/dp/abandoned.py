@@ -27,6 +27,7 @@ from autodist.dp import step_hooks
 _pending = False  # a sync was abandoned and no sync was applied since
 _skipped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # stepped while pending
 _wrapped: list[tuple[type, Callable[..., Any]]] = []  # (class, its own step before)
+_schedulers: list[weakref.ref] = []  # every LR scheduler, in the order made (its __init__ steps it once)
 
 
 class _Listener:
@@ -51,6 +52,8 @@ _listener = _Listener()
 def _unless_abandoned(step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(step)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if all(ref() is not self for ref in _schedulers):
+            _schedulers.append(weakref.ref(self))
         if getattr(self, "optimizer", None) in _skipped:
             return None  # its optimizer's step was the abandoned one: the schedule stays where it was
         return step(self, *args, **kwargs)
@@ -66,6 +69,11 @@ def install() -> None:
         if isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler) and "step" in vars(cls):
             _wrapped.append((cls, cls.step))
             cls.step = _unless_abandoned(cls.step)  # type: ignore[method-assign]
+
+
+def schedulers() -> list[Any]:
+    """The LR schedulers made since :func:`install` and still alive, in the order made."""
+    return [s for ref in _schedulers if (s := ref()) is not None]
 
 
 def mark() -> None:

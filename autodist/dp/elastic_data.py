@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
+from autodist.dp import joining, loader_position
 from autodist.dp.handover import handed_over
 from autodist.faults import elastic
 
@@ -65,10 +66,13 @@ def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: 
         regrouped = False
         for batch in batches:
             yield batch
-            regrouped = state.generation != generation
-            if state.committed > seen and not regrouped:
-                at_commit = position.taken
+            if state.committed > seen and state.generation == generation:
+                at_commit = position.taken  # every batch so far is in an applied step
             seen = state.committed
+            if state.admitting:  # ranks wait to join: at this step boundary, with the state they need
+                model = loader.elastic_model()
+                state.admit(lambda: joining.state(model, loader_position.loaders_of(model)))
+            regrouped = state.generation != generation
             if regrouped:
                 break
         batches.close()

@@ -153,6 +153,8 @@ class GradSync:
     def _ready_exchange(self) -> Exchange:
         """How this layout's buckets are summed, chosen with the other ranks (at the first sync after a build:
         every rank reaches that in the same order relative to its other collectives)."""
+        if self.elastic is not None and self.group is not self.elastic.group:  # ranks joined at the last boundary
+            self.group, self.exchange = self.elastic.group, None
         if self.exchange is None and self.elastic is not None:  # a rank may die mid-sum: never shared memory
             self.exchange = AllReduce([b.flat for b in self.buckets], self.group)
         if self.exchange is None:

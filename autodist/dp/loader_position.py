@@ -120,6 +120,11 @@ def _live(model: nn.Module) -> list[Any]:
     return [loader for ref in _loaders.get(model, []) if (loader := ref()) is not None]
 
 
+def loaders_of(model: nn.Module) -> list[Any]:
+    """The loaders parallelized with ``model`` and still alive, in the order they were made."""
+    return _live(model)
+
+
 def positions(model: nn.Module) -> list[dict[str, Any]]:
     """Where each loader parallelized with ``model`` stands, in the order they were made."""
     return [loader.position.state() for loader in _live(model)]

@@ -15,35 +15,44 @@ Each sync ends with an agreement in the store, so that every rank applies the sa
 * the first word written stands (compare-and-set): every rank acts on the same one.
 
 After an abort nobody applies the step: the ranks meet in the next generation. Each appends itself to its
-arrival list; the list closes when every rank of the old generation has arrived or is gone; a missing rank whose
-heartbeat (:func:`beat`) goes on, busy alone in its own code, is waited for up to ``AUTODIST_BUSY_TIMEOUT``, a
-silent one ``AUTODIST_TIMEOUT``. A rank whose all-reduce waits for a peer that left it does not
-wait for gloo's timeout: it watches the sync's outcome key while it waits (:meth:`Elastic.wait_for`), and
-leaves once another rank wrote ``abort``, and the first rank to close it writes the members (again
-compare-and-set). The members make a new group among themselves (``new_group`` with local
-synchronisation: the default group, which holds the lost rank, is not used again) and number themselves
-0..n-1 in their old order. A rank that arrives after the list closed is not a member: it raises, naming why.
+arrival list. The list closes when every rank of the old generation has arrived or is gone; a missing rank
+whose heartbeat (:func:`beat`) goes on, busy alone in its own code, is waited for up to
+``AUTODIST_BUSY_TIMEOUT``, a silent one ``AUTODIST_TIMEOUT``. The first rank to close it writes the members
+(again compare-and-set). The members make a new gloo group among themselves from the store alone (the
+default group, which holds the lost rank, is not used again) and number themselves 0..n-1 in their old
+order. A rank that arrives after the list closed is not a member: it raises, naming why. A rank whose
+all-reduce waits for a peer that left does not wait for gloo's timeout: it watches the sync's outcome key
+while it waits (:meth:`Elastic.wait_for`) and leaves once another rank wrote ``abort``.
+
+A rank the launcher started again (``--max-restarts``; ``AUTODIST_ELASTIC_JOIN``: its member number, one no
+rank had) appends itself to the ``join`` list and waits. The rank that completes a sync's count writes
+``commit+join`` while the list is not empty, and at the step boundary after it (the loop asks for its next
+batch) every member calls :meth:`Elastic.admit`: the first member sends the state (:mod:`autodist.dp.joining`),
+and the next generation is the members and the ranks that asked. A rank still waiting when a member reaches
+the end of its script leaves.
 
 Example:
-    >>> state = start(world, launch, timeout=60.0)   # every rank, in parallelize, under autodist run --elastic
+    >>> state = start(world, launch, 60.0, 1800.0)  # every rank, in parallelize, under autodist run --elastic
     >>> if not state.agree(completed=True):         # each sync: False if no rank applies it
     ...     state.regroup(error)                     # this rank's all-reduce error, or None
 """
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
+from autodist.faults.liveness import FINISHED, Alive, Meeting, beat, named
 from autodist.runtime import ending
-from autodist.runtime.environment import Launch, rendezvous_address
+from autodist.runtime.environment import Launch, elastic_join, rendezvous_address
 from autodist.runtime.world import World, log
 
 PREFIX = "autodist/elastic"  # the launcher writes gone ranks under it (see autodist.cli.keep_going)
 GONE = "gone"  # "3,5," the ranks the launcher saw end badly
+JOIN = "join"  # "6," the ranks (restarted by the launcher) waiting to join, admitted at the next step boundary
 
 
 class GaveUp(RuntimeError):
@@ -58,12 +67,16 @@ class Elastic:
     """This rank's place in the ranks that are alive together: the generation, its members (ranks of the
     launch, in order), the group they sum over, and the count of syncs agreed on in it."""
 
-    def __init__(self, store: Any, me: int, size: int, timeout: float, busy: float) -> None:
+    def __init__(self, store: Any, me: int, members: tuple[int, ...], timeout: float, busy: float,
+                 generation: int = 0) -> None:
         self.store, self.me, self.timeout, self.busy = store, me, timeout, busy
-        self.generation = 0
-        self.members: tuple[int, ...] = tuple(range(size))
+        self.generation = generation
+        self.members = members
         self.syncs = 0  # the syncs of this generation agreed on (committed or aborted)
         self.committed = 0  # every sync committed since the start, in every generation
+        self.admitting = False  # the last sync committed with ranks waiting to join: admit them before the next
+        self.joined_with: bytes | None = None  # a rank that joined: the state the first member sent it
+        self.joined_epoch: int | None = None  # and the epoch its loop goes on with (autodist.resume says it)
         self.group = self._group()
 
     @property
@@ -76,8 +89,14 @@ class Elastic:
         return len(self.members)
 
     def _group(self) -> dist.ProcessGroup:
-        return dist.new_group(list(self.members), use_local_synchronization=True,
-                              timeout=timedelta(seconds=self.timeout))
+        """The generation's gloo group, made from the store alone (not from the default group, which holds
+        ranks that are gone and not ranks that joined since); member i is its rank i."""
+        store = dist.PrefixStore(f"{self.generation}/group", self.store)
+        backend = dist.ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=self.timeout))
+        group = dist.ProcessGroup(store, self.rank, self.size)
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        return group
 
     def gone(self) -> set[int]:
         """The ranks the launcher saw end badly so far."""
@@ -92,7 +111,8 @@ class Elastic:
         key = f"{self.generation}/sync/{self.syncs}"
         if completed:
             if self.store.add(f"{key}/done", 1) == self.size:
-                self.store.compare_set(f"{key}/outcome", "", "commit")
+                waiting = self.store.check([JOIN]) and self.store.get(JOIN) != b""
+                self.store.compare_set(f"{key}/outcome", "", "commit+join" if waiting else "commit")
                 if self.syncs > 1:  # every rank is past the previous sync's outcome: its keys can go
                     before = f"{self.generation}/sync/{self.syncs - 1}"
                     self.store.delete_key(f"{before}/done")
@@ -100,8 +120,32 @@ class Elastic:
         else:
             self.store.compare_set(f"{key}/outcome", "", "abort")
         outcome = self._outcome(f"{key}/outcome")
-        self.committed += outcome == "commit"
-        return outcome == "commit"
+        self.committed += outcome.startswith("commit")
+        self.admitting = outcome == "commit+join"
+        return outcome.startswith("commit")
+
+    def admit(self, state: Callable[[], bytes]) -> None:
+        """After a sync that committed with ranks waiting to join (every member calls it, at the step boundary:
+        the loop asks for its next batch): the next generation is the members and the ranks waiting, in that
+        order; the first member sends them ``state()`` (the model, the optimizers, the loaders' places)."""
+        nxt = self.generation + 1
+        if self.rank == 0:
+            text = self.store.get(JOIN).decode()
+            self.store.compare_set(JOIN, text, "")  # a rank that asks meanwhile waits for the next admission
+            joiners = [int(r) for r in text.split(",") if r and int(r) not in self.members]
+            self.store.set(f"{nxt}/state", state())
+            self.store.compare_set(f"{nxt}/members", "", ",".join(map(str, [*self.members, *joiners])))
+            for rank in joiners:
+                self.store.set(f"joined/{rank}", str(nxt))
+        self.store.wait([f"{nxt}/members"], timedelta(seconds=self.busy))
+        fixed = tuple(int(r) for r in self.store.get(f"{nxt}/members").decode().split(",") if r)
+        joined = [r for r in fixed if r not in self.members]
+        self.generation, self.members, self.syncs, self.admitting = nxt, fixed, 0, False
+        self.group = self._group()
+        if self.rank == 0:
+            log.warning("elastic: %s joined at a step boundary (a rank the launcher started again), with the "
+                        "weights, optimizer state and data position of rank %d; %s go on as generation %d, each "
+                        "global batch split over them", named(joined, "member"), fixed[0], named(fixed), nxt)
 
     def wait_for(self, works: list[Any]) -> None:
         """Return once every work (this sync's all-reduces) has completed, well or not; raise if another rank
@@ -163,57 +207,13 @@ class Elastic:
         if self.rank == 0 and not lost:
             log.warning("elastic: the gradient sync was given up (%s) while a rank was busy in its own code past "
                         "AUTODIST_TIMEOUT; the step in flight was abandoned (no rank applied it) and %s go on as "
-                        "generation %d, the same ranks (%.2f s to regroup)", _reason(failed), _ranks(fixed), nxt,
+                        "generation %d, the same ranks (%.2f s to regroup)", _reason(failed), named(fixed), nxt,
                         time.monotonic() - began)
         elif self.rank == 0:
             log.warning("elastic: lost %s (%s); the step in flight was abandoned (no rank applied it), and %s %s "
                         "on as generation %d, each global batch split over %s: the same training (%.2f s to "
-                        "regroup)", _ranks(lost), _reason(failed), _ranks(fixed), "goes" if len(fixed) == 1 else "go",
+                        "regroup)", named(lost), _reason(failed), named(fixed), "goes" if len(fixed) == 1 else "go",
                         nxt, "it" if len(fixed) == 1 else "them", time.monotonic() - began)
-
-
-class Alive:
-    """Which missing members of a regroup are still waited for: a rank whose heartbeat goes on (alive in its own
-    code: evaluating or saving alone) up to ``AUTODIST_BUSY_TIMEOUT``, a silent one up to ``AUTODIST_TIMEOUT``."""
-
-    def __init__(self, store: Any, timeout: float, busy: float) -> None:
-        self.store, self.timeout, self.busy = store, timeout, busy
-        self.began = self.looked = self.said = time.monotonic()
-        self.beats: dict[int, tuple[int, float]] = {}  # rank: (its count, when it last moved)
-
-    def given_up(self, missing: list[int], generation: int, speaks: bool) -> bool:
-        """Whether to stop waiting for ``missing``; ``speaks``: this rank says, once a minute, who is waited for."""
-        now = time.monotonic()
-        if now - self.looked < 0.5 and self.beats:
-            return False
-        self.looked = now
-        for rank in missing:
-            count = self.store.add(f"beat/{rank}", 0)
-            if self.beats.get(rank, (None, 0.0))[0] != count:
-                self.beats[rank] = (count, now)
-        busy = [r for r in missing if now - self.beats[r][1] <= self.timeout]
-        if not busy:
-            return now - self.began > self.timeout
-        if now - self.began > self.busy:
-            return True
-        if speaks and (now - self.said > 60 or (self.said == self.began and now - self.began > self.timeout)):
-            self.said = now
-            log.warning("elastic: generation %d waits for %s, alive in its own code (its heartbeat goes on): up to "
-                        "AUTODIST_BUSY_TIMEOUT=%g s", generation, _ranks(busy), self.busy)
-        return False
-
-
-def beat(store: Any, rank: int, every: float = 1.0) -> None:
-    """This rank's heartbeat, in a thread of its own, on a store client of its own: a count raised every
-    ``every`` seconds while the process runs (a frozen process's stops)."""
-    def beating() -> None:
-        while True:
-            try:
-                store.add(f"beat/{rank}", 1)
-            except Exception:  # noqa: BLE001 - the store (the launcher) is gone: the job is ending
-                return
-            time.sleep(every)
-    threading.Thread(target=beating, name="autodist-elastic-heartbeat", daemon=True).start()
 
 
 def _abort(group: dist.ProcessGroup) -> None:
@@ -234,41 +234,6 @@ def _reason(failed: BaseException | None) -> str:
     return "the gradient sync failed: " + line.split(". ", 1)[0][:120]
 
 
-def _ranks(ranks: Any) -> str:
-    ranks = list(ranks)
-    return "none" if not ranks else ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-class Meeting:
-    """The end of the script (:mod:`autodist.runtime.ending`): each member of the last generation arrives, and
-    nobody waits for a rank the launcher saw end."""
-
-    busy_words = ""
-
-    def __init__(self, state: Elastic) -> None:
-        self.state = state
-
-    def _waiting_for(self) -> list[int]:
-        here = {int(r) for r in self.state.store.get("end").decode().split(",") if r}
-        gone = self.state.gone()
-        return [r for r in self.state.members if r not in here and r not in gone]
-
-    def arrive(self) -> None:
-        self.state.store.append("end", f"{self.state.me},")
-        while self._waiting_for():
-            time.sleep(0.05)
-
-    def missing(self) -> str:
-        return f"{_ranks(self._waiting_for())} of the elastic job did not reach the end of the script"
-
-    def give_up(self, message: str) -> None:
-        log.error("%s", message)
-        ending.leave(1, message)
-
-    def busy_line(self, waited: float) -> str | None:
-        return None  # no heartbeats in elastic mode: a missing rank cannot be told busy from hung
-
-
 _elastic: Elastic | None = None
 
 
@@ -282,10 +247,35 @@ def start(world: World, launch: Launch, timeout: float, busy: float) -> Elastic:
         def client() -> Any:
             return dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False,
                                                           timeout=timedelta(seconds=max(timeout, 30.0))))
-        beat(client(), world.rank)
-        _elastic = Elastic(client(), world.rank, world.size, timeout, busy)
+        me = elastic_join()
+        beat(client(), world.rank if me is None else me)
+        _elastic = Elastic(client(), world.rank, tuple(range(world.size)), timeout, busy) if me is None else \
+            _join(client(), me, timeout, busy)
         ending.use_meeting(Meeting(_elastic))
     return _elastic
+
+
+def _join(store: Any, me: int, timeout: float, busy: float) -> Elastic:
+    """A rank restarted into a running job: it asks to join, and the members admit it after their next step
+    (:meth:`Elastic.admit`), the first of them sending it their state."""
+    store.append(JOIN, f"{me},")
+    log.info("elastic: started again, this rank asks to join the others as member %d; they admit it after "
+             "their next step", me)
+    key = f"joined/{me}"
+    began = time.monotonic()
+    while not store.check([key]):
+        if store.check([FINISHED]):
+            log.warning("elastic: the job finished before member %d could join; it leaves", me)
+            ending.leave(0)
+        if time.monotonic() - began > busy:
+            raise LeftOut(f"member {me} asked to join the elastic job and was not admitted within "
+                          f"AUTODIST_BUSY_TIMEOUT={busy:g} s: the others take no step (stuck, or busy alone)")
+        time.sleep(0.05)
+    generation = int(store.get(key).decode())
+    members = tuple(int(r) for r in store.get(f"{generation}/members").decode().split(",") if r)
+    state = Elastic(store, me, members, timeout, busy, generation)
+    state.joined_with = store.get(f"{generation}/state")
+    return state
 
 
 def current() -> Elastic | None:

@@ -157,6 +157,23 @@ def elastic(env: Mapping[str, str] = os.environ) -> bool:
     return text == "1"
 
 
+def elastic_join(env: Mapping[str, str] = os.environ) -> int | None:
+    """The member number of a rank the launcher restarted into a running elastic job, which joins the others
+    (``AUTODIST_ELASTIC_JOIN``, set by ``autodist run --elastic --max-restarts K``); None for a rank that
+    started with them.
+
+    Example:
+        >>> elastic_join({"AUTODIST_ELASTIC_JOIN": "3"}), elastic_join({})
+        (3, None)
+    """
+    text = env.get("AUTODIST_ELASTIC_JOIN")
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"AUTODIST_ELASTIC_JOIN={text!r}: the launcher sets it to the joining rank's number")
+    return int(text)
+
+
 def busy_timeout(env: Mapping[str, str] = os.environ) -> float:
     """Seconds a rank waiting in a collective waits for a rank that is alive and in its own code (evaluating,
     saving or logging alone; its heartbeat goes on) before the watchdog stops every rank:

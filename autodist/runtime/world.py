@@ -214,6 +214,14 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> World:
         _world = World(0, 1, 0, 1, device, chosen, launch.launcher, why)
         return _world
     chosen, why = choose_backend(backend, gpus, launch.local_size)
+    if environment.elastic_join() is not None:
+        # restarted into a running elastic job: the others' default group is gone for good; this rank's own is
+        # a group of one, and it sums with them over the group of the generation that admits it
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        atexit.register(ending.shutdown)
+        _world = World(launch.rank, launch.size, launch.local_rank, launch.local_size, device, chosen,
+                       launch.launcher, why)
+        return _world
     host, port = rendezvous_address(launch)
     host = f"[{host}]" if ":" in host else host
     dist.init_process_group(chosen, init_method=f"tcp://{host}:{port}", rank=launch.rank,

@@ -513,6 +513,9 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
     _check_model(model)
     _check_optimizer(optimizer)
     world = init()
+    state = elastic.current()
+    if state is not None and state.joined_epoch is not None:  # the members' live state, not the file: loaded
+        return _joined(defaults, state.joined_epoch)
     if not _found_on_every_rank(path, world):
         if world.rank == 0:
             log.info("no checkpoint at %s yet: starting from the beginning", path)
@@ -521,6 +524,17 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
     if world.rank == 0:
         log.info("resumed from %s (%s)", path, ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()) or "no extras")
     return {**defaults, **extra}
+
+
+def _joined(defaults: dict[str, Any], epoch: int) -> dict[str, Any]:
+    """What ``resume`` returns on a rank that joined a running elastic job: the members' epoch in progress as
+    ``epoch``; other extras as their defaults, said once (their live values are the script's own)."""
+    others = sorted(k for k in defaults if k != "epoch")
+    if others:
+        log.warning("autodist.resume on a rank that joined a running elastic job: the model, optimizer and loader "
+                    "come from the other ranks, epoch=%d is theirs, and %s come back as the defaults given (their "
+                    "live values are the script's own)", epoch, ", ".join(others))
+    return {**defaults, **({"epoch": epoch} if "epoch" in defaults else {})}
 
 
 # -- dense state for other checkpoint formats (a framework's own saving and loading) --------------

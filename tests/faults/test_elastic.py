@@ -1,7 +1,7 @@
 """Elastic data parallelism on real ranks under ``autodist run --elastic``: ranks lost at chosen points (SIGKILL
 mid-backward, inside the optimizer step, between steps; rank 0, which would otherwise host the store; two in one
 run; one frozen by SIGSTOP), and the ranks left finish the same training as one process, in float64; a rank busy
-alone past the timeout is waited for, not lost."""
+alone past the timeout is waited for, not lost; a rank restarted by the launcher joins back, exactly."""
 import os
 import subprocess
 import sys
@@ -15,8 +15,10 @@ SCRIPT = os.path.join(os.path.dirname(HERE), "elastic_train.py")  # tests/elasti
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, *args: str, ranks: int = 3, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", "-n", str(ranks), SCRIPT, *args],
+def _run(tmp_path, *args: str, ranks: int = 3, env: dict | None = None, restarts: int = 0) -> subprocess.CompletedProcess:
+    launch = ["--max-restarts", str(restarts)] if restarts else []
+    return subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", *launch, "-n", str(ranks), SCRIPT,
+                           *args],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path,
                           env=os.environ | {"AUTODIST_TIMEOUT": "6", "AUTODIST_EXIT_TIMEOUT": "10"} | (env or {}))
 
@@ -67,6 +69,20 @@ def test_the_ranks_left_finish_the_same_training(tmp_path, reference, kills, los
             assert state["taken"] == reference["taken"] + len(lost)
 
 
+def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path, reference):
+    # --max-restarts 1: rank 2 dies at step 3 and is started again; it joins at a step boundary with rank 0's
+    # weights, momentum, scheduler and data position, and every rank ends as one process does
+    proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", env={"STEP_S": "0.4"}, restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "rank 2 ended (killed by SIGKILL); restarted (1 of 1), it joins the others after their next step" in said
+    assert "member 3 joined at a step boundary" in said and "ranks 0, 1, 3 go on as generation 2" in said, said
+    for rank in range(3):
+        state = torch.load(tmp_path / f"out.{rank}")
+        _same_training(state, reference)
+    assert torch.load(tmp_path / "out.2")["taken"] < reference["taken"]  # it joined mid-run, from where the others were
+
+
 def test_a_loss_at_an_epoch_boundary_keeps_the_next_epochs_order(tmp_path):
     # rank 1 dies after the last step of epoch 0: the first sync of epoch 1 is abandoned, that epoch is taken
     # up from its first batch (its order drawn again on its generators), and epoch 2 draws as one process
@@ -97,7 +113,7 @@ def test_a_rank_busy_alone_past_the_timeout_is_waited_for(tmp_path, reference):
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert "generation 1 waits for rank 0, alive in its own code" in said
-    assert "while a rank was busy in its own code past AUTODIST_TIMEOUT" in said and "lost" not in said
+    assert "while a rank was busy in its own code past AUTODIST_TIMEOUT" in said and "elastic: lost" not in said
     for rank in range(3):
         state = torch.load(tmp_path / f"out.{rank}")
         _same_training(state, reference)

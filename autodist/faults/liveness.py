@@ -1,0 +1,99 @@
+"""Which ranks of an elastic job are alive (:mod:`autodist.faults.elastic`): each rank's heartbeat, how long a
+regroup waits for a missing rank, and the end of the script, where nobody waits for a rank that is gone.
+
+Example:
+    >>> beat(store, rank=2)                        # a thread raising beat/2 in the store every second
+    >>> Alive(store, 60.0, 1800.0).given_up([2], generation=1, speaks=True)
+    False
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from autodist.runtime import ending
+from autodist.runtime.world import log
+
+FINISHED = "finished"  # a member reached the end of its script: a rank still waiting to join leaves
+
+
+def named(ranks: Any, word: str = "rank") -> str:
+    """``ranks`` in words: "rank 2", "ranks 0, 1", "none"."""
+    ranks = list(ranks)
+    return "none" if not ranks else f"{word}{'s' if len(ranks) > 1 else ''} " + ", ".join(map(str, ranks))
+
+
+class Alive:
+    """Which missing members of a regroup are still waited for: a rank whose heartbeat goes on (alive in its own
+    code: evaluating or saving alone) up to ``AUTODIST_BUSY_TIMEOUT``, a silent one up to ``AUTODIST_TIMEOUT``."""
+
+    def __init__(self, store: Any, timeout: float, busy: float) -> None:
+        self.store, self.timeout, self.busy = store, timeout, busy
+        self.began = self.looked = self.said = time.monotonic()
+        self.beats: dict[int, tuple[int, float]] = {}  # rank: (its count, when it last moved)
+
+    def given_up(self, missing: list[int], generation: int, speaks: bool) -> bool:
+        """Whether to stop waiting for ``missing``; ``speaks``: this rank says, once a minute, who is waited for."""
+        now = time.monotonic()
+        if now - self.looked < 0.5 and self.beats:
+            return False
+        self.looked = now
+        for rank in missing:
+            count = self.store.add(f"beat/{rank}", 0)
+            if self.beats.get(rank, (None, 0.0))[0] != count:
+                self.beats[rank] = (count, now)
+        busy = [r for r in missing if now - self.beats[r][1] <= self.timeout]
+        if not busy:
+            return now - self.began > self.timeout
+        if now - self.began > self.busy:
+            return True
+        if speaks and (now - self.said > 60 or (self.said == self.began and now - self.began > self.timeout)):
+            self.said = now
+            log.warning("elastic: generation %d waits for %s, alive in its own code (its heartbeat goes on): up to "
+                        "AUTODIST_BUSY_TIMEOUT=%g s", generation, named(busy), self.busy)
+        return False
+
+
+def beat(store: Any, rank: int, every: float = 1.0) -> None:
+    """This rank's heartbeat, in a thread of its own, on a store client of its own: a count raised every
+    ``every`` seconds while the process runs (a frozen process's stops)."""
+    def beating() -> None:
+        while True:
+            try:
+                store.add(f"beat/{rank}", 1)
+            except Exception:  # noqa: BLE001 - the store (the launcher) is gone: the job is ending
+                return
+            time.sleep(every)
+    threading.Thread(target=beating, name="autodist-elastic-heartbeat", daemon=True).start()
+
+
+class Meeting:
+    """The end of the script (:mod:`autodist.runtime.ending`): each member of the last generation arrives, and
+    nobody waits for a rank the launcher saw end."""
+
+    busy_words = ""
+
+    def __init__(self, state: Elastic) -> None:
+        self.state = state
+
+    def _waiting_for(self) -> list[int]:
+        here = {int(r) for r in self.state.store.get("end").decode().split(",") if r}
+        gone = self.state.gone()
+        return [r for r in self.state.members if r not in here and r not in gone]
+
+    def arrive(self) -> None:
+        self.state.store.set(FINISHED, "1")
+        self.state.store.append("end", f"{self.state.me},")
+        while self._waiting_for():
+            time.sleep(0.05)
+
+    def missing(self) -> str:
+        return f"{named(self._waiting_for())} of the elastic job did not reach the end of the script"
+
+    def give_up(self, message: str) -> None:
+        log.error("%s", message)
+        ending.leave(1, message)
+
+    def busy_line(self, waited: float) -> str | None:
+        return None  # no heartbeats in elastic mode: a missing rank cannot be told busy from hung
