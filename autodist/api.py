@@ -202,25 +202,31 @@ def _check_hand_placed_groups(model: nn.Module, dims: ParallelDims, world: World
 
 
 def _start_elastic(world: World, dims: ParallelDims, shard: str | None, strategy: sync_mod.Strategy,
-                   data: data_mod.DataLike) -> None:
-    """Under ``autodist run --elastic``: check that this layout can lose a rank and go on, then join the elastic
-    state (:mod:`autodist.faults.elastic`), which replaces the watchdog."""
+                   data: data_mod.DataLike) -> bool:
+    """Under ``autodist run --elastic``: join the elastic state (:mod:`autodist.faults.elastic`), which replaces
+    the watchdog, and True; or, for a job that cannot go on without a lost rank, say so and False: it falls back
+    to a restart of every rank from its last checkpoint."""
+    why = _not_elastic(world, dims, shard, strategy, data)
+    if why is not None:
+        elastic.fall_back(environment.launch(), world.rank, why)
+        return False
+    elastic.start(world, environment.launch(), hang_timeout(), busy_timeout())
+    return True
+
+
+def _not_elastic(world: World, dims: ParallelDims, shard: str | None, strategy: sync_mod.Strategy,
+                 data: data_mod.DataLike) -> str | None:
+    """Why this job cannot go on without a lost rank, or None."""
     layout = [what for what, used in (("mp", dims.mp > 1), ("pp", dims.pp > 1), (f"shard={shard!r}", shard),
                                       (type(strategy).__name__, not isinstance(strategy, sync_mod.Exact))) if used]
     if layout:
-        raise ValueError(f"autodist run --elastic goes on after a lost rank with plain data parallelism only; this "
-                         f"layout has {', '.join(layout)}, whose state a lost rank takes with it. Run it without "
-                         f"--elastic and resume from the last checkpoint (autodist.save / autodist.resume, "
-                         f"docs/checkpoints.md), or drop those options (docs/elastic.md)")
+        return f"its layout has {', '.join(layout)}, whose state a lost rank takes with it"
     if world.backend != "gloo":
-        raise ValueError(f"autodist run --elastic needs the gloo backend, whose all-reduce fails where a peer is "
-                         f"lost and whose wait blocks until it did or failed; this job uses {world.backend!r}: "
-                         f"pass backend='gloo' to parallelize, or run without --elastic (docs/elastic.md)")
+        return f"it runs on {world.backend!r}, where a lost peer's collective neither fails nor can be left"
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
-        raise ValueError(f"autodist run --elastic splits each global batch over the ranks left, so it needs the "
-                         f"data as a DataLoader over a map-style Dataset, passed to parallelize; got "
-                         f"{_kind(data)}. Wrap it: DataLoader(TensorDataset(x, y), batch_size=...) (docs/elastic.md)")
-    elastic.start(world, environment.launch(), hang_timeout(), busy_timeout())
+        return (f"its data is {_kind(data)}, which cannot be split again over the ranks left: pass a DataLoader "
+                f"over a map-style Dataset to parallelize")
+    return None
 
 
 def _elastic_loader(model: nn.Module, loader: Any, sync_state: Any) -> None:
@@ -582,14 +588,12 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         if loss_fn is not None:  # model(x, target=y) is the loss, as under pp
             pp_pipeline.with_loss(model, loss_fn)
         return model, data_mod.in_one_process(data, dim)
-    elastic_job = environment.elastic()
-    if not elastic_job:
-        watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # a hang becomes a named error
     wrappers.refuse_inside_lightning(model)
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp, pp)
-    if elastic_job:
-        _start_elastic(world, dims, shard, strategy, data)
+    elastic_job = environment.elastic() and _start_elastic(world, dims, shard, strategy, data)
+    if not elastic_job:
+        watchdog.start(world.rank, world.size, hang_timeout(), busy_timeout())  # a hang becomes a named error
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     share = elastic_data.ElasticOrder() if elastic_job else partial(data_mod.broadcast_order, device=world.device)

@@ -8,6 +8,8 @@ SIGKILLs itself in the middle of epoch 2 unless the marker file exists (it
 writes the marker, holding the time, first): the first attempt dies, the
 restarted one resumes. Rank 0 saves the final state dict, the epoch it resumed
 from, the restart count and the seconds from the kill to the resumed training.
+RESTART_LAYOUT=shard-optimizer parallelizes with shard="optimizer" (tests/faults/test_elastic.py: a layout
+that cannot go on without a lost rank, under autodist run --elastic).
 """
 import os
 import signal
@@ -40,7 +42,8 @@ def main(checkpoint: str, out: str, marker: str | None) -> None:
     torch.manual_seed(0)
     x, y = w.digits_like(48)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)  # the global RNG: load restores it
-    model, data = autodist.parallelize(w.mlp(), loader)
+    layout = {"shard": "optimizer"} if os.environ.get("RESTART_LAYOUT") == "shard-optimizer" else {}
+    model, data = autodist.parallelize(w.mlp(), loader, **layout)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
     start = autodist.resume(checkpoint, model, optimizer, epoch=0)["epoch"]

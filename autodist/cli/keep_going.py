@@ -13,7 +13,10 @@ There, this process hosts the rendezvous store (it outlives every rank) and
 adds each rank that ends badly to the store's list of gone ranks at once, so
 that the others leave the step in flight and go on without it. Across
 machines (:class:`Node`) each machine's launcher starts its own ranks, node
-0's hosts the store and the others report to it.
+0's hosts the store and the others report to it. With ``--max-restarts K`` a
+lost rank is started again and joins the others; a job that cannot go on
+without a lost rank (its ranks say so in the store) has every rank started
+again instead, on a fresh store, to resume from its last checkpoint.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import dataclasses
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -78,14 +82,18 @@ class _Store:
     def __init__(self, addr: str, port: int, hosts: bool) -> None:
         import torch.distributed as dist
 
-        from autodist.faults.elastic import GONE, PREFIX
+        from autodist.faults.elastic import FALLBACK, GONE, PREFIX
 
         self.store = dist.TCPStore(addr, port, is_master=hosts, wait_for_workers=False, multi_tenant=True,
                                    timeout=timedelta(minutes=10))
-        self.gone_key = f"{PREFIX}/{GONE}"
+        self.gone_key, self.fallback_key = f"{PREFIX}/{GONE}", f"{PREFIX}/{FALLBACK}"
 
     def gone(self, rank: int) -> None:
         self.store.append(self.gone_key, f"{rank},")
+
+    def fell_back(self) -> str | None:
+        """Why the job cannot go on without a lost rank, if its ranks said so (it restarts every rank instead)."""
+        return self.store.get(self.fallback_key).decode() if self.store.check([self.fallback_key]) else None
 
 
 def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED, elastic: bool = False,
@@ -158,7 +166,22 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                     ended[rank] = time.time()
                     if store is not None and p.returncode != 0:
                         store.gone(first + rank)
-                        if len(ended) < nproc and restarted < restarts:
+                        why = store.fell_back()
+                        if why is not None and restarted < restarts and node.count == 1:
+                            restarted += 1
+                            print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); this job cannot "
+                                  f"go on without it ({why}): every rank starts again, to resume from its last "
+                                  f"checkpoint ({restarted} of {restarts})", file=sys.stderr, flush=True)
+                            for other in procs:
+                                other.kill()
+                                other.wait()
+                            node = dataclasses.replace(node, port=_free_port())  # a fresh store: a new rendezvous
+                            store = _Store(node.addr, node.port, hosts=True)
+                            base["TORCHELASTIC_RESTART_COUNT"] = str(restarted)
+                            procs[:] = [start(r) for r in range(nproc)]
+                            ended.clear()
+                            break
+                        if why is None and len(ended) < nproc and restarted < restarts:
                             restarted += 1  # a member number no rank had: node.count * nproc and up, per node
                             join = node.count * nproc + node.rank + node.count * (restarted - 1)
                             print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); restarted "
@@ -166,7 +189,7 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                                   file=sys.stderr, flush=True)
                             procs[rank] = start(rank, join)
                             del ended[rank]
-                        elif len(ended) < nproc:
+                        elif why is None and len(ended) < nproc:
                             print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); the other ranks go "
                                   f"on without it (--elastic)", file=sys.stderr, flush=True)
             time.sleep(0.05)

@@ -53,6 +53,7 @@ from autodist.runtime.world import World, log
 PREFIX = "autodist/elastic"  # the launcher writes gone ranks under it (see autodist.cli.keep_going)
 GONE = "gone"  # "3,5," the ranks the launcher saw end badly
 JOIN = "join"  # "6," the ranks (restarted by the launcher) waiting to join, admitted at the next step boundary
+FALLBACK = "fallback"  # why this job cannot go on without a lost rank: the launcher restarts every rank instead
 
 
 class GaveUp(RuntimeError):
@@ -253,6 +254,19 @@ def start(world: World, launch: Launch, timeout: float, busy: float) -> Elastic:
             _join(client(), me, timeout, busy)
         ending.use_meeting(Meeting(_elastic))
     return _elastic
+
+
+def fall_back(launch: Launch, rank: int, why: str) -> None:
+    """A job under ``--elastic`` that cannot go on without a lost rank (``why``): it runs as without
+    ``--elastic`` (the watchdog names a lost rank and every rank stops), and the launcher, told through the
+    store, starts every rank again to resume from the last checkpoint (``--max-restarts``)."""
+    host, port = rendezvous_address(launch)
+    client = dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60)))
+    client.set(FALLBACK, why)
+    if rank == 0:
+        log.warning("elastic: this job cannot go on without a lost rank (%s); a lost rank stops every rank, and "
+                    "with --max-restarts the launcher starts them all again, to resume from the last checkpoint "
+                    "(autodist.resume: docs/checkpoints.md)", why)
 
 
 def _join(store: Any, me: int, timeout: float, busy: float) -> Elastic:

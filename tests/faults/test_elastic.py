@@ -120,14 +120,27 @@ def test_a_rank_busy_alone_past_the_timeout_is_waited_for(tmp_path, reference):
         assert state["taken"] == reference["taken"] + 1
 
 
-def test_a_layout_that_cannot_lose_a_rank_is_refused(tmp_path):
-    script = tmp_path / "sharded.py"
-    script.write_text("import torch, autodist\n"
-                      "from torch.utils.data import DataLoader, TensorDataset\n"
-                      "data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)\n"
-                      "autodist.parallelize(torch.nn.Linear(2, 2), data, shard='optimizer')\n")
-    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", "-n", "2", str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "--elastic goes on after a lost rank with plain data parallelism only; this layout has " \
-           "shard='optimizer'" in proc.stderr
+def test_a_layout_that_cannot_lose_a_rank_restarts_every_rank_from_its_checkpoint(tmp_path):
+    # shard="optimizer" under --elastic: a lost rank takes its shard with it, so the launcher, told so by the
+    # ranks, starts every rank again and the script resumes from its checkpoint: bit-identical to a run that
+    # never failed (tests/restart_train.py, rank 1 killed in epoch 2, a checkpoint after each epoch)
+    script = os.path.join(os.path.dirname(HERE), "restart_train.py")
+    env = os.environ | {"RESTART_LAYOUT": "shard-optimizer", "OMP_NUM_THREADS": "1",
+                        "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for name, launch, marker in (("killed", ["--elastic", "--max-restarts", "1"], [str(tmp_path / "marker")]),
+                                 ("straight", [], [])):
+        (tmp_path / name).mkdir()
+        runs[name] = subprocess.run([sys.executable, "-m", "autodist", "run", *launch, "-n", "2", script,
+                                     str(tmp_path / name / "ckpt.pt"), str(tmp_path / name / "out.pt"), *marker],
+                                    capture_output=True, text=True, timeout=240, env=env)
+        assert runs[name].returncode == 0, runs[name].stdout[-2000:] + runs[name].stderr[-3000:]
+    said = runs["killed"].stdout + runs["killed"].stderr
+    assert "this job cannot go on without a lost rank (its layout has shard='optimizer'" in said, said[-3000:]
+    assert "rank 1 ended (killed by SIGKILL); this job cannot go on without it" in said, said[-3000:]
+    assert "every rank starts again, to resume from its last checkpoint (1 of 1)" in said
+    restarted = torch.load(tmp_path / "killed" / "out.pt", weights_only=True)
+    reference = torch.load(tmp_path / "straight" / "out.pt", weights_only=True)
+    assert (restarted["restarts"], restarted["resumed_from"]) == (1, 2)
+    for name, value in reference["state"].items():
+        assert torch.equal(restarted["state"][name], value), name
