@@ -28,6 +28,7 @@ from autodist.planner.memory import replicated_need
 from autodist.planner.plan import Auto, Layout, ParallelPlan, size_text
 from autodist.pp import cut as pp_cut
 from autodist.pp import pipeline as pp_pipeline
+from autodist.ps.strategy import ParameterServer
 from autodist.runtime import environment
 from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups, replica_group, second_dp_group
@@ -206,6 +207,11 @@ def _start_elastic(world: World, dims: ParallelDims, shard: str | None, strategy
     """Under ``autodist run --elastic``: join the elastic state (:mod:`autodist.faults.elastic`), which replaces
     the watchdog, and True; or, for a job that cannot go on without a lost rank, say so and False: it falls back
     to a restart of every rank from its last checkpoint."""
+    if isinstance(strategy, ParameterServer):
+        if world.rank == 0:
+            log.info("elastic: parameter-server training goes on without a lost worker by itself, as under "
+                     "--keep-going (docs/parameter-server.md)")
+        return False
     why = _not_elastic(world, dims, shard, strategy, data)
     if why is not None:
         elastic.fall_back(environment.launch(), world.rank, why)
