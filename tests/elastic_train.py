@@ -40,10 +40,13 @@ def main(out: str, kills: str, epochs: int) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     mine = [(int(s), where) for r, s, where in (k.split(":") for k in kills.split(",") if k) if int(r) == rank]
     if os.environ.get("AUTODIST_ELASTIC_JOIN"):
-        mine = []  # restarted to join the others: it lives
+        mine = []  # started again to join the others: it lives
     taken = 0
     # written for restarts: a rank that joins a running elastic job gets the others' epoch (no file is read)
+    joining = bool(os.environ.get("AUTODIST_ELASTIC_JOIN"))
     for _ in range(autodist.resume(f"{out}.never-saved", net, opt, epoch=0)["epoch"], epochs):
+        if not joining:  # EPOCH_S: the ranks that started together come late to each epoch (a joiner draws first)
+            time.sleep(float(os.environ.get("EPOCH_S", "0")))
         for x, y in data:
             die = next((where for s, where in mine if s == taken), None)
             taken += 1

@@ -342,6 +342,8 @@ def _node_options(options: list[str], args: argparse.Namespace) -> tuple[list[st
     if not given:
         return rest, None
     nodes = str(args.nnodes)
+    low, _, high = nodes.partition(":")
+    nodes = low if high in ("", low) else nodes  # torchrun's "1:1" (its default) is 1
     if not nodes.isdigit() or int(nodes) < 1:
         raise UsageError(f"--elastic takes a fixed --nnodes N across machines, got {nodes!r}")
     if args.rdzv_endpoint:

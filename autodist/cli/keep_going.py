@@ -82,18 +82,29 @@ class _Store:
     def __init__(self, addr: str, port: int, hosts: bool) -> None:
         import torch.distributed as dist
 
-        from autodist.faults.elastic import FALLBACK, GONE, PREFIX
+        from autodist.faults.elastic import FALLBACK, GONE, JOINABLE, PREFIX
+        from autodist.faults.liveness import FINISHED
 
         self.store = dist.TCPStore(addr, port, is_master=hosts, wait_for_workers=False, multi_tenant=True,
                                    timeout=timedelta(minutes=10))
-        self.gone_key, self.fallback_key = f"{PREFIX}/{GONE}", f"{PREFIX}/{FALLBACK}"
+        self.keys = {name: f"{PREFIX}/{key}" for name, key in
+                     (("gone", GONE), ("fallback", FALLBACK), ("joinable", JOINABLE), ("finished", FINISHED))}
 
-    def gone(self, rank: int) -> None:
-        self.store.append(self.gone_key, f"{rank},")
+    def gone(self, member: int) -> None:
+        """Report a lost member (quietly where the store is gone: node 0's launcher ended with the job)."""
+        try:
+            self.store.append(self.keys["gone"], f"{member},")
+        except Exception:  # noqa: BLE001
+            pass
 
-    def fell_back(self) -> str | None:
-        """Why the job cannot go on without a lost rank, if its ranks said so (it restarts every rank instead)."""
-        return self.store.get(self.fallback_key).decode() if self.store.check([self.fallback_key]) else None
+    def said(self, name: str) -> str | None:
+        """What the ranks wrote under ``name`` ("fallback": why the job cannot go on without a lost rank;
+        "joinable": a lost rank may be started again to join; "finished": a rank reached its end), or None."""
+        try:
+            key = self.keys[name]
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store is gone: the job ended
+            return None
 
 
 def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABELLED, elastic: bool = False,
@@ -139,7 +150,8 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
         return proc
 
     procs = [start(rank) for rank in range(nproc)]
-    restarted = 0  # elastic: ranks restarted to join the others, out of ``restarts``
+    member = {rank: first + rank for rank in range(nproc)}  # elastic: each slot's number among the members
+    restarted = 0  # elastic: restarts used, out of ``restarts``
     stopped: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -165,8 +177,9 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                 if rank not in ended and p.poll() is not None:
                     ended[rank] = time.time()
                     if store is not None and p.returncode != 0:
-                        store.gone(first + rank)
-                        why = store.fell_back()
+                        store.gone(member[rank])
+                        why = store.said("fallback")
+                        joinable = store.said("joinable") is not None and store.said("finished") is None
                         if why is not None and restarted < restarts and node.count == 1:
                             restarted += 1
                             print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); this job cannot "
@@ -179,17 +192,19 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                             store = _Store(node.addr, node.port, hosts=True)
                             base["TORCHELASTIC_RESTART_COUNT"] = str(restarted)
                             procs[:] = [start(r) for r in range(nproc)]
+                            member.update({r: first + r for r in range(nproc)})
                             ended.clear()
                             break
-                        if why is None and len(ended) < nproc and restarted < restarts:
+                        if joinable and restarted < restarts:
                             restarted += 1  # a member number no rank had: node.count * nproc and up, per node
                             join = node.count * nproc + node.rank + node.count * (restarted - 1)
+                            member[rank] = join
                             print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); restarted "
                                   f"({restarted} of {restarts}), it joins the others after their next step",
                                   file=sys.stderr, flush=True)
                             procs[rank] = start(rank, join)
                             del ended[rank]
-                        elif why is None and len(ended) < nproc:
+                        elif len(ended) < nproc and why is None:
                             print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); the other ranks go "
                                   f"on without it (--elastic)", file=sys.stderr, flush=True)
             time.sleep(0.05)

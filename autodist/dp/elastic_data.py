@@ -50,6 +50,7 @@ def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: 
     if state is None:
         raise RuntimeError("elastic_data.epoch runs in an elastic job only (autodist run --elastic)")
     position, sampler = loader.position, loader.batch_sampler
+    joining.settle(loader.elastic_model())  # a rank that joined: its optimizers take the members' state now
     resuming = position.begin()
     number, began = position.epoch, dict(position.began)
     order: ElasticOrder | None = getattr(loader, "order", None)

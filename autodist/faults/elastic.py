@@ -54,6 +54,7 @@ PREFIX = "autodist/elastic"  # the launcher writes gone ranks under it (see auto
 GONE = "gone"  # "3,5," the ranks the launcher saw end badly
 JOIN = "join"  # "6," the ranks (restarted by the launcher) waiting to join, admitted at the next step boundary
 FALLBACK = "fallback"  # why this job cannot go on without a lost rank: the launcher restarts every rank instead
+JOINABLE = "joinable"  # the job is elastic: the launcher may start a lost rank again, to join the others
 
 
 class GaveUp(RuntimeError):
@@ -130,19 +131,32 @@ class Elastic:
         the loop asks for its next batch): the next generation is the members and the ranks waiting, in that
         order; the first member sends them ``state()`` (the model, the optimizers, the loaders' places)."""
         nxt = self.generation + 1
+        self.admitting = False
         if self.rank == 0:
-            text = self.store.get(JOIN).decode()
-            self.store.compare_set(JOIN, text, "")  # a rank that asks meanwhile waits for the next admission
-            joiners = [int(r) for r in text.split(",") if r and int(r) not in self.members]
+            while True:  # take the whole list; a rank that asks meanwhile is in the next take, or the next admission
+                text = self.store.get(JOIN).decode()
+                if self.store.compare_set(JOIN, text, "").decode() == "":
+                    break
+            gone = self.gone()
+            joiners = [int(r) for r in text.split(",") if r and int(r) not in self.members and int(r) not in gone]
+            taken = ",".join(map(str, [*self.members, *joiners]))
             self.store.set(f"{nxt}/state", state())
-            self.store.compare_set(f"{nxt}/members", "", ",".join(map(str, [*self.members, *joiners])))
+            self.store.compare_set(f"{nxt}/members", "", taken)
             for rank in joiners:
                 self.store.set(f"joined/{rank}", str(nxt))
-        self.store.wait([f"{nxt}/members"], timedelta(seconds=self.busy))
+        try:
+            self.store.wait([f"{nxt}/members"], timedelta(seconds=self.timeout))
+        except dist.DistStoreError:  # the first member was lost before it wrote them: meet without it
+            self.regroup(None)
+            return
         fixed = tuple(int(r) for r in self.store.get(f"{nxt}/members").decode().split(",") if r)
         joined = [r for r in fixed if r not in self.members]
-        self.generation, self.members, self.syncs, self.admitting = nxt, fixed, 0, False
-        self.group = self._group()
+        self.generation, self.members, self.syncs = nxt, fixed, 0
+        try:
+            self.group = self._group()
+        except Exception as exc:  # noqa: BLE001 - a member or a joining rank was lost as the group formed
+            self.regroup(exc)
+            return
         if self.rank == 0:
             log.warning("elastic: %s joined at a step boundary (a rank the launcher started again), with the "
                         "weights, optimizer state and data position of rank %d; %s go on as generation %d, each "
@@ -252,6 +266,7 @@ def start(world: World, launch: Launch, timeout: float, busy: float) -> Elastic:
         beat(client(), world.rank if me is None else me)
         _elastic = Elastic(client(), world.rank, tuple(range(world.size)), timeout, busy) if me is None else \
             _join(client(), me, timeout, busy)
+        _elastic.store.set(JOINABLE, "1")
         ending.use_meeting(Meeting(_elastic))
     return _elastic
 

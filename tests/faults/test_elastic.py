@@ -69,10 +69,14 @@ def test_the_ranks_left_finish_the_same_training(tmp_path, reference, kills, los
             assert state["taken"] == reference["taken"] + len(lost)
 
 
-def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path, reference):
+def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path):
     # --max-restarts 1: rank 2 dies at step 3 and is started again; it joins at a step boundary with rank 0's
-    # weights, momentum, scheduler and data position, and every rank ends as one process does
-    proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", env={"STEP_S": "0.4"}, restarts=1)
+    # weights, momentum, scheduler, data position and random generator, and every rank ends as one process
+    # does, over 3 epochs whose orders the global generator draws (the others come late to each epoch, so that
+    # the joining rank draws the next order first)
+    reference = _one_process(tmp_path, epochs=3)
+    proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", "3", env={"STEP_S": "0.3", "EPOCH_S": "1.0"},
+                restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert "rank 2 ended (killed by SIGKILL); restarted (1 of 1), it joins the others after their next step" in said
