@@ -26,7 +26,7 @@ from autodist.dp import step_hooks
 
 _pending = False  # a sync was abandoned and no sync was applied since
 _skipped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # stepped while pending
-_wrapped: list[tuple[type, Callable[..., Any]]] = []  # (class, its own step before)
+_installed = False  # the listener and the schedulers' wrapped step (once: elastic mode only)
 _schedulers: list[weakref.ref] = []  # every LR scheduler, in the order made (its __init__ steps it once)
 
 
@@ -62,12 +62,13 @@ def _unless_abandoned(step: Callable[..., Any]) -> Callable[..., Any]:
 
 def install() -> None:
     """Listen to every optimizer step and wrap the schedulers' ``step`` (once; elastic mode only)."""
-    if _wrapped:
+    global _installed
+    if _installed:
         return
+    _installed = True
     step_hooks.listen(_listener)
     for cls in vars(lr_scheduler).values():
         if isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler) and "step" in vars(cls):
-            _wrapped.append((cls, cls.step))
             cls.step = _unless_abandoned(cls.step)  # type: ignore[method-assign]
 
 

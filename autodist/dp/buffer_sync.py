@@ -77,12 +77,8 @@ class BufferSync:
     def restore(self) -> None:
         """Every buffer back to what it was at the last sync: the forward of a step no rank applies (elastic
         mode: a rank was lost) changed them on this rank alone."""
+        self.snapshot.put_back(self.buffers())
         with torch.no_grad():
-            for key, flat in self.snapshot.flat.items():
-                now = [b for b in self.buffers() if (b.dtype, b.device) == key]
-                if [b.numel() for b in now] == self.snapshot.sizes.get(key):
-                    for b, kept in zip(now, flat.split(self.snapshot.sizes[key])):
-                        b.copy_(kept.view_as(b))
             for b, kept in self.counts:
                 b.copy_(kept)
 
@@ -154,16 +150,22 @@ class _Snapshot:
 
     def take(self, buffers: list[torch.Tensor]) -> None:
         """Record these buffers (all of their dtypes and devices) as they are now."""
-        by_key: dict[Key, list[torch.Tensor]] = {}
-        for b in buffers:
-            by_key.setdefault((b.dtype, b.device), []).append(b)
-        for key, group in by_key.items():
+        for key, group in _by_key(buffers).items():
             self.flat[key] = torch.cat([b.detach().reshape(-1) for b in group])
             sizes = [b.numel() for b in group]
             if self.sizes.get(key) != sizes:  # built once per layout, not at every sync
                 self.sizes[key] = sizes
                 self.segment[key] = torch.repeat_interleave(torch.arange(len(sizes), device=key[1]),
                                                             torch.tensor(sizes, device=key[1]))
+
+    def put_back(self, buffers: list[torch.Tensor]) -> None:
+        """The inverse of :meth:`take`: each buffer of a dtype and device recorded with the same sizes gets its
+        recorded contents back."""
+        with torch.no_grad():
+            for key, group in _by_key(buffers).items():
+                if key in self.flat and [b.numel() for b in group] == self.sizes.get(key):
+                    for b, kept in zip(group, self.flat[key].split(self.sizes[key])):
+                        b.copy_(kept.view_as(b))
 
     def changed(self, key: Key, data: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """One flag (1.0 or 0.0, ``data``'s dtype) per buffer of ``key`` (flattened into ``data``)."""
@@ -185,3 +187,11 @@ class _Snapshot:
             mine = self.changed(key, data, [b.numel() for b in group]).bool().to(flags.device)
             flags[torch.tensor(indices, device=flags.device)] = mine
         return flags
+
+
+def _by_key(buffers: list[torch.Tensor]) -> dict[Key, list[torch.Tensor]]:
+    """``buffers`` by dtype and device, each group in the order given."""
+    grouped: dict[Key, list[torch.Tensor]] = {}
+    for b in buffers:
+        grouped.setdefault((b.dtype, b.device), []).append(b)
+    return grouped

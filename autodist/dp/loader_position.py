@@ -116,25 +116,21 @@ def attach(model: nn.Module, loader: Any) -> None:
         _loaders.setdefault(model, []).append(weakref.ref(loader))
 
 
-def _live(model: nn.Module) -> list[Any]:
-    return [loader for ref in _loaders.get(model, []) if (loader := ref()) is not None]
-
-
 def loaders_of(model: nn.Module) -> list[Any]:
     """The loaders parallelized with ``model`` and still alive, in the order they were made."""
-    return _live(model)
+    return [loader for ref in _loaders.get(model, []) if (loader := ref()) is not None]
 
 
 def positions(model: nn.Module) -> list[dict[str, Any]]:
     """Where each loader parallelized with ``model`` stands, in the order they were made."""
-    return [loader.position.state() for loader in _live(model)]
+    return [loader.position.state() for loader in loaders_of(model)]
 
 
 def restore(model: nn.Module, saved: list[dict[str, Any]], where: str) -> None:
     """Give each loader parallelized with ``model`` its saved position (its next epoch resumes there)."""
     from autodist.runtime.world import log
 
-    live = _live(model)
+    live = loaders_of(model)
     mid = [s for s in saved if s["rng"] is not None]
     if len(live) != len(saved) and mid:
         log.warning("%s holds the position of %d data loader(s) (%s) and %d were parallelized with this model: "

@@ -53,3 +53,17 @@ def test_schedulers_with_their_own_step_are_held_too():
         assert (opt.param_groups[0]["lr"], plateau.num_bad_epochs, warm.last_epoch) == (lr, bad, last)
     finally:
         abandoned.committed()
+
+
+def test_an_abandoned_forward_leaves_batchnorm_as_the_last_sync_left_it():
+    from autodist.dp.buffer_sync import BufferSync
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    buffers = BufferSync(model, enabled=True)
+    buffers.keep_counts()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    model(torch.randn(8, 3))  # training mode: running statistics and num_batches_tracked move
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    buffers.restore()
+    for name, value in model.named_buffers():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
