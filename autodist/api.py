@@ -419,6 +419,7 @@ def parallelize(
     microbatches: int | None = None,
     loss_fn: Callable[..., Any] | None = None,
     mixed_precision: precision.Precision = None,
+    batch_norm: Literal["global", "local"] = "global",
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -449,6 +450,11 @@ def parallelize(
         bucket_mb / first_bucket_mb: bucket sizes for the gradient all-reduce.
         sync_buffers: average floating-point buffers (BatchNorm running stats)
             over data-parallel ranks, weighted by samples, at every gradient sync.
+        batch_norm: "global": BatchNorm layers in training mode normalize by the
+            statistics of the global batch (one all-gather in forward and one
+            all-reduce in backward per layer), as one process does, where the
+            ranks keep the one-process training (exact sync, no pipeline stages,
+            not elastic); "local": by each rank's rows, as DDP does.
         batch_dim: the dimension that indexes samples: tensors passed as
             ``data`` are split along it (1 for word_language_model's
             (time, batch) data: each rank keeps its columns of every time
@@ -529,8 +535,9 @@ def parallelize(
         loss that is a mean over the batch. A DataLoader passed here knows each
         batch's share; other data is counted along ``batch_dim`` of the
         forward's tensors, and a backward through a forward it cannot count
-        raises, naming the arguments. BatchNorm normalises with each rank's local batch
-        statistics, as in DDP. With ``mp > 1`` every rank of a model-parallel
+        raises, naming the arguments; a loss that is a mean over valid tokens
+        (labels at -100) weights each rank by its tokens, read from the loss.
+        BatchNorm normalizes by the global batch's statistics (``batch_norm``). With ``mp > 1`` every rank of a model-parallel
         group takes the torch RNG state (CPU and CUDA) of the group's first
         rank, so dropout and other random ops draw the same numbers on all of
         them - and so does random data augmentation on torch's RNG, which must
@@ -544,7 +551,7 @@ def parallelize(
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
-                   mixed_precision=mixed_precision)
+                   mixed_precision=mixed_precision, batch_norm=batch_norm)
     if plan is not None and pp != 1:
         raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
                          f"yourself")
@@ -571,12 +578,15 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
            pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
            loss_fn: Callable[..., Any] | None = None, mixed_precision: precision.Precision = None,
-           announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
+           batch_norm: str = "global", announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
     compute = precision.compute_dtype(mixed_precision)
     precision.check(model, compute)
     _check_options(mp, bucket_mb, first_bucket_mb, sync_buffers, backend)
+    if batch_norm not in ("global", "local"):
+        raise ValueError(f"batch_norm must be 'global' (BatchNorm normalizes by the global batch's statistics, as "
+                         f"one process) or 'local' (by each rank's rows, as DDP), got {batch_norm!r}")
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
     _check_pipeline(pp, stages, microbatches, strategy, shard, loss_fn)
@@ -647,6 +657,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB))
+        if batch_norm == "global" and cut is None and not elastic_job and isinstance(strategy, sync_mod.Exact):
+            sync_state.couple_batch_norm()  # type: ignore[union-attr]
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if elastic_job:

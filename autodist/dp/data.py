@@ -123,7 +123,10 @@ class RankSliceBatchSampler(Sampler[list]):
     """Yields this rank's contiguous slice of each global batch of ``batch_sampler``.
 
     All ranks iterate the same global batch sampler, so they agree on every
-    batch; a slice may be empty when a global batch is smaller than the ranks.
+    batch. Where a global batch is smaller than the ranks, a rank that holds
+    none of it gets its first sample as a stand-in, with a count of 0: the
+    model never runs on an empty batch, and that rank's gradient is zero
+    (:meth:`autodist.dp.grad_sync.GradSync._reached`).
     Each iteration records, in order, the share (slice length, global batch
     length) of every slice it yields, for :class:`ShardedLoader` to hand over
     with the batch.
@@ -149,7 +152,7 @@ class RankSliceBatchSampler(Sampler[list]):
             batch = list(batch)
             lo, hi = slice_bounds(len(batch), self.rank, self.size)
             shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id(), _mark(batch, number)))
-            yield batch[lo:hi]
+            yield batch[lo:hi] if hi > lo else batch[:1]  # no row here: the batch's first stands in, weighted 0
 
     def __len__(self) -> int:
         refuse_split_again("the DataLoader")

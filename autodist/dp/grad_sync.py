@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.dp import abandoned, same_batch
+from autodist.dp import abandoned, batch_norm, loss_watch, same_batch
 from autodist.dp.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_buckets, average_
 from autodist.dp.buffer_sync import BufferSync
 from autodist.dp.exchange import AllReduce, Exchange
@@ -90,6 +90,10 @@ class GradSync:
         self.packing: Pack | None = None  # this backward's packing, fixed when its first bucket starts
         self.in_backward = False  # a backward through the model began and has not reached its end
         self.reached: list[Counted] = []  # the forwards this backward went through
+        self.read_loss = False  # this backward's count was read from its loss (loss_reading): one for it all
+        self.warned_terms = False
+        self.coupled = 0  # BatchNorm layers normalizing by the global batch (couple_batch_norm)
+        self.standing_in = False  # the forward running now is a stand-in's (its rank holds no row of the batch)
         self.grads_arrived = False  # this backward brought gradients to the parameters
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
@@ -102,7 +106,7 @@ class GradSync:
         # (under shard="parameters" outside torch.compile's graphs: it reads the parameters, at rest there)
         on_forward = torch.compiler.disable(self._on_forward) if getattr(scatter, "at_rest", False) \
             else self._on_forward
-        self.handles = [model.register_forward_pre_hook(on_forward, prepend=True),
+        self.handles = [model.register_forward_pre_hook(on_forward, prepend=True, with_kwargs=True),
                         model.register_forward_hook(self._count_forward, with_kwargs=True)]
 
     def _build(self) -> None:
@@ -133,7 +137,10 @@ class GradSync:
             self.param_handles += [p.register_hook(partial(_carry, self.bucket_of[p], p)) for p in self.params]
 
     # -- forward: count, and watch the outputs --------------------------------------------------
-    def _on_forward(self, module: nn.Module, args: tuple) -> None:
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        loss_watch.disarm()  # the last forward's loss was read, or never will be
+        if self.coupled and not torch.compiler.is_compiling():  # its BatchNorm layers count this forward's rows
+            self.standing_in = self.counter(args, kwargs).stand_in
         if not torch.is_grad_enabled():
             return
         if self.structure.moved():  # something was registered somewhere: new parameters here are refused
@@ -182,26 +189,71 @@ class GradSync:
             self.compiled = True
             return
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
+        if self.counter.samples is None and not self.compiled:
+            loss_watch.arm()  # to read what the loss computed from this output is a mean over
 
-    def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
-        """A backward reached an output of a forward counted ``counted``."""
-        if self.in_backward:
-            if all(c is not counted for c in self.reached):
-                self.reached.append(counted)  # a second forward in the same backward (its batch counts once)
-            return
-        self._begin_backward(counted)
+    def _reached(self, counted: Counted, grad: torch.Tensor) -> torch.Tensor | None:
+        """A backward reached an output of a forward counted ``counted``; a stand-in's output passes zeros on
+        (its rank holds no row of the batch: nothing of it may reach a parameter, or a layer coupling the ranks'
+        rows in backward)."""
+        if not self.in_backward:
+            self._begin_backward(counted)
+        elif not self.read_loss and all(c is not counted for c in self.reached):
+            self.reached.append(counted)  # a second forward in the same backward (its batch counts once)
+        return torch.zeros_like(grad) if counted.stand_in else None
 
     def _begin_backward(self, counted: Counted) -> None:
         """Fix this backward's weight before any of its gradients reaches a parameter."""
         self.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self.hooks and counted.total is None and (not self.enabled or self.window.backwards):
-            counted = self._count_globally(counted)  # accumulating: this micro-batch needs its own N now
+        counted = self._read_loss(counted)
+        if counted.total is None and (self.coupled or self.hooks and (not self.enabled or self.window.backwards)):
+            counted = self._count_globally(counted)  # accumulating, or coupled in backward: its own N now
         self.reached = [counted]
         factor = self.window.factor(counted)
         alone = self.hooks and self.enabled and not self.window.backwards  # synced right after: packing scales it
         if factor != 1.0 and not alone:
             self.prescale_handles = [p.register_hook(partial(_prescale, factor)) for p in self.params]
+
+    def _read_loss(self, counted: Counted) -> Counted:
+        """The backward's count from its loss where that divides by what the data does not give: valid tokens,
+        a mask's count (:mod:`autodist.dp.loss_reading`). That ``D_r`` is summed over the ranks at the sync (or,
+        accumulating, now); a rank's stand-in row for a batch it holds no row of still counts zero. Every rank
+        runs the same loss code, so all take this path alike."""
+        reading = loss_watch.pending()
+        if reading is None and loss_watch.unwatched() and self.counter.samples is None and not self.warned_terms:
+            self.warned_terms = True
+            log.warning("autodist did not see this backward's loss: a torch function mode (%s) was active when the "
+                        "model's forward ended, and autodist reads the loss through one of its own only where no "
+                        "other is. The ranks are weighted by their samples, which is the one-process training only "
+                        "for a loss that is a mean over samples: for a mean over tokens (labels at -100), end that "
+                        "mode's block before the loss, or pass parallelize(..., samples=fn) counting what the loss "
+                        "divides by", loss_watch.unwatched())
+        if reading is None or reading.count is None or self.counter.samples is not None:
+            return counted
+        self.read_loss = True
+        why = reading.disagreement()
+        if why is not None and not self.warned_terms:
+            self.warned_terms = True
+            log.warning("%s. Give each term its own weight by hand (docs/data-parallel.md, losses that couple the "
+                        "batch)", why)
+        count = 0.0 if counted.total is not None and counted.count == 0 else reading.count
+        return Counted(count, None, counted.batch, mark=counted.mark, guess=counted.total)
+
+    def couple_batch_norm(self) -> int:
+        """Give the model's BatchNorm layers the global batch's statistics (:mod:`autodist.dp.batch_norm`);
+        how many it has."""
+        model = self.model()
+        assert model is not None
+        self.coupled = batch_norm.install(model, self.group, self.backward_weight, lambda: self.standing_in)
+        return self.coupled
+
+    def backward_weight(self) -> float:
+        """The share of the global batch's gradient this rank's backward running now brings (its gradients are
+        multiplied by it before they are summed): what a layer coupling the ranks in backward scales by."""
+        if not self.in_backward:  # a coupled layer's backward before any output or gradient of the model's
+            self._begin_backward(self._unweighted(self._fallback_count()))
+        return combine(self.reached).weight
 
     def _count_globally(self, counted: Counted) -> Counted:
         """N of a micro-batch whose N this rank cannot know: one all-reduce of the counts."""
@@ -248,7 +300,7 @@ class GradSync:
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.in_backward:  # a backward that did not pass through the model's output (a submodule's)
             self.in_backward = True
-            self.reached = [self._unweighted(self._fallback_count())]
+            self.reached = [self._unweighted(self._read_loss(self._fallback_count()))]
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.grads_arrived = True
         if not (self.enabled and self.hooks):
@@ -267,7 +319,7 @@ class GradSync:
 
     def _end_of_backward(self) -> None:
         # a backward that brought no gradient (torch.autograd.grad for a gradient penalty) adds nothing
-        self.in_backward = False
+        self.in_backward = self.read_loss = False
         self._remove_prescale()
         if self.grads_arrived:
             self.grads_arrived = False
@@ -293,7 +345,7 @@ class GradSync:
         self._reset_buckets()
         self._remove_prescale()
         self.window.reset()
-        self.in_backward = self.grads_arrived = False
+        self.in_backward = self.grads_arrived = self.read_loss = False
         self.reached = []
 
     def _reset_buckets(self) -> None:

@@ -53,10 +53,17 @@ class Counted:
     batch: int | None = None  # the global batch it came from: two forwards on one batch count once
     error: str | None = None  # why the count is unknown
     mark: int | None = None  # the identity of its global batch(es) where a sharded DataLoader handed them out
+    guess: float | None = None  # total None: the N to pack with until the sum says (the loader's, for a count
+    # read from the loss: where the loss is a mean over the samples after all, nothing is corrected)
 
     @property
     def weight(self) -> float:
         return self.count / self.total if self.total else 0.0
+
+    @property
+    def stand_in(self) -> bool:
+        """A forward on the row a rank got for a global batch it holds none of: its gradient is zero."""
+        return self.count == 0 and bool(self.total)
 
 
 def combine(parts: list[Counted]) -> Counted:
@@ -68,9 +75,10 @@ def combine(parts: list[Counted]) -> Counted:
     if len(unique) == 1:
         return unique[0]
     errors = [p.error for p in unique if p.error]
-    totals = [p.total for p in unique]
+    totals, guesses = [p.total for p in unique], [p.guess for p in unique]
     return Counted(sum(p.count for p in unique), None if None in totals else sum(totals),  # type: ignore[arg-type]
-                   None, errors[0] if errors else None, add_marks(p.mark for p in unique))
+                   None, errors[0] if errors else None, add_marks(p.mark for p in unique),
+                   None if None in guesses else sum(guesses))  # type: ignore[arg-type]
 
 
 def add_marks(marks: Any) -> int | None:

@@ -147,7 +147,7 @@ class StreamShard(DataLoader):
             n = batch_size(batch, self.dim)
             lo, hi = slice_bounds(n, self.rank, self.size)
             shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch)))
-            yield rows(batch, lo, hi, self.dim, n)
+            yield rows(batch, lo, hi, self.dim, n) if hi > lo else rows(batch, 0, 1, self.dim, n)  # a stand-in
 
     def __len__(self) -> int:
         return len(self.source)  # the single-process loader's global batches (raises where it has no len())

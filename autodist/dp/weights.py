@@ -11,10 +11,13 @@ weight differs has its gradient multiplied by a_k / a_c before autograd adds it
 sum_k a_k g_k. The usual loop (every micro-batch the same share) multiplies
 nothing but the packing.
 
-When N is not known on the rank (data autodist did not shard), the bucket
-carries n_r, whose all-reduced sum is N: gradients are packed scaled by
-n_r / G, G being the last sync's N (the same on every rank), and corrected by
-G / N after the all-reduce only in the rare sync where N changed.
+When N is not known on the rank (data autodist did not shard, or a count read
+from the loss: its valid tokens), the bucket carries n_r, whose all-reduced sum
+is N: gradients are packed scaled by n_r / G and corrected by G / N after the
+all-reduce only where the two differ. G is the window's guess where each
+backward brought one (the loader's N for a count read from the loss, so that a
+loss that is a mean over the samples after all is packed as the loader's count
+would pack it), else the last sync's N; either is the same on every rank.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class Window:
         self.common: float | None = None  # a_c
         self.error: str | None = None
         self.mark: int | None = 0  # the identity of the window's global batches; None: one came from elsewhere
+        self.guess: float | None = 0.0  # the sum of the backwards' guesses of N; None once one had none
 
     def factor(self, counted: Counted) -> float:
         """What a backward of ``counted`` must multiply its gradient by before accumulation."""
@@ -65,6 +69,7 @@ class Window:
             self.common = counted.weight
         self.error = self.error or counted.error
         self.mark = add_marks((self.mark, counted.mark))
+        self.guess = None if self.guess is None or counted.guess is None else self.guess + counted.guess
 
     def pack(self, previous_total: float) -> Pack:
         """The packing of a sync of everything added since the last reset."""
@@ -72,4 +77,5 @@ class Window:
             return Pack(0.0, math.nan, None, previous_total)
         if self.total is not None:
             return Pack(self.common or 0.0, self.count, self.total, previous_total)
-        return Pack(self.count / previous_total, self.count, None, previous_total)
+        guess = self.guess if self.guess else previous_total
+        return Pack(self.count / guess, self.count, None, guess)

@@ -104,15 +104,17 @@ class SampleTally:
         else:
             self._reached(self.counter.of_share(share), p)
 
-    def _reached(self, counted: Counted, grad: torch.Tensor) -> None:
+    def _reached(self, counted: Counted, grad: torch.Tensor) -> torch.Tensor | None:
+        zero = torch.zeros_like(grad) if counted.stand_in else None  # no row of the batch: its gradient is 0
         key = counted.batch if counted.batch is not None else ("forward", id(counted))
         if key in self.seen:
-            return
+            return zero
         self.seen.add(key)
         self.kept.append(counted)
         self.count += counted.count
         if math.isnan(counted.count):
             self.error = self.error or counted.error
+        return zero
 
     def remove(self) -> None:
         self.handle.remove()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.dp import batch_norm
 from autodist.mp.gather import gather_state_dict
 from autodist.runtime.position import waiting
 from autodist.sharded import parameters as sharded_parameters
@@ -148,13 +149,14 @@ def _dense(model: nn.Module, split: nn.Module | str, everyone: Any) -> nn.Module
 @contextmanager
 def _aside(model: nn.Module) -> Iterator[None]:
     """autodist's hooks and the two entries set aside for the duration (every module's hook dicts filtered),
-    the blocks' checkpointed forwards too (``checkpoint=True``), and the model's own class back."""
+    the blocks' checkpointed forwards too (``checkpoint=True``) and BatchNorm's global one, and the model's own
+    class back."""
     entries = {k: model.__dict__.pop(k) for k in _ENTRIES if k in model.__dict__}
     saved: list[tuple[nn.Module, str, Any]] = []
     adopted, model.__class__ = model.__class__, habits.own_class(model)  # the copy is of the user's class
     try:
         for module in model.modules():
-            if is_recomputing(module.__dict__.get("forward")):
+            if is_recomputing(module.__dict__.get("forward")) or batch_norm.is_global(module.__dict__.get("forward")):
                 saved.append((module, "forward", module.__dict__.pop("forward")))
             gone: set[int] = set()
             for attr in _HOOKS:

@@ -277,7 +277,10 @@ class Metrics:
             loss_sum: the loss summed over the batch's samples (mean loss x count).
             correct: how many predictions were right.
             count: samples in the batch. A batch of 0 samples is ignored (its
-                mean loss may be NaN).
+                mean loss may be NaN), and so is the stand-in row a rank gets for a
+                global batch it holds no row of (the current batch of the DataLoader
+                ``parallelize`` returned, with a share of 0: its sample counts on the
+                rank that holds it).
         """
         try:
             count = operator.index(count)
@@ -285,7 +288,8 @@ class Metrics:
             raise TypeError(f"count must be an int (samples in the batch), got {type(count).__name__}") from None
         if count < 0:
             raise ValueError(f"count must be >= 0 (samples in the batch), got {count}")
-        if count == 0:
+        share = provenance.current()
+        if count == 0 or (share is not None and share.count == 0):
             return
         self.loss_sum = self.loss_sum + _one_number(loss_sum, "loss_sum", "loss_fn(out, y, reduction='sum')")
         self.correct = self.correct + _one_number(correct, "correct", "(out.argmax(1) == y).sum()")
@@ -406,6 +410,8 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 256,
     modes = {m: m.training for m in model.modules()}
     metrics = Metrics()
     model.eval()
+    outer = provenance.current()
+    provenance.announce(None)  # not the training batch in hand (a stand-in's updates would be skipped)
     try:
         with torch.no_grad():
             for batch in DataLoader(part, batch_size=batch_size):
@@ -413,6 +419,7 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 256,
                 out = model(x)
                 metrics.update(loss_fn(out, y, reduction="sum"), (out.argmax(1) == y).sum(), len(y))
     finally:
+        provenance.announce(outer)
         for module, training in modes.items():
             module.training = training
     return metrics.reduce(model, with_drift=False)

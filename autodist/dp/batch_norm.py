@@ -1,0 +1,160 @@
+"""BatchNorm over the global batch: the statistics one process would compute, exactly, on uneven batches too.
+
+In training mode a BatchNorm layer normalizes by its batch's mean and variance, so the batch couples its
+samples: split over ranks, each rank's layer would see only its rows (DDP's behaviour, and autodist's before
+this). Here every ``nn.BatchNorm*`` (and ``nn.SyncBatchNorm``) of a parallelized model computes the statistics
+of the global batch:
+
+* forward: each rank computes its rows' count, mean and sum of squared deviations per channel; the ranks
+  all-gather them and combine them in rank order (Chan's parallel formula, not the sum of squares that loses
+  digits), so every rank normalizes by the same mean and variance, and updates its running statistics alike.
+  A rank's stand-in row (it holds no row of the batch) counts zero.
+* backward: one process's gradient of a batch statistic sums ``dy`` and ``dy * x_hat`` over the whole batch.
+  Each rank's ``dy`` is the gradient of its own loss, which the gradient sync weights by the rank's share
+  ``w_r`` only afterwards; so the layer first takes ``w_r dy`` (the global loss's), all-reduces the two sums,
+  and returns ``dx / w_r``, which the sync's weight brings back. The parameters' gradients stay the rank's own,
+  weighted by the sync like any other.
+
+One all-gather of ``2C + 1`` numbers in forward and one all-reduce of ``2C`` in backward per layer, as torch's
+``SyncBatchNorm`` (which needs a GPU, and weights every rank alike). The layer keeps its class; its forward
+is an instance attribute (``module.__dict__["forward"]``), set aside when the model is copied.
+
+Example:
+    >>> install(model, group, weight=sync.backward_weight)   # parallelize does this for exact sync
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autodist.runtime.position import waiting
+
+Weight = Callable[[], float]  # the share of the backward running now (0 for a stand-in)
+Rows = Callable[[], bool]  # whether the forward running now is a stand-in's
+
+
+class _Global(torch.autograd.Function):
+    """Batch normalization by the global batch's statistics (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                stats: tuple[torch.Tensor, torch.Tensor, float], eps: float, group: Any, share: Weight) -> torch.Tensor:
+        mean, var, total = stats
+        invstd = torch.rsqrt(var + eps)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        x_hat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
+        y = x_hat if weight is None else x_hat * weight.to(mean.dtype).view(shape)
+        y = y if bias is None else y + bias.to(mean.dtype).view(shape)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.total, ctx.group, ctx.share, ctx.has_bias = total, group, share, bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, weight, mean, invstd = ctx.saved_tensors
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        dims = [0] + list(range(2, x.dim()))
+        dy = dy.to(mean.dtype)
+        x_hat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
+        w = ctx.share()
+        sums = torch.stack([(dy * w).sum(dims), (dy * w * x_hat).sum(dims)])
+        with waiting("BatchNorm's global statistics (backward)"):
+            dist.all_reduce(sums, group=ctx.group)
+        scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if w > 0:
+                dx = (dy * w - (sums[0].view(shape) + x_hat * sums[1].view(shape)) / ctx.total) * scale.view(shape) / w
+            else:  # no row here counts: nothing of the batch flows through this rank's input
+                dx = torch.zeros_like(dy)
+            dx = dx.to(x.dtype)
+        dweight = (dy * x_hat).sum(dims).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        dbias = dy.sum(dims).to(weight.dtype if weight is not None else dy.dtype) \
+            if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias, None, None, None, None
+
+
+def statistics(x: torch.Tensor, counts: bool, group: Any) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The global batch's per-channel mean and (biased) variance, and its values per channel; ``counts``
+    False: this rank's rows count zero (a stand-in). Every rank of ``group`` must call it."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    dims = [0] + list(range(2, x.dim()))
+    rows = x.detach().to(dtype)
+    n = rows.numel() // rows.shape[1] if counts else 0
+    mine_mean = rows.mean(dims) if n else torch.zeros(rows.shape[1], dtype=dtype, device=x.device)
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    mine_m2 = ((rows - mine_mean.view(shape)) ** 2).sum(dims) if n else torch.zeros_like(mine_mean)
+    mine = torch.cat([torch.tensor([float(n)], dtype=dtype, device=x.device), mine_mean, mine_m2])
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with waiting("BatchNorm's global statistics (forward)"):
+        dist.all_gather(gathered, mine, group=group)
+    c = rows.shape[1]
+    total, mean, m2 = 0.0, torch.zeros_like(mine_mean), torch.zeros_like(mine_mean)
+    for part in gathered:  # Chan et al.'s pairwise combination, in rank order (the same on every rank)
+        k = float(part[0])
+        if k == 0:
+            continue
+        delta = part[1:1 + c] - mean
+        mean = mean + delta * (k / (total + k))
+        m2 = m2 + part[1 + c:] + delta * delta * (total * k / (total + k))
+        total += k
+    return mean, m2 / max(total, 1.0), total
+
+
+class GlobalForward:
+    """The forward of one BatchNorm layer of a parallelized model: the global batch's statistics where the
+    layer uses batch statistics (training mode, or no running statistics), its own forward otherwise."""
+
+    def __init__(self, module: nn.modules.batchnorm._BatchNorm, group: Any, share: Weight, stand_in: Rows) -> None:
+        self.module = weakref.ref(module)
+        self.group, self.share, self.stand_in = group, share, stand_in
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.module()
+        assert bn is not None
+        own = type(bn).forward
+        if not (bn.training or bn.running_mean is None) or torch.compiler.is_compiling():
+            return own(bn, x)
+        if isinstance(bn, nn.SyncBatchNorm):
+            if x.dim() < 2:
+                raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+        else:
+            bn._check_input_dim(x)
+        # the forward again in backward (checkpoint=True recomputes a block): the statistics again, not the update
+        updates = bn.training and bn.track_running_stats and torch._C._current_graph_task_id() == -1
+        factor = bn.momentum if bn.momentum is not None else 0.0
+        if updates and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        mean, var, total = statistics(x, not self.stand_in(), self.group)
+        if bn.training and total <= 1:  # what one process raises for its batch, said of the global batch
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()} "
+                             f"(the global batch holds {total:g} value(s) per channel)")
+        if updates:
+            with torch.no_grad():
+                unbiased = var * (total / (total - 1)) if total > 1 else var
+                bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
+                bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+        return _Global.apply(x, bn.weight, bn.bias, (mean, var, total), bn.eps, self.group, self.share)
+
+
+def layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The model's BatchNorm layers (``SyncBatchNorm`` included)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def install(model: nn.Module, group: Any, share: Weight, stand_in: Rows) -> int:
+    """Give each BatchNorm layer of ``model`` the global batch's statistics; returns how many it has."""
+    found = layers(model)
+    for bn in found:
+        bn.__dict__["forward"] = GlobalForward(bn, group, share, stand_in)
+    return len(found)
+
+
+def is_global(forward: Any) -> bool:
+    """Whether a module's instance ``forward`` is this one (a copy of the model leaves it out)."""
+    return isinstance(forward, GlobalForward)

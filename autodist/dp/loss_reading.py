@@ -1,0 +1,154 @@
+"""What a loss is a mean over, read from its autograd graph before its backward runs.
+
+Rank r's gradient enters the global batch's as ``(D_r / D) g_r``, where ``D_r`` is what rank r's loss divides
+by and ``D`` the sum over the ranks: one process divides the whole batch's sum by ``D``. For most losses
+``D_r`` is the rank's samples, which the data pipeline knows. For the losses language models train on it is
+not: a cross-entropy whose labels hold ``ignore_index`` (-100: a prompt, padding) is a mean over the valid
+tokens, a weighted one over the class weights of its targets, a hand-written masked mean over its mask's
+count. The graph knows each: ``NllLossBackward0`` keeps the ``total_weight`` it divided by, and a sum divided
+by a number keeps that number. This module walks from the loss down through what only scales or adds terms
+(``loss / accumulation``, ``scaler.scale(loss)``, ``loss + aux``), stopping at each term's reduction:
+
+* ``cross_entropy`` / ``nll_loss`` with ``reduction="mean"``: a mean over ``total_weight`` (valid targets, or
+  their class weights' sum);
+* a sum divided by a number (``(loss * mask).sum() / mask.sum()``, Hugging Face's ``sum / num_items_in_batch``,
+  label smoothing's term): a mean over that number;
+* ``x.mean()``: a mean over its elements;
+* anything else (a sum, a product, another loss function's own reduction): a term whose denominator is not
+  read.
+
+Reading costs a walk over the few nodes between the loss and its reductions and, on a GPU, one wait for the
+forward to finish (the denominators are read to the host).
+
+Example:
+    >>> loss = F.cross_entropy(logits, labels)          # labels hold -100 where nothing is predicted
+    >>> read([loss]).count                              # the valid labels: what this mean divides by
+    37.0
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+import torch
+
+Kind = Literal["tokens", "divided", "mean", "other"]
+
+_LIMIT = 256  # nodes visited above the reductions: a loss's own arithmetic, never the model's graph
+_THROUGH = frozenset({  # one input, the same value up to shape or dtype: the term below is the term
+    "NegBackward0", "ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0", "ReshapeAliasBackward0",
+    "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
+    "UnsafeViewBackward0", "ExpandBackward0", "PermuteBackward0", "TBackward0"})
+_SUMS = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward1"})
+_SCALES = frozenset({"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+_MEAN, _SUM_REDUCTION = 1, 2  # torch's reduction enum as NllLossBackward keeps it
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of a loss: its reduction and what it divides by on this rank.
+
+    Example:
+        >>> Term("tokens", 37.0, "NllLossBackward0")
+    """
+
+    kind: Kind  # "tokens": nll_loss's mean; "divided": a sum over a number; "mean": x.mean(); "other"
+    denominator: float | None  # what the term divides by on this rank; None for "other"
+    node: str  # the reduction's autograd node, for messages
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The terms of one backward's loss, in the graph's order from its root(s).
+
+    Example:
+        >>> reading = read([loss])
+        >>> reading.count      # what the first mean over tokens (or over a count) divides by; None if none
+    """
+
+    terms: tuple[Term, ...]
+
+    @property
+    def counted(self) -> tuple[Term, ...]:
+        """The terms that divide by a count the data does not give: tokens, a sum over a number."""
+        return tuple(t for t in self.terms if t.kind in ("tokens", "divided"))
+
+    @property
+    def count(self) -> float | None:
+        """This rank's ``D_r``: the first counted term's denominator (None when the loss has none, and the
+        samples are what its mean is over)."""
+        counted = self.counted
+        return counted[0].denominator if counted else None
+
+    def disagreement(self) -> str | None:
+        """Why one weight per rank cannot be exact for this loss, if the counted terms divide by different
+        numbers here (said on the rank that sees it; every rank still takes the first term's count)."""
+        counts = {t.denominator for t in self.counted}
+        if len(counts) <= 1:
+            return None
+        listed = ", ".join(f"{t.node} over {t.denominator:g}" for t in self.counted)
+        return (f"the loss adds terms that are means over different counts on this rank ({listed}); autodist "
+                f"weights this rank by the first one's, so the other terms are not weighted as one process would")
+
+
+def read(roots: Iterable[torch.Tensor]) -> Reading:
+    """The terms of the loss whose backward starts at ``roots`` (the tensors ``backward()`` was called on).
+
+    Must run before that backward: it frees the values the reductions kept.
+    """
+    terms: list[Term] = []
+    budget = [_LIMIT]
+    for root in roots:
+        if isinstance(root, torch.Tensor) and root.grad_fn is not None and root.numel() == 1:
+            _walk(root.grad_fn, terms, budget)
+    return Reading(tuple(terms))
+
+
+def _walk(node: Any, terms: list[Term], budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        terms.append(Term("other", None, "(a loss too large to read)"))
+        return
+    name = type(node).__name__
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    if name in _THROUGH and len(inputs) == 1:
+        _walk(inputs[0], terms, budget)
+    elif name in _SUMS:
+        for child in inputs:
+            _walk(child, terms, budget)
+    elif name in _SCALES and len(inputs) == 1 and (name.startswith("Mul") or node.next_functions[0][0] is not None):
+        _scaled(node, name, inputs[0], terms, budget)
+    else:
+        terms.append(_reduction(node, name))
+
+
+def _scaled(node: Any, name: str, child: Any, terms: list[Term], budget: list[int]) -> None:
+    """A term multiplied or divided by a constant: a sum divided by a number is a mean over that number."""
+    if name.startswith("Div") and _is_sum(child):
+        divisor = _number(getattr(node, "_saved_other", None))
+        if divisor is not None and divisor > 0:
+            terms.append(Term("divided", divisor, type(child).__name__))
+            return
+    _walk(child, terms, budget)
+
+
+def _is_sum(node: Any) -> bool:
+    name = type(node).__name__
+    return name == "SumBackward0" or (name in _NLL and node._saved_reduction == _SUM_REDUCTION)
+
+
+def _reduction(node: Any, name: str) -> Term:
+    if name in _NLL and node._saved_reduction == _MEAN:
+        return Term("tokens", float(node._saved_total_weight), name)  # host sync: the forward's total_weight
+    if name == "MeanBackward0":
+        return Term("mean", float(node._saved_self_sym_numel), name)
+    return Term("other", None, name)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and not value.is_complex() else None  # host sync on a GPU
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None

@@ -1,0 +1,224 @@
+"""Losses that couple a batch's samples train as one process does: token means over masked labels.
+
+A cross-entropy over labels with ignored positions (-100: a prompt, padding) is a mean over the valid tokens,
+which differ per rank; autodist reads what the loss divides by from its graph and weights each rank by it
+(autodist/dp/loss_reading.py). Compared with one process on the same global batches, float64, every
+parameter at the float floor: the user's ``F.cross_entropy(..., ignore_index=-100)``, a hand-written masked
+mean, Hugging Face GPT-2's own loss (its shift included), and gradient accumulation over an uneven window.
+69 samples in shuffled batches of 8 make an uneven last batch.
+
+Hugging Face computes its loss in float32 whatever the model's dtype (``logits.float()``), so one process
+and any split of its batch differ there by float32 rounding (1e-8 a step, 5e-7 after 18 Adam steps). Its
+floor is the split done in one process: each rank's rows' loss weighted by its valid tokens over the batch's,
+which the parallel run must equal at 1e-10, and one process within 1e-6.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.data import DataLoader, TensorDataset
+
+import autodist
+from autodist.dp.handover import slice_bounds
+from workloads import float64, seeded
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, LENGTH, SAMPLES = 48, 12, 69
+
+
+def _sft_data() -> TensorDataset:
+    """Token sequences whose first 1..8 positions are a prompt (label -100), as a fine-tuning set has."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (SAMPLES, LENGTH), generator=g)
+    prompt = torch.randint(1, 9, (SAMPLES,), generator=g)
+    labels = torch.where(torch.arange(LENGTH)[None, :] < prompt[:, None], -100, ids)
+    return TensorDataset(ids, labels)
+
+
+def _loader(batch: int = 8) -> DataLoader:
+    return DataLoader(_sft_data(), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(2))
+
+
+def _one_at_a_time() -> DataLoader:
+    """One sequence a step (the long-sequence case: a global batch of 1), 10 steps."""
+    return DataLoader(torch.utils.data.Subset(_sft_data(), range(10)), batch_size=1)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=LENGTH,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      hidden_size=16, intermediate_size=32, vocab_size=VOCAB,
+                                      max_position_embeddings=LENGTH)
+    return transformers.LlamaForCausalLM(config)
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def _hf_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _ignore_index(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100) / 2
+
+
+def _masked_mean(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    mask = (labels != -100).double()
+    each = F.cross_entropy(model(ids).transpose(1, 2), labels.clamp(min=0), reduction="none")
+    return (each * mask).sum() / mask.sum()
+
+
+LOSSES = {"hf": (_gpt2, _hf_loss), "ignore_index": (TinyLM, _ignore_index), "masked_mean": (TinyLM, _masked_mean),
+          "llama": (_llama, _hf_loss)}
+HF = ("hf", "llama")
+
+
+def _split(loss_of, world: int):
+    """``loss_of``'s backward as the ranks compute it, in one process: each rank's rows' gradient (of the very
+    loss that rank computes) weighted by its share of the batch's valid labels (shifted: Hugging Face predicts
+    the next token), added in float64 as the sync adds them."""
+    def backward(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, divide: int) -> None:
+        bounds = [slice_bounds(len(ids), r, world) for r in range(world)]
+        valid = [int((labels[lo:hi, 1:] != -100).sum()) for lo, hi in bounds]
+        params = [p for p in model.parameters() if p.requires_grad]
+        for (lo, hi), n in zip(bounds, valid):
+            if n:
+                grads = torch.autograd.grad(loss_of(model, ids[lo:hi], labels[lo:hi]) / divide, params,
+                                            allow_unused=True)
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        p.grad = g * (n / sum(valid)) if p.grad is None else p.grad + g * (n / sum(valid))
+    return backward
+
+
+def _whole(loss_of):
+    def backward(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, divide: int) -> None:
+        (loss_of(model, ids, labels) / divide).backward()
+    return backward
+
+
+def _train(model: nn.Module, loader, backward, epochs: int = 2, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(epochs):
+        batches = list(loader)
+        for start in range(0, len(batches), accumulate):
+            window = batches[start:start + accumulate]
+            optimizer.zero_grad()
+            for k, (ids, labels) in enumerate(window):
+                if k < len(window) - 1:
+                    with autodist.no_sync(model):
+                        backward(model, ids, labels, len(window))
+                else:
+                    backward(model, ids, labels, len(window))
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@float64
+def _largest_differences(name: str, accumulate: int, world: int, data=_loader) -> tuple[float, float]:
+    """(from one process, from one process's split of each batch into the ranks' parts)."""
+    build, loss_of = LOSSES[name]
+    reference = _train(seeded(build, 0), data(), _whole(loss_of), accumulate=accumulate)
+    split = _train(seeded(build, 0), data(), _split(loss_of, world), accumulate=accumulate) \
+        if name in HF else reference
+    model, loader = autodist.parallelize(seeded(build, 0), data())
+    trained = _train(model, loader, _whole(loss_of), accumulate=accumulate)
+    return _difference(trained, reference), _difference(trained, split)
+
+
+def _check(name: str, differences: list[tuple[float, float]]) -> None:
+    for one_process, split in differences:
+        assert split <= 1e-10, f"{name}: {split:.3g} from the split floor"
+        assert one_process <= (1e-6 if name in HF else 1e-10), f"{name}: {one_process:.3g} from one process"
+
+
+@pytest.mark.parametrize("name", ["hf", "ignore_index", "masked_mean"])
+def test_token_means_train_as_one_process(ranks, name):
+    _check(name, ranks(2, _largest_differences, name, 1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf", "ignore_index", "masked_mean"])
+def test_token_means_at_three_ranks(ranks, name):
+    _check(name, ranks(3, _largest_differences, name, 1, 3))
+
+
+@pytest.mark.parametrize("name", ["hf", "ignore_index"])
+def test_token_means_accumulated_over_an_uneven_window(ranks, name):
+    """3 micro-batches a step: 9 steps over 2 epochs of 9 batches, the window holding the short one uneven."""
+    _check(name, ranks(2, _largest_differences, name, 3, 2))
+
+
+# -- a rank with no rows ---------------------------------------------------------------------------------------
+
+def test_one_sequence_over_two_ranks_trains_as_one_process(ranks):
+    """A global batch of 1: rank 1 runs a stand-in row (the batch's own), weighted zero, every step."""
+    _check("llama", ranks(2, _largest_differences, "llama", 1, 2, _one_at_a_time))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "ignore_index"])
+def test_a_last_batch_smaller_than_the_world_trains_as_one_process(ranks, name):
+    """6 ranks, the last global batch of each epoch holds 5 rows: rank 5 holds none of it."""
+    _check(name, ranks(6, _largest_differences, name, 1, 6))
+
+
+class _Passing(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _watch_lifecycle() -> tuple[list[int], list[str]]:
+    """The stack depth after each part of a step, and the warnings of a step under another mode."""
+    model, loader = autodist.parallelize(seeded(TinyLM, 0), _loader())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, labels = next(iter(loader))
+    depths = []
+    logits = model(ids)
+    depths.append(torch._C._len_torch_function_stack())  # the watch, waiting for the loss
+    F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).backward()
+    optimizer.step()
+    depths.append(torch._C._len_torch_function_stack())  # gone before the step
+    model(ids)
+    with torch.no_grad():
+        model(ids)  # the next forward takes it off, inference too
+    depths.append(torch._C._len_torch_function_stack())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("autodist").addHandler(handler)
+    try:
+        with _Passing():
+            F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1)).backward()
+            depths.append(torch._C._len_torch_function_stack())  # the user's mode alone
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    return depths, [r.getMessage() for r in records]
+
+
+def test_the_watch_is_on_the_stack_only_between_forward_and_loss(ranks):
+    for depths, warnings in ranks(2, _watch_lifecycle):
+        assert depths == [1, 0, 0, 1]
+        assert any("did not see this backward's loss" in w and "_Passing" in w for w in warnings), warnings

@@ -1,0 +1,69 @@
+"""What a loss is a mean over, read from its graph (autodist/dp/loss_reading.py): pure logic, one process."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autodist.dp.loss_reading import read
+
+LABELS = torch.tensor([0, 1, -100, 2, -100, 1])
+
+
+def _logits() -> torch.Tensor:
+    return torch.randn(6, 3, requires_grad=True)
+
+
+def test_a_cross_entropy_is_a_mean_over_its_valid_labels():
+    assert read([F.cross_entropy(_logits(), LABELS)]).count == 4.0
+    assert read([F.cross_entropy(_logits(), LABELS.clamp(min=0), ignore_index=1)]).count == 4.0  # the two 1s
+    assert read([F.cross_entropy(_logits(), LABELS.clamp(min=0))]).count == 6.0
+
+
+def test_class_weights_make_it_a_mean_over_the_targets_weights():
+    weight = torch.tensor([1.0, 2.0, 0.5])
+    assert read([F.cross_entropy(_logits(), LABELS, weight=weight)]).count == 1.0 + 2.0 + 0.5 + 2.0
+
+
+def test_what_only_scales_or_adds_is_looked_through():
+    logits, scale = _logits(), torch.tensor(1024.0)
+    loss = F.cross_entropy(logits, LABELS)
+    assert read([(loss / 4).float() * scale]).count == 4.0  # accumulation, GradScaler
+    assert read([2 * loss - 1]).count == 4.0
+
+
+def test_a_sum_divided_by_a_number_is_a_mean_over_it():
+    logits = _logits()
+    mask = (LABELS != -100).double()
+    each = F.cross_entropy(logits, LABELS.clamp(min=0), reduction="none")
+    assert read([(each * mask).sum() / mask.sum()]).terms[0].kind == "divided"
+    assert read([(each * mask).sum() / mask.sum()]).count == 4.0
+    summed = F.cross_entropy(logits, LABELS, reduction="sum")
+    assert read([summed / torch.tensor(11)]).count == 11.0  # Hugging Face's sum / num_items_in_batch
+
+
+def test_label_smoothing_keeps_one_count():
+    reading = read([F.cross_entropy(_logits(), LABELS, label_smoothing=0.1)])
+    assert [t.kind for t in reading.terms] == ["tokens", "divided"]
+    assert reading.count == 4.0 and reading.disagreement() is None
+
+
+def test_what_is_not_a_mean_over_a_count_is_not_counted():
+    x = torch.randn(6, 3, requires_grad=True)
+    assert read([x.mean()]).count is None  # over its elements: the samples decide
+    assert read([x.sum()]).count is None
+    assert read([F.mse_loss(x, torch.zeros(6, 3))]).count is None
+    assert read([x.sum() * x.mean()]).count is None  # a product of terms
+    assert read([x]).terms == ()  # not one number: backward(gradient) weights it
+
+
+def test_terms_that_divide_by_different_counts_are_named():
+    logits = _logits()
+    loss = F.cross_entropy(logits, LABELS) + F.cross_entropy(logits, torch.tensor([0, 1, 2, 2, 1, 0]))
+    reading = read([loss])
+    assert reading.count == 4.0
+    assert "over 4" in reading.disagreement() and "over 6" in reading.disagreement()
+
+
+def test_several_roots_are_the_terms_of_one_loss():
+    logits = _logits()
+    assert read([F.cross_entropy(logits, LABELS), logits.sum()]).count == 4.0
