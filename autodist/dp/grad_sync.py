@@ -40,6 +40,7 @@ from autodist.dp.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_bucket
 from autodist.dp.buffer_sync import BufferSync
 from autodist.dp.exchange import AllReduce, Exchange
 from autodist.dp.exchange import choose as choose_exchange
+from autodist.dp.loss_reading import Balance, Reading
 from autodist.dp.replicate import first_difference, model_tensors, signature
 from autodist.dp.shares import Counted, SampleCounter, combine, watch_outputs
 from autodist.dp.structure import Watch
@@ -93,6 +94,7 @@ class GradSync:
         self.read_loss = False  # this backward's count was read from its loss (loss_reading): one for it all
         self.warned_terms = False
         self.coupled = 0  # BatchNorm layers normalizing by the global batch (couple_batch_norm)
+        self.warned_balance = False
         self.standing_in = False  # the forward running now is a stand-in's (its rank holds no row of the batch)
         self.grads_arrived = False  # this backward brought gradients to the parameters
         self.prescale_handles: list[Any] = []
@@ -139,8 +141,10 @@ class GradSync:
     # -- forward: count, and watch the outputs --------------------------------------------------
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         loss_watch.disarm()  # the last forward's loss was read, or never will be
-        if self.coupled and not torch.compiler.is_compiling():  # its BatchNorm layers count this forward's rows
-            self.standing_in = self.counter(args, kwargs).stand_in
+        if not torch.compiler.is_compiling():  # coupled layers and loss terms count this forward's rows
+            share = provenance.current()
+            self.standing_in = self.counter(args, kwargs).stand_in if self.coupled else \
+                share is not None and share.count == 0
         if not torch.is_grad_enabled():
             return
         if self.structure.moved():  # something was registered somewhere: new parameters here are refused
@@ -190,7 +194,7 @@ class GradSync:
             return
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
         if self.counter.samples is None and not self.compiled:
-            loss_watch.arm()  # to read what the loss computed from this output is a mean over
+            loss_watch.arm(self._on_read)  # to read what the loss computed from this output is a mean over
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> torch.Tensor | None:
         """A backward reached an output of a forward counted ``counted``; a stand-in's output passes zeros on
@@ -250,10 +254,47 @@ class GradSync:
 
     def backward_weight(self) -> float:
         """The share of the global batch's gradient this rank's backward running now brings (its gradients are
-        multiplied by it before they are summed): what a layer coupling the ranks in backward scales by."""
+        multiplied by it before they are summed): what a layer or a loss term coupling the ranks in backward
+        scales by. Where the share is summed over the ranks at the sync (a count read from the loss), it is
+        summed now, once: every rank's backward comes here alike."""
         if not self.in_backward:  # a coupled layer's backward before any output or gradient of the model's
             self._begin_backward(self._unweighted(self._fallback_count()))
-        return combine(self.reached).weight
+        counted = combine(self.reached)
+        if counted.total is None:
+            counted = self._count_globally(counted)
+            self.reached = [counted]
+        return counted.weight
+
+    def _on_read(self, reading: Reading) -> list:
+        """The loss of a backward about to run (:mod:`autodist.dp.loss_watch`): a load-balancing term gets the
+        global batch's statistics in its gradient (:meth:`_balance`); the hooks, removed after that backward."""
+        return [b.node.register_hook(partial(self._balance, b)) for b in reading.balances]
+
+    def _balance(self, term: Balance, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        """The gradient of a load-balancing term ``sum(f * p_mean)`` to ``p``'s mean, as the one-process loss
+        has it: ``f`` the global batch's (the ranks' statistics averaged over their rows), and this rank's mean
+        weighted by its rows' share of the batch's. Divided by the rank's share of the sync (the sync multiplies
+        by it), so the term keeps its own weight beside the loss's other terms."""
+        weight = self.backward_weight()
+        rows = 0.0 if self.standing_in else term.rows
+        counts = term.statistic.double() * rows
+        if torch.allclose(counts, counts.round(), rtol=0, atol=1e-4):  # counts of routed tokens: exact integers
+            counts = counts.round()
+        both = torch.cat([counts.flatten(), counts.new_tensor([rows])])
+        with waiting("the load-balancing loss's statistics over the global batch"):
+            dist.all_reduce(both, group=self.group)
+        total = float(both[-1])
+        statistic = (both[:-1].to(term.statistic.dtype) / total).view(term.statistic.shape)
+        grad = grad_inputs[term.index]
+        if weight == 0.0 or rows == 0.0 or grad is None:
+            if rows > 0.0 and not self.warned_balance:
+                self.warned_balance = True
+                log.warning("a rank whose rows hold no token its loss counts (every label -100) still routed them: "
+                            "its part of the load-balancing loss is left out of this step's gradient")
+            new = None if grad is None else torch.zeros_like(grad)
+        else:
+            new = (grad_outputs[0] * statistic * (rows / total / weight)).sum_to_size(grad.shape).to(grad.dtype)
+        return tuple(new if i == term.index else g for i, g in enumerate(grad_inputs))
 
     def _count_globally(self, counted: Counted) -> Counted:
         """N of a micro-batch whose N this rank cannot know: one all-reduce of the counts."""

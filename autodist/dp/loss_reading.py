@@ -14,6 +14,10 @@ by a number keeps that number. This module walks from the loss down through what
 * a sum divided by a number (``(loss * mask).sum() / mask.sum()``, Hugging Face's ``sum / num_items_in_batch``,
   label smoothing's term): a mean over that number;
 * ``x.mean()``: a mean over its elements;
+* a sum of a product of a batch statistic and a batch mean, ``(f * (p.sum(0) / rows)).sum()``: the
+  load-balancing loss of mixture-of-experts models (Switch Transformer's, as Hugging Face's Mixtral, Qwen-MoE
+  and OLMoE compute it: ``f`` the fraction of tokens routed to each expert, no gradient; ``p`` the router's
+  probabilities), a product of the batch's statistics, which the ranks must share (:class:`Balance`);
 * anything else (a sum, a product, another loss function's own reduction): a term whose denominator is not
   read.
 
@@ -32,7 +36,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
-Kind = Literal["tokens", "divided", "mean", "other"]
+Kind = Literal["tokens", "divided", "mean", "balance", "other"]
 
 _LIMIT = 256  # nodes visited above the reductions: a loss's own arithmetic, never the model's graph
 _THROUGH = frozenset({  # one input, the same value up to shape or dtype: the term below is the term
@@ -59,6 +63,21 @@ class Term:
 
 
 @dataclass(frozen=True)
+class Balance:
+    """A load-balancing term ``sum(f * p_mean)``: where it is, and this rank's statistic ``f`` over its ``rows``.
+
+    The one-process loss takes ``f`` and the mean of ``p`` over the whole batch's rows. A rank's gradient of it
+    is ``f_global * (rows / rows_global)`` times the gradient of its own ``p`` mean: ``node`` is the product,
+    whose gradient to ``p``'s side (input ``index``) the sync replaces (:mod:`autodist.dp.grad_sync`).
+    """
+
+    node: Any  # MulBackward0: f times the mean of p
+    index: int  # which of its inputs carries p's gradient
+    statistic: torch.Tensor  # f on this rank (detached)
+    rows: float  # the rows p's mean (and f) is over on this rank
+
+
+@dataclass(frozen=True)
 class Reading:
     """The terms of one backward's loss, in the graph's order from its root(s).
 
@@ -68,6 +87,7 @@ class Reading:
     """
 
     terms: tuple[Term, ...]
+    balances: tuple[Balance, ...] = ()
 
     @property
     def counted(self) -> tuple[Term, ...]:
@@ -98,14 +118,15 @@ def read(roots: Iterable[torch.Tensor]) -> Reading:
     Must run before that backward: it frees the values the reductions kept.
     """
     terms: list[Term] = []
+    balances: list[Balance] = []
     budget = [_LIMIT]
     for root in roots:
         if isinstance(root, torch.Tensor) and root.grad_fn is not None and root.numel() == 1:
-            _walk(root.grad_fn, terms, budget)
-    return Reading(tuple(terms))
+            _walk(root.grad_fn, terms, budget, balances)
+    return Reading(tuple(terms), tuple(balances))
 
 
-def _walk(node: Any, terms: list[Term], budget: list[int]) -> None:
+def _walk(node: Any, terms: list[Term], budget: list[int], balances: list[Balance]) -> None:
     budget[0] -= 1
     if budget[0] < 0:
         terms.append(Term("other", None, "(a loss too large to read)"))
@@ -113,24 +134,56 @@ def _walk(node: Any, terms: list[Term], budget: list[int]) -> None:
     name = type(node).__name__
     inputs = [n for n, _ in node.next_functions if n is not None]
     if name in _THROUGH and len(inputs) == 1:
-        _walk(inputs[0], terms, budget)
+        _walk(inputs[0], terms, budget, balances)
     elif name in _SUMS:
         for child in inputs:
-            _walk(child, terms, budget)
+            _walk(child, terms, budget, balances)
     elif name in _SCALES and len(inputs) == 1 and (name.startswith("Mul") or node.next_functions[0][0] is not None):
-        _scaled(node, name, inputs[0], terms, budget)
+        _scaled(node, name, inputs[0], terms, budget, balances)
     else:
-        terms.append(_reduction(node, name))
+        balance = _balance(node) if name == "SumBackward0" else None
+        if balance is not None:
+            balances.append(balance)
+            terms.append(Term("balance", balance.rows, "MulBackward0"))
+        else:
+            terms.append(_reduction(node, name))
 
 
-def _scaled(node: Any, name: str, child: Any, terms: list[Term], budget: list[int]) -> None:
+def _scaled(node: Any, name: str, child: Any, terms: list[Term], budget: list[int], balances: list[Balance]) -> None:
     """A term multiplied or divided by a constant: a sum divided by a number is a mean over that number."""
-    if name.startswith("Div") and _is_sum(child):
+    if name.startswith("Div") and _is_sum(child) and _balance(child) is None:
         divisor = _number(getattr(node, "_saved_other", None))
         if divisor is not None and divisor > 0:
             terms.append(Term("divided", divisor, type(child).__name__))
             return
-    _walk(child, terms, budget)
+    _walk(child, terms, budget, balances)
+
+
+def _balance(total: Any) -> Balance | None:
+    """``total`` (a full sum) as a load-balancing term: the sum of a no-gradient statistic times a mean over
+    rows (through unsqueezes and views), ``p.sum(0) / rows`` or ``p.mean(0)``; None if it is not one."""
+    product = total.next_functions[0][0] if total.next_functions else None
+    if type(product).__name__ != "MulBackward0":
+        return None
+    sides = [n for n, _ in product.next_functions]
+    if len(sides) != 2 or (sides[0] is None) == (sides[1] is None):
+        return None
+    index = 0 if sides[0] is not None else 1
+    statistic = getattr(product, "_saved_other" if index == 0 else "_saved_self", None)
+    mean = sides[index]
+    for _ in range(4):  # p's mean, unsqueezed to broadcast against f
+        if type(mean).__name__ not in ("UnsqueezeBackward0", "ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0"):
+            break
+        mean = mean.next_functions[0][0]
+    name = type(mean).__name__
+    rows = None
+    if name == "DivBackward0" and mean.next_functions[1][0] is None:
+        rows = _number(getattr(mean, "_saved_other", None))
+    elif name == "MeanBackward1" and tuple(mean._saved_dim) == (0,):
+        rows = float(mean._saved_self_sym_sizes[0])
+    if rows is None or rows <= 0 or not isinstance(statistic, torch.Tensor):
+        return None
+    return Balance(product, index, statistic.detach(), rows)
 
 
 def _is_sum(node: Any) -> bool:

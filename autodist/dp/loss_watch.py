@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -34,31 +35,41 @@ _pending: Reading | None = None  # the reading of the backward running now (auto
 _other: str | None = None  # the mode that kept the watch off the stack at the last forward
 
 
+OnRead = Callable[[Reading], list]  # what the model's sync does with a reading: the hooks to remove after
+
+
 class _Watch(TorchFunctionMode):
     """Reads the loss of each ``backward()`` called while it is on the stack; every other call passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_read: weakref.WeakMethod | None = None  # the sync of the model whose forward put it there
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.backward and args and kwargs.get("gradient", args[1] if len(args) > 1 else None) \
                 is None:
-            with _reading([args[0]]):
+            with self._reading([args[0]]):
                 return func(*args, **kwargs)
         if func is torch.autograd.backward and args and kwargs.get("grad_tensors", args[1] if len(args) > 1
                                                                    else None) is None:
             roots = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
-            with _reading(roots):
+            with self._reading(roots):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-
-@contextmanager
-def _reading(roots: list[Any]) -> Iterator[None]:
-    global _pending
-    previous, _pending = _pending, read(roots)
-    try:
-        yield
-    finally:
-        _pending = previous
+    @contextmanager
+    def _reading(self, roots: list[Any]) -> Iterator[None]:
+        global _pending
+        previous, _pending = _pending, read(roots)
+        on_read = self.on_read() if self.on_read is not None else None
+        handles = on_read(_pending) if on_read is not None else []
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            _pending = previous
 
 
 def _watch() -> _Watch:
@@ -81,13 +92,16 @@ class _AtStep:
 _at_step = _AtStep()
 
 
-def arm() -> None:
-    """Watch this thread's next ``backward()``: called at the end of a parallelized model's forward."""
+def arm(on_read: OnRead) -> None:
+    """Watch this thread's next ``backward()``: called at the end of a parallelized model's forward, whose sync
+    gets the reading (``on_read``, a bound method, held weakly) before autograd runs."""
     global _other
     depth = torch._C._len_torch_function_stack()
     if depth == 0 and torch._C._current_graph_task_id() == -1:
         step_hooks.listen(_at_step)
-        torch._C._push_on_torch_function_stack(_watch())
+        watch = _watch()
+        watch.on_read = weakref.WeakMethod(on_read)  # type: ignore[arg-type]
+        torch._C._push_on_torch_function_stack(watch)
         _other = None
     elif depth and torch._C._get_function_stack_at(depth - 1) is not getattr(_local, "watch", None):
         _other = type(torch._C._get_function_stack_at(depth - 1)).__name__

@@ -63,6 +63,16 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _mixtral(coefficient: float = 0.02) -> nn.Module:
+    """4 experts, top-2, its load-balancing loss added to the loss at ``coefficient`` (eager experts: float64)."""
+    config = transformers.MixtralConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        hidden_size=16, intermediate_size=32, vocab_size=VOCAB,
+                                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                        router_aux_loss_coef=coefficient, max_position_embeddings=LENGTH,
+                                        attn_implementation="eager", experts_implementation="eager")
+    return transformers.MixtralForCausalLM(config)
+
+
 class TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -87,7 +97,8 @@ def _masked_mean(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> t
 
 
 LOSSES = {"hf": (_gpt2, _hf_loss), "ignore_index": (TinyLM, _ignore_index), "masked_mean": (TinyLM, _masked_mean),
-          "llama": (_llama, _hf_loss)}
+          "llama": (_llama, _hf_loss), "mixtral": (_mixtral, _hf_loss),
+          "mixtral_control": (lambda: _mixtral(0.0), _hf_loss)}
 HF = ("hf", "llama")
 
 
@@ -137,13 +148,14 @@ def _difference(a: dict, b: dict) -> float:
 
 
 @float64
-def _largest_differences(name: str, accumulate: int, world: int, data=_loader) -> tuple[float, float]:
+def _largest_differences(name: str, accumulate: int, world: int, data=_loader, options: dict | None = None
+                         ) -> tuple[float, float]:
     """(from one process, from one process's split of each batch into the ranks' parts)."""
     build, loss_of = LOSSES[name]
     reference = _train(seeded(build, 0), data(), _whole(loss_of), accumulate=accumulate)
     split = _train(seeded(build, 0), data(), _split(loss_of, world), accumulate=accumulate) \
         if name in HF else reference
-    model, loader = autodist.parallelize(seeded(build, 0), data())
+    model, loader = autodist.parallelize(seeded(build, 0), data(), **(options or {}))
     trained = _train(model, loader, _whole(loss_of), accumulate=accumulate)
     return _difference(trained, reference), _difference(trained, split)
 
@@ -169,6 +181,22 @@ def test_token_means_at_three_ranks(ranks, name):
 def test_token_means_accumulated_over_an_uneven_window(ranks, name):
     """3 micro-batches a step: 9 steps over 2 epochs of 9 batches, the window holding the short one uneven."""
     _check(name, ranks(2, _largest_differences, name, 3, 2))
+
+
+# -- mixture of experts: the load-balancing loss --------------------------------------------------------------
+
+@float64
+def _balanced(options: dict) -> tuple[float, float]:
+    """(Mixtral with its load-balancing loss, the same at coefficient 0: the float floor of a routed model),
+    each the largest difference from one process."""
+    return (_largest_differences("mixtral", 1, 2, _loader, options)[0],
+            _largest_differences("mixtral_control", 1, 2, _loader, options)[0])
+
+
+@pytest.mark.parametrize("options", [{}, {"shard": "parameters"}], ids=["dp", "shard=parameters"])
+def test_the_load_balancing_loss_takes_the_global_batchs_routing(ranks, options):
+    for balanced, control in ranks(2, _balanced, options):
+        assert balanced <= 10 * max(control, 1e-12), f"{balanced:.3g} from one process (control {control:.3g})"
 
 
 # -- a rank with no rows ---------------------------------------------------------------------------------------

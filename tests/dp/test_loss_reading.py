@@ -67,3 +67,19 @@ def test_terms_that_divide_by_different_counts_are_named():
 def test_several_roots_are_the_terms_of_one_loss():
     logits = _logits()
     assert read([F.cross_entropy(logits, LABELS), logits.sum()]).count == 4.0
+
+
+def test_a_load_balancing_loss_is_read_with_its_statistic():
+    """Hugging Face's Switch-Transformer loss: sum(f * p.sum(0) / rows) * experts, f without a gradient."""
+    logits = torch.randn(10, 4, requires_grad=True)
+    probs = logits.softmax(-1)
+    f = torch.histc(probs.topk(2, dim=-1).indices.float().reshape(-1), bins=4, min=0, max=4) / 10.0
+    aux = (f * (probs.sum(0) / 10.0).unsqueeze(0)).sum() * 4
+    reading = read([F.cross_entropy(logits, LABELS.repeat(2)[:10]) + 0.02 * aux])
+    assert [t.kind for t in reading.terms] == ["tokens", "balance"]
+    assert reading.count == 7.0  # the balance term is not a count of the loss's
+    (balance,) = reading.balances
+    assert balance.rows == 10.0 and torch.equal(balance.statistic, f)
+    assert read([(f * probs.mean(0)).sum()]).balances[0].rows == 10.0  # older transformers: a mean over rows
+    masked = (probs * torch.ones(10, 1)).sum()  # a masked sum is not one: nothing divides it by rows
+    assert read([masked]).balances == ()
