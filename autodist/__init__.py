@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what __getattr__ imports, for type checkers and readers (an
     from autodist.api import explain, parallelize, plan
     from autodist.dp.grad_sync import no_sync, synchronize_model
     from autodist.dp.structure import ModelChanged
+    from autodist.dp.whole_batch import whole_batch
     from autodist.mp.gather import gather_state_dict
     from autodist.mp.rewrite import SplitPlan
     from autodist.planner.plan import Auto, ParallelPlan
@@ -42,7 +43,8 @@ if TYPE_CHECKING:  # what __getattr__ imports, for type checkers and readers (an
 _WHERE = {  # public name -> the module it lives in
     **dict.fromkeys(("explain", "parallelize", "plan"), "autodist.api"),
     **dict.fromkeys(("no_sync", "synchronize_model"), "autodist.dp.grad_sync"),
-    "ModelChanged": "autodist.dp.structure", "gather_state_dict": "autodist.mp.gather",
+    "ModelChanged": "autodist.dp.structure", "whole_batch": "autodist.dp.whole_batch",
+    "gather_state_dict": "autodist.mp.gather",
     "SplitPlan": "autodist.mp.rewrite", "Auto": "autodist.planner.plan", "ParallelPlan": "autodist.planner.plan",
     "EASGD": "autodist.ps", "Downpour": "autodist.ps",
     **dict.fromkeys(("World", "init", "rank", "world_size"), "autodist.runtime.world"),
@@ -56,7 +58,7 @@ _MODULES = {"engine": "autodist.train.engine", "comm": "autodist.runtime.comm", 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "SplitPlan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
            "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters", "plan", "Auto",
-           "ParallelPlan"]
+           "ParallelPlan", "whole_batch"]
 __version__ = "0.1.0"
 
 

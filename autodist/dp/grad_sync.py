@@ -567,6 +567,11 @@ def registration_of(model: nn.Module) -> Registration | None:
     return found if found is not None or not isinstance(inner, nn.Module) else _registry.get(inner)
 
 
+def parallelized() -> list[nn.Module]:
+    """The models ``parallelize`` set up in this process and still alive."""
+    return list(_registry.keys())
+
+
 def state_of(model: nn.Module) -> GradSync | None:
     registration = registration_of(model)
     return registration.sync if registration is not None else None

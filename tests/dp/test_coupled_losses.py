@@ -250,3 +250,84 @@ def test_the_watch_is_on_the_stack_only_between_forward_and_loss(ranks):
     for depths, warnings in ranks(2, _watch_lifecycle):
         assert depths == [1, 0, 0, 1]
         assert any("did not see this backward's loss" in w and "_Passing" in w for w in warnings), warnings
+
+
+# -- in-batch negatives ----------------------------------------------------------------------------------------
+
+class TwoTowers(nn.Module):
+    """CLIP's shape: an image tower and a text tower, each to a normalized embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image, self.text = nn.Linear(6, 8), nn.Embedding(VOCAB, 8)
+
+    def forward(self, pixels: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.image(pixels), dim=-1), F.normalize(self.text(ids).mean(1), dim=-1)
+
+
+def _pairs() -> DataLoader:
+    g = torch.Generator().manual_seed(6)
+    data = TensorDataset(torch.randn(SAMPLES, 6, generator=g), torch.randint(0, VOCAB, (SAMPLES, 5), generator=g))
+    return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
+
+
+def _clip_loss(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    logits = image @ text.T / 0.1
+    labels = torch.arange(len(image))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _own_rows_loss(image: torch.Tensor, text: torch.Tensor, all_image: torch.Tensor, all_text: torch.Tensor,
+                   first: int) -> torch.Tensor:
+    """open_clip's local loss: this rank's rows against every column."""
+    labels = torch.arange(first, first + len(image))
+    return (F.cross_entropy(image @ all_text.T / 0.1, labels) + F.cross_entropy(text @ all_image.T / 0.1, labels)) / 2
+
+
+def _train_towers(model: nn.Module, loader, how: str) -> dict[str, torch.Tensor]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        for pixels, ids in loader:
+            optimizer.zero_grad()
+            image, text = model(pixels, ids)
+            if how == "whole":
+                loss = _clip_loss(autodist.whole_batch(image), autodist.whole_batch(text))
+            elif how == "own_rows":
+                all_image, all_text = autodist.whole_batch(image), autodist.whole_batch(text)
+                first = sum(int(n) for n in _rows_before(len(image)))
+                loss = _own_rows_loss(image, text, all_image, all_text, first)
+            else:
+                loss = _clip_loss(image, text)
+            loss.backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rows_before(mine: int) -> list[int]:
+    """The rows the ranks before this one hold (all_gather of the counts)."""
+    import torch.distributed as dist
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([mine]))
+    return every[:dist.get_rank()]
+
+
+@float64
+def _negatives(how: str) -> float:
+    reference = _train_towers(seeded(TwoTowers, 0), _pairs(), "one")
+    model, loader = autodist.parallelize(seeded(TwoTowers, 0), _pairs())
+    return _difference(_train_towers(model, loader, how), reference)
+
+
+@pytest.mark.parametrize("how", ["whole", "own_rows", "without"])
+def test_in_batch_negatives_over_the_whole_batch(ranks, how):
+    for difference in ranks(2, _negatives, how):
+        if how == "without":  # each rank's negatives its own rows: the test can tell
+            assert difference > 1e-3, f"{difference:.3g}"
+        else:
+            assert difference <= 1e-10, f"{how}: {difference:.3g} from one process"
+
+
+@pytest.mark.slow
+def test_in_batch_negatives_at_three_ranks(ranks):
+    for difference in ranks(3, _negatives, "whole"):
+        assert difference <= 1e-10, f"{difference:.3g} from one process"
