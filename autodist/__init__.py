@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what __getattr__ imports, for type checkers and readers (and the layering test)
     from autodist.api import explain, parallelize, plan
+    from autodist.dp.check import Check
     from autodist.dp.grad_sync import no_sync, synchronize_model
     from autodist.dp.structure import ModelChanged
     from autodist.dp.whole_batch import whole_batch
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # what __getattr__ imports, for type checkers and readers (an
 _WHERE = {  # public name -> the module it lives in
     **dict.fromkeys(("explain", "parallelize", "plan"), "autodist.api"),
     **dict.fromkeys(("no_sync", "synchronize_model"), "autodist.dp.grad_sync"),
-    "ModelChanged": "autodist.dp.structure", "whole_batch": "autodist.dp.whole_batch",
+    "ModelChanged": "autodist.dp.structure", "whole_batch": "autodist.dp.whole_batch", "Check": "autodist.dp.check",
     "gather_state_dict": "autodist.mp.gather",
     "SplitPlan": "autodist.mp.rewrite", "Auto": "autodist.planner.plan", "ParallelPlan": "autodist.planner.plan",
     "EASGD": "autodist.ps", "Downpour": "autodist.ps",
@@ -58,7 +59,7 @@ _MODULES = {"engine": "autodist.train.engine", "comm": "autodist.runtime.comm", 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "SplitPlan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
            "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters", "plan", "Auto",
-           "ParallelPlan", "whole_batch"]
+           "ParallelPlan", "whole_batch", "Check"]
 __version__ = "0.1.0"
 
 

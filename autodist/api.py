@@ -16,6 +16,7 @@ from autodist import sync as sync_mod
 from autodist.dp import batch_layout, elastic_data, joining, loader_position, precision, wrappers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
+from autodist.dp.check import Check, Checker, LossOf
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
 from autodist.dp.replicate import broadcast_state, check_same_model, model_tensors
 from autodist.dp.shares import SampleCounter, SampleFn
@@ -112,6 +113,18 @@ def _check_blocks(blocks: sharded_blocks.Choice, shard: str | None, checkpoint: 
         raise ValueError(f"blocks= names the modules shard='parameters' gathers one at a time and checkpoint=True "
                          f"recomputes; with shard={shard!r} and no checkpoint nothing uses them: drop blocks=, or "
                          f"pass shard='parameters' or checkpoint=True")
+
+
+def _check_the_check(check: Check | LossOf | None, mp: int, pp: int, shard: str | None,
+                     strategy: sync_mod.Strategy) -> Check | None:
+    if check is None:
+        return None
+    check = check if isinstance(check, Check) else Check(check)
+    if mp != 1 or pp != 1 or shard in ("gradients", "parameters") or not isinstance(strategy, sync_mod.Exact):
+        raise ValueError(f"check= compares rank 0's whole gradients with one process's: it runs with data "
+                         f"parallelism and exact sync, shard=None or 'optimizer' (here mp={mp}, pp={pp}, "
+                         f"shard={shard!r}, sync={strategy!r}); check the loss at that layout, then change it")
+    return check
 
 
 def _check_positive(name: str, value: object, meaning: str) -> None:
@@ -343,7 +356,8 @@ def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan
         if world.rank == 0:
             log.info("plan: %s (the plan given, used without searching)", plan.layout)
         return plan.layout
-    return search_plan(model, data, Auto() if plan == "auto" else plan, given, options).layout
+    trials = {**options, "check": None}  # the trials' copies are not checked (the chosen layout is)
+    return search_plan(model, data, Auto() if plan == "auto" else plan, given, trials).layout
 
 
 def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: dict, options: dict) -> ParallelPlan:
@@ -420,6 +434,7 @@ def parallelize(
     loss_fn: Callable[..., Any] | None = None,
     mixed_precision: precision.Precision = None,
     batch_norm: Literal["global", "local"] = "global",
+    check: Check | LossOf | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -455,6 +470,12 @@ def parallelize(
             all-reduce in backward per layer), as one process does, where the
             ranks keep the one-process training (exact sync, no pipeline stages,
             not elastic); "local": by each rank's rows, as DDP does.
+        check: ``loss(model, batch) -> loss`` (or ``autodist.Check(loss, every=K)``): on the first step
+            (and every K), rank 0 computes one process's gradient of the step's global batch and compares
+            it with the synchronized one; a difference beyond the float floor raises on every rank, naming
+            the parameter and the likely cause (a loss coupling the batch that autodist cannot read). Costs
+            one forward and backward of the global batch on rank 0 on those steps; data parallel, exact sync,
+            ``shard=None`` or ``"optimizer"``.
         batch_dim: the dimension that indexes samples: tensors passed as
             ``data`` are split along it (1 for word_language_model's
             (time, batch) data: each rank keeps its columns of every time
@@ -551,7 +572,7 @@ def parallelize(
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
-                   mixed_precision=mixed_precision, batch_norm=batch_norm)
+                   mixed_precision=mixed_precision, batch_norm=batch_norm, check=check)
     if plan is not None and pp != 1:
         raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
                          f"yourself")
@@ -578,7 +599,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
            pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
            loss_fn: Callable[..., Any] | None = None, mixed_precision: precision.Precision = None,
-           batch_norm: str = "global", announce: bool = True) -> tuple[nn.Module, data_mod.DataLike]:
+           batch_norm: str = "global", check: Check | LossOf | None = None, announce: bool = True
+           ) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
     compute = precision.compute_dtype(mixed_precision)
@@ -589,6 +611,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                          f"one process) or 'local' (by each rank's rows, as DDP), got {batch_norm!r}")
     strategy = sync_mod.choose(sync)
     _check_shard(shard, strategy)
+    check = _check_the_check(check, mp, pp, shard, strategy)
     _check_pipeline(pp, stages, microbatches, strategy, shard, loss_fn)
     _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
@@ -659,6 +682,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                                     at_rest, int(bucket_mb * MB))
         if batch_norm == "global" and cut is None and not elastic_job and isinstance(strategy, sync_mod.Exact):
             sync_state.couple_batch_norm()  # type: ignore[union-attr]
+        if check is not None:
+            sync_state.checker = Checker(model, sync_state, check, groups.dp, dp_rank)  # type: ignore[union-attr]
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if elastic_job:

@@ -18,6 +18,7 @@ import copy
 import itertools
 import zlib
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -135,6 +136,7 @@ class RankSliceBatchSampler(Sampler[list]):
     def __init__(self, batch_sampler: Sampler[list] | Sequence[list], rank: int, size: int) -> None:
         self.batch_sampler, self.rank, self.size = batch_sampler, rank, size
         self.latest_shares: deque[BatchShare] = deque()
+        self.whole: Callable[[list], Any] | None = None  # collates a global batch as one process (shard_loader)
         self.resuming: Resuming | None = None  # set by the loader for the epoch it resumes
 
     def __iter__(self) -> Iterator[list]:
@@ -151,7 +153,8 @@ class RankSliceBatchSampler(Sampler[list]):
         for number, batch in enumerate(batches, start):
             batch = list(batch)
             lo, hi = slice_bounds(len(batch), self.rank, self.size)
-            shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id(), _mark(batch, number)))
+            whole = partial(self.whole, batch) if self.whole is not None and provenance.keeping() else None
+            shares.append(BatchShare(hi - lo, len(batch), provenance.new_batch_id(), _mark(batch, number), whole))
             yield batch[lo:hi] if hi > lo else batch[:1]  # no row here: the batch's first stands in, weighted 0
 
     def __len__(self) -> int:
@@ -302,6 +305,7 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
         raise ValueError("the DataLoader was built with in_order=False: autodist matches each batch with its "
                          "share of the global batch by order, so pass a loader with in_order=True (the default)")
     batches = RankSliceBatchSampler(_agreeing(loader.batch_sampler, share), rank, size)
+    batches.whole = partial(_collated, loader.dataset, loader.collate_fn)
     sharded = ShardedLoader(loader.dataset, batch_sampler=batches,
                             collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset, dim), **options)
     sharded.watch_key = f"{next(_loader_numbers)}.{getattr(loader, 'batch_size', None)}"
@@ -311,6 +315,11 @@ def shard_loader(loader: DataLoader, rank: int, size: int, share: ShareOrder, di
     object.__setattr__(sharded, "sampler", EpochSampler(loader.dataset, getattr(loader.batch_sampler, "sampler",
                                                                                None)))
     return sharded
+
+
+def _collated(dataset: Any, collate_fn: Callable[[list], Any], indices: list) -> Any:
+    """A global batch as the single-process loader collates it (autodist's check of a step: docs)."""
+    return collate_fn([dataset[i] for i in indices])
 
 
 class EpochSampler(SequentialSampler):

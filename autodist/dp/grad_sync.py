@@ -95,6 +95,9 @@ class GradSync:
         self.warned_terms = False
         self.coupled = 0  # BatchNorm layers normalizing by the global batch (couple_batch_norm)
         self.warned_balance = False
+        self.last_reading: Reading | None = None  # the loss of the last backward watched (for the check's message)
+        self.last_backwards = 0  # backwards the last sync added up
+        self.checker: Any = None  # parallelize(check=...): autodist.dp.check.Checker, kept alive here
         self.standing_in = False  # the forward running now is a stand-in's (its rank holds no row of the batch)
         self.grads_arrived = False  # this backward brought gradients to the parameters
         self.prescale_handles: list[Any] = []
@@ -268,6 +271,7 @@ class GradSync:
     def _on_read(self, reading: Reading) -> list:
         """The loss of a backward about to run (:mod:`autodist.dp.loss_watch`): a load-balancing term gets the
         global batch's statistics in its gradient (:meth:`_balance`); the hooks, removed after that backward."""
+        self.last_reading = reading
         return [b.node.register_hook(partial(self._balance, b)) for b in reading.balances]
 
     def _balance(self, term: Balance, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
@@ -465,6 +469,7 @@ class GradSync:
             self.buffer_sync.unpack(self.buckets[-1].summed_extra()[:self.buffer_slots], total)
         self.buffer_sync.average_rest(packing.count if packing else 1.0, self.group, rode)
         self.last_counted = Counted(self.window.count, self.window.total) if self.window.backwards else None
+        self.last_backwards = self.window.backwards
         self.window.reset()
         self.next_bucket, self.packing = 0, None
 

@@ -43,7 +43,7 @@ def handed_over(batches: Iterator[Any], shares: deque[BatchShare], epoch: tuple[
         for batch in batches:
             share = shares.popleft()
             provenance.register_batch(batch, share)
-            provenance.announce(share)
+            provenance.announce(share, batch)
             step += 1
             place.took()
             position.record.batch(share.batch, (number, step, steps))

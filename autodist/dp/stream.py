@@ -146,7 +146,8 @@ class StreamShard(DataLoader):
         for batch in batches:
             n = batch_size(batch, self.dim)
             lo, hi = slice_bounds(n, self.rank, self.size)
-            shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch)))
+            whole = (lambda kept=batch: kept) if provenance.keeping() else None
+            shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch), whole))
             yield rows(batch, lo, hi, self.dim, n) if hi > lo else rows(batch, 0, 1, self.dim, n)  # a stand-in
 
     def __len__(self) -> int:

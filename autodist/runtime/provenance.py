@@ -23,8 +23,8 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class BatchShare:
     total: int
     batch: int  # which global batch: two forwards on the same batch count once
     mark: int | None = None  # its identity, the same on every rank (which samples, in order): ranks compare it
+    whole: Callable[[], Any] | None = field(default=None, compare=False, repr=False)  # the one-process batch
+    # (collated again from its samples, or the stream's batch), where batches are kept: keep_batches()
 
 
 @dataclass(frozen=True)
@@ -168,11 +170,31 @@ def known_share(t: torch.Tensor) -> BatchShare | int | None:
     return _across(t, region) if region.across else _rows(t, region.row_bytes)
 
 
-def announce(share: BatchShare | None) -> None:
-    """The batch this thread's loop was just handed (None: the epoch ended)."""
+_keeping = [0]  # how many users want the batches themselves kept (autodist's check of a step)
+
+
+def announce(share: BatchShare | None, batch: Any = None) -> None:
+    """The batch this thread's loop was just handed (None: the epoch ended); the batch itself is kept only
+    while something asked for it (:func:`keep_batches`)."""
     _local.current = share
+    _local.batch = batch if _keeping[0] else None
 
 
 def current() -> BatchShare | None:
     """The batch a sharded DataLoader last handed to this thread, if its epoch is still going."""
     return getattr(_local, "current", None)
+
+
+def keep_batches(on: bool) -> None:
+    """Keep (or stop keeping) the batch last handed out (:func:`current_batch`), and give each share a way to
+    the whole global batch (``BatchShare.whole``)."""
+    _keeping[0] += 1 if on else -1
+
+
+def keeping() -> bool:
+    return _keeping[0] > 0
+
+
+def current_batch() -> Any:
+    """The batch the sharded DataLoader last handed to this thread, where batches are kept; else None."""
+    return getattr(_local, "batch", None)

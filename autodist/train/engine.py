@@ -147,7 +147,7 @@ class Prefetcher(Iterator[T]):
         kind, value = self._queue.get()
         if kind == "item":
             batch, share = value
-            provenance.announce(share)  # the step about to run uses this batch, not the ones fetched ahead
+            provenance.announce(share, batch)  # the step about to run uses this batch, not the ones fetched ahead
             return batch
         provenance.announce(None)
         self.close()
