@@ -40,7 +40,7 @@ from autodist.dp.buckets import COPY_BACK_BELOW_BYTES, MB, Bucket, assign_bucket
 from autodist.dp.buffer_sync import BufferSync
 from autodist.dp.exchange import AllReduce, Exchange
 from autodist.dp.exchange import choose as choose_exchange
-from autodist.dp.loss_reading import Balance, Reading
+from autodist.dp.loss_reading import Balance, Reading, Term
 from autodist.dp.replicate import first_difference, model_tensors, signature
 from autodist.dp.shares import Counted, SampleCounter, combine, watch_outputs
 from autodist.dp.structure import Watch
@@ -98,6 +98,7 @@ class GradSync:
         self.last_reading: Reading | None = None  # the loss of the last backward watched (for the check's message)
         self.last_backwards = 0  # backwards the last sync added up
         self.checker: Any = None  # parallelize(check=...): autodist.dp.check.Checker, kept alive here
+        self.pipeline_count: float | None = None  # pp: the merged loss's tokens, set by the pipeline's forward
         self.standing_in = False  # the forward running now is a stand-in's (its rank holds no row of the batch)
         self.grads_arrived = False  # this backward brought gradients to the parameters
         self.prescale_handles: list[Any] = []
@@ -144,6 +145,7 @@ class GradSync:
     # -- forward: count, and watch the outputs --------------------------------------------------
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         loss_watch.disarm()  # the last forward's loss was read, or never will be
+        self.pipeline_count = None
         if not torch.compiler.is_compiling():  # coupled layers and loss terms count this forward's rows
             share = provenance.current()
             self.standing_in = self.counter(args, kwargs).stand_in if self.coupled else \
@@ -228,6 +230,8 @@ class GradSync:
         accumulating, now); a rank's stand-in row for a batch it holds no row of still counts zero. Every rank
         runs the same loss code, so all take this path alike."""
         reading = loss_watch.pending()
+        if (reading is None or reading.count is None) and self.pipeline_count is not None:
+            reading = Reading((Term("tokens", self.pipeline_count, "the pipeline's merged loss"),))
         if reading is None and loss_watch.unwatched() and self.counter.samples is None and not self.warned_terms:
             self.warned_terms = True
             log.warning("autodist did not see this backward's loss: a torch function mode (%s) was active when the "

@@ -5,7 +5,8 @@ dimension ``batch_dim`` has the batch's size is cut along it; other values go wh
 Outputs come back the other way: a tensor with the micro-batch's rows is concatenated (along ``batch_dim``, or
 the one dimension that holds them), a number (a loss the
 model computes itself, a mean over its micro-batch) becomes the mean weighted by each micro-batch's count, so
-that a mean over the batch is the one the whole batch gives. A gradient arriving at the merged output is cut the
+that a mean over the batch is the one the whole batch gives: its samples, or for a mean over valid tokens (a
+language model's own loss with labels at -100) the tokens read from its graph. A gradient arriving at the merged output is cut the
 same way (:meth:`Merged.cut_grad`).
 
 Example:
@@ -20,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from autodist.dp.loss_reading import read
 from autodist.runtime.tree import tensor_leaves
 
 
@@ -88,6 +90,7 @@ class Merged:
 
     value: Any
     how: list[tuple[str, Any]]  # per leaf of ``value``: ("cat", dim) | ("mean", weights) | ("first" | "value", None)
+    count: float | None = None  # a loss leaf that is a mean over valid tokens: the batch's tokens (its weight)
 
     def cut_grad(self, index: int, grad: torch.Tensor | None, rows: list[int]) -> list[torch.Tensor | None]:
         """The gradient of leaf ``index`` of the merged output, cut into the micro-batches' parts."""
@@ -114,6 +117,14 @@ def _rows_dim(leaves: tuple, rows: list[int], dim: int) -> int | None:
     return fits[0] if len(fits) == 1 else None
 
 
+def _loss_counts(leaves: tuple) -> list[float] | None:
+    """A loss the model computes itself that is a mean over what the data does not count (valid tokens, read
+    from its graph: :mod:`autodist.dp.loss_reading`): each micro-batch's count, which weights it, so that the
+    merged loss is the whole batch's mean over tokens. None where the micro-batches' losses are not such means."""
+    counts = [read([t]).count if t.requires_grad else None for t in leaves]
+    return None if any(c is None for c in counts) else counts  # type: ignore[return-value]
+
+
 def merge(outputs: list[Any], rows: list[int], counts: list[float], dim: int,
           dropped: Callable[[str, Any], None]) -> Merged:
     """The micro-batches' outputs as the whole batch's: see the module docstring. ``dropped(path, value)`` is
@@ -127,6 +138,7 @@ def merge(outputs: list[Any], rows: list[int], counts: list[float], dim: int,
     total = sum(counts)
     weights = [c / total if total else 0.0 for c in counts]
     merged, how = [], []
+    count = None
     for i, leaves in enumerate(zip(*(flat for flat, _ in flats))):
         first = leaves[0]
         if isinstance(first, torch.Tensor):
@@ -135,8 +147,13 @@ def merge(outputs: list[Any], rows: list[int], counts: list[float], dim: int,
                 merged.append(torch.cat([t.detach() for t in leaves], along))
                 how.append(("cat", along))
             elif first.dim() == 0 and first.is_floating_point():
-                merged.append(sum(t.detach() * w for t, w in zip(leaves, weights)))
-                how.append(("mean", weights))
+                read_counts = _loss_counts(leaves)
+                shares = weights
+                if read_counts is not None:
+                    count = sum(read_counts) if count is None else count
+                    shares = [c / sum(read_counts) if sum(read_counts) else 0.0 for c in read_counts]
+                merged.append(sum(t.detach() * w for t, w in zip(leaves, shares)))
+                how.append(("mean", shares))
             elif len(leaves) == 1:
                 merged.append(first.detach())
                 how.append(("first", None))
@@ -152,4 +169,4 @@ def merge(outputs: list[Any], rows: list[int], counts: list[float], dim: int,
             dropped(f"output{paths[i]}", first)
             merged.append(None)
             how.append(("value", None))
-    return Merged(pytree.tree_unflatten(merged, spec), how)
+    return Merged(pytree.tree_unflatten(merged, spec), how, count)

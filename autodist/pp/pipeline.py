@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autodist.dp.grad_sync import state_of
+from autodist.dp.loss_reading import read
 from autodist.layers.split_grad import mark_split
 from autodist.pp import micro, schedule, wire
 from autodist.pp.cut import Cut
@@ -245,7 +246,21 @@ class Pipeline:
             if training and not out.requires_grad:
                 raise ValueError("loss_fn returned a loss that does not depend on the model's parameters (no "
                                  "gradient reaches it)")
+            if training and self.samples is None and "tokens" not in self.warned:
+                self._warn_if_over_tokens(out, flight.counts[m])
         flight.outputs.append(out)
+
+    def _warn_if_over_tokens(self, loss: torch.Tensor, samples: float) -> None:
+        """1F1B runs each micro-batch's backward before the next one's loss exists, so it weights them by their
+        samples (or samples=): a loss that is a mean over valid tokens is said once, with the fix."""
+        count = read([loss]).count
+        if count is not None and count != samples:
+            self.warned.add("tokens")
+            log.warning("loss_fn's loss is a mean over %g valid tokens of this micro-batch's %g samples (labels at "
+                        "-100?), but pp with loss_fn (1F1B) weights each micro-batch by its samples, which is not "
+                        "the one-process mean over the batch's tokens: pass parallelize(..., samples=fn) counting "
+                        "the tokens loss_fn divides by, or drop loss_fn (GPipe), where autodist reads them itself",
+                        count, samples)
 
     def _arrive(self, index: int) -> None:
         flight = self.flight
@@ -299,7 +314,7 @@ class Pipeline:
     @torch.compiler.disable
     def _output(self, flight: Flight) -> Any:
         """The model's output on every stage: merged on the last, sent to the others, tied to the backward."""
-        value = None
+        value = count = None
         grad = torch.is_grad_enabled()
         if self.last:
             merged = micro.merge(flight.outputs, flight.rows, flight.counts, self.dim, self._dropped)
@@ -309,11 +324,14 @@ class Pipeline:
             flight.merged = merged
             for i in flight.grad_leaves:
                 flat[i] = flat[i].requires_grad_(True) if grad else flat[i]  # said to the other stages as needing one
-            value = pytree.tree_unflatten(flat, spec)
-        value = wire.broadcast(value, self.ranks[-1], self.group, self.device,
-                               f"the model's output, from the last pipeline stage ({self.cut.stages - 1})")
+            value, count = pytree.tree_unflatten(flat, spec), merged.count
+        value, count = wire.broadcast((value, count), self.ranks[-1], self.group, self.device,
+                                      f"the model's output, from the last pipeline stage ({self.cut.stages - 1})")
         if not grad:
             return value
+        sync = state_of(self.model())
+        if sync is not None:
+            sync.pipeline_count = count  # a loss over valid tokens: this replica's weight in the data-parallel sync
         flat, spec = pytree.tree_flatten(value)
         leaves = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not self.last:
