@@ -558,8 +558,8 @@ def parallelize(
         forward's tensors, and a backward through a forward it cannot count
         raises, naming the arguments; a loss that is a mean over valid tokens
         (labels at -100) weights each rank by its tokens, read from the loss.
-        BatchNorm normalizes by the global batch's statistics (``batch_norm``). With ``mp > 1`` every rank of a model-parallel
-        group takes the torch RNG state (CPU and CUDA) of the group's first
+        BatchNorm normalizes by the global batch's statistics (``batch_norm``).
+        With ``mp > 1`` every rank of a model-parallel group takes the torch RNG state (CPU and CUDA) of the group's first
         rank, so dropout and other random ops draw the same numbers on all of
         them - and so does random data augmentation on torch's RNG, which must
         agree because the ranks of a group must see the same input (Python's

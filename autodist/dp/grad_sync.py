@@ -209,7 +209,7 @@ class GradSync:
             self._begin_backward(counted)
         elif not self.read_loss and all(c is not counted for c in self.reached):
             self.reached.append(counted)  # a second forward in the same backward (its batch counts once)
-        return torch.zeros_like(grad) if counted.stand_in else None
+        return torch.zeros_like(grad) if counted.stand_in and grad is not None else None
 
     def _begin_backward(self, counted: Counted) -> None:
         """Fix this backward's weight before any of its gradients reaches a parameter."""

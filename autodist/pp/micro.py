@@ -3,11 +3,11 @@
 Every tensor of the arguments (through tuples, lists, dicts and whatever ``torch.utils._pytree`` knows) whose
 dimension ``batch_dim`` has the batch's size is cut along it; other values go whole to every micro-batch.
 Outputs come back the other way: a tensor with the micro-batch's rows is concatenated (along ``batch_dim``, or
-the one dimension that holds them), a number (a loss the
-model computes itself, a mean over its micro-batch) becomes the mean weighted by each micro-batch's count, so
-that a mean over the batch is the one the whole batch gives: its samples, or for a mean over valid tokens (a
-language model's own loss with labels at -100) the tokens read from its graph. A gradient arriving at the merged output is cut the
-same way (:meth:`Merged.cut_grad`).
+the one dimension that holds them), a number (a loss the model computes itself, a mean over its micro-batch)
+becomes the mean weighted by each micro-batch's count, so that a mean over the batch is the one the whole batch
+gives: its samples, or for a mean over valid tokens (a language model's own loss with labels at -100) the
+tokens read from its graph. A gradient arriving at the merged output is cut the same way
+(:meth:`Merged.cut_grad`).
 
 Example:
     >>> parts = cut((x,), {}, pieces=4, dim=0)        # 4 (args, kwargs), the rows of x split

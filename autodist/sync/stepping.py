@@ -105,7 +105,7 @@ class SampleTally:
             self._reached(self.counter.of_share(share), p)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> torch.Tensor | None:
-        zero = torch.zeros_like(grad) if counted.stand_in else None  # no row of the batch: its gradient is 0
+        zero = torch.zeros_like(grad) if counted.stand_in and isinstance(grad, torch.Tensor) else None  # no row: 0
         key = counted.batch if counted.batch is not None else ("forward", id(counted))
         if key in self.seen:
             return zero
