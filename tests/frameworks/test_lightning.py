@@ -306,3 +306,51 @@ def test_an_unknown_option_is_refused_naming_parallelizes_own():
 
     with pytest.raises(TypeError, match="bucket_mb"):
         AutodistStrategy(bucket_size=4)
+
+
+class MaskedLM(lightning.LightningModule):
+    """A token-level loss over labels with ignored positions (-100): a mean over each batch's valid tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(20, 8).double(), nn.Linear(8, 20).double()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return F.cross_entropy(self(ids).reshape(-1, 20), labels.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _masked_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 20, (SAMPLES, 6), generator=g)
+    labels = torch.where(torch.rand(SAMPLES, 6, generator=g) < 0.4, -100, ids)
+    return DataLoader(TensorDataset(ids, labels), batch_size=BATCH, shuffle=True,
+                      generator=torch.Generator().manual_seed(1))
+
+
+def _fit_masked() -> tuple[dict, dict]:
+    from autodist.lightning import AutodistStrategy
+
+    reference, loader = MaskedLM(), _masked_loader()
+    opt = reference.configure_optimizers()
+    for _ in range(2):
+        for batch in loader:
+            reference.training_step(batch, 0).backward()
+            opt.step()
+            opt.zero_grad()
+    module = MaskedLM()
+    _trainer(AutodistStrategy()).fit(module, _masked_loader())
+    return {k: v.clone() for k, v in reference.state_dict().items()}, _state(module)
+
+
+def test_a_mean_over_valid_tokens_trains_as_one_process(ranks):
+    """Lightning calls loss.backward() on training_step's loss: autodist reads its valid tokens there."""
+    for reference, parallel in ranks(2, _fit_masked):
+        assert_close(parallel, reference, **TIGHT)
