@@ -6,7 +6,8 @@ this). Here every ``nn.BatchNorm*`` (and ``nn.SyncBatchNorm``) of a parallelized
 of the global batch:
 
 * forward: each rank computes its rows' count, mean and sum of squared deviations per channel; the ranks
-  all-gather them and combine them in rank order (Chan's parallel formula, not the sum of squares that loses
+  all-gather them (as a sum of rows each rank fills alone, through shared memory on one machine:
+  :mod:`autodist.layers.shared_reduce`) and combine them in rank order (Chan's parallel formula, not the sum of squares that loses
   digits), so every rank normalizes by the same mean and variance, and updates its running statistics alike.
   A rank's stand-in row (it holds no row of the batch) counts zero.
 * backward: one process's gradient of a batch statistic sums ``dy`` and ``dy * x_hat`` over the whole batch.
@@ -16,7 +17,9 @@ of the global batch:
   weighted by the sync like any other.
 
 One all-gather of ``2C + 1`` numbers in forward and one all-reduce of ``2C`` in backward per layer, as torch's
-``SyncBatchNorm`` (which needs a GPU, and weights every rank alike). The layer keeps its class; its forward
+``SyncBatchNorm`` (which needs a GPU, and weights every rank alike); between the ranks of one machine on the
+CPU they go through the shared-memory all-reduce of the model-parallel layers (microseconds, where gloo's took
+about a millisecond each). The layer keeps its class; its forward
 is an instance attribute (``module.__dict__["forward"]``), set aside when the model is copied.
 
 Example:
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.layers import shared_reduce
 from autodist.runtime.position import waiting
 
 Weight = Callable[[], float]  # the share of the backward running now (0 for a stand-in)
@@ -44,37 +48,35 @@ class _Global(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 stats: tuple[torch.Tensor, torch.Tensor, float], eps: float, group: Any, share: Weight) -> torch.Tensor:
         mean, var, total = stats
-        invstd = torch.rsqrt(var + eps)
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        x_hat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
-        y = x_hat if weight is None else x_hat * weight.to(mean.dtype).view(shape)
-        y = y if bias is None else y + bias.to(mean.dtype).view(shape)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.total, ctx.group, ctx.share, ctx.has_bias = total, group, share, bias is not None
-        return y.to(x.dtype)
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
+        # torch's kernel with the statistics given (eval mode: nothing updated, nothing of them differentiated)
+        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.total, ctx.group, ctx.share, ctx.eps, ctx.has_bias = total, group, share, eps, bias is not None
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean, var = ctx.saved_tensors
         shape = [1, -1] + [1] * (x.dim() - 2)
-        dims = [0] + list(range(2, x.dim()))
-        dy = dy.to(mean.dtype)
-        x_hat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
+        gamma = weight if weight is not None else torch.ones_like(mean)
+        # torch's eval-mode backward: dy * gamma * invstd, and this rank's sums of dy * x_hat and of dy, in one kernel
+        dx, s2, s1 = torch.ops.aten.native_batch_norm_backward(
+            dy, x, gamma, mean, var, None, None, False, ctx.eps, [ctx.needs_input_grad[0], True, True])
         w = ctx.share()
-        sums = torch.stack([(dy * w).sum(dims), (dy * w * x_hat).sum(dims)])
+        sums = torch.stack([s1, s2]).to(torch.promote_types(x.dtype, torch.float32)) * w
         with waiting("BatchNorm's global statistics (backward)"):
-            dist.all_reduce(sums, group=ctx.group)
-        scale = invstd if weight is None else invstd * weight.to(mean.dtype)
-        dx = None
+            shared_reduce.all_reduce(sums, ctx.group)
         if ctx.needs_input_grad[0]:
-            if w > 0:
-                dx = (dy * w - (sums[0].view(shape) + x_hat * sums[1].view(shape)) / ctx.total) * scale.view(shape) / w
+            if w > 0:  # minus gamma invstd (A + x_hat B) / (M w): A and B the ranks' weighted sums
+                invstd = torch.rsqrt(var + ctx.eps)
+                scale = (gamma * invstd).to(sums.dtype) / (ctx.total * w)
+                centered = (x - mean.view(shape)).mul_((sums[1] * scale * invstd).to(x.dtype).view(shape))
+                dx = dx.sub_(centered).sub_((sums[0] * scale).to(x.dtype).view(shape))
             else:  # no row here counts: nothing of the batch flows through this rank's input
                 dx = torch.zeros_like(dy)
-            dx = dx.to(x.dtype)
-        dweight = (dy * x_hat).sum(dims).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = dy.sum(dims).to(weight.dtype if weight is not None else dy.dtype) \
-            if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dweight = s2 if weight is not None and ctx.needs_input_grad[1] else None
+        dbias = s1 if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dweight, dbias, None, None, None, None
 
 
@@ -83,26 +85,23 @@ def statistics(x: torch.Tensor, counts: bool, group: Any) -> tuple[torch.Tensor,
     False: this rank's rows count zero (a stand-in). Every rank of ``group`` must call it."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     dims = [0] + list(range(2, x.dim()))
-    rows = x.detach().to(dtype)
-    n = rows.numel() // rows.shape[1] if counts else 0
-    mine_mean = rows.mean(dims) if n else torch.zeros(rows.shape[1], dtype=dtype, device=x.device)
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    mine_m2 = ((rows - mine_mean.view(shape)) ** 2).sum(dims) if n else torch.zeros_like(mine_mean)
-    mine = torch.cat([torch.tensor([float(n)], dtype=dtype, device=x.device), mine_mean, mine_m2])
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    c = x.shape[1]
+    n = x.numel() // c if counts else 0
+    gathered = torch.zeros(dist.get_world_size(group), 1 + 2 * c, dtype=dtype, device=x.device)
+    if n:  # an all-gather as a sum of rows each rank fills alone (exact)
+        rows = x.detach().to(dtype)
+        mean = rows.mean(dims)  # two passes (var_mean's one is 10x slower on a CPU), no sum of squares
+        mine = gathered[dist.get_rank(group)]
+        mine[0], mine[1:1 + c] = n, mean
+        mine[1 + c:] = (rows - mean.view([1, -1] + [1] * (x.dim() - 2))).square().sum(dims)
     with waiting("BatchNorm's global statistics (forward)"):
-        dist.all_gather(gathered, mine, group=group)
-    c = rows.shape[1]
-    total, mean, m2 = 0.0, torch.zeros_like(mine_mean), torch.zeros_like(mine_mean)
-    for part in gathered:  # Chan et al.'s pairwise combination, in rank order (the same on every rank)
-        k = float(part[0])
-        if k == 0:
-            continue
-        delta = part[1:1 + c] - mean
-        mean = mean + delta * (k / (total + k))
-        m2 = m2 + part[1 + c:] + delta * delta * (total * k / (total + k))
-        total += k
-    return mean, m2 / max(total, 1.0), total
+        shared_reduce.all_reduce(gathered, group)
+    counts_, means, m2s = gathered[:, :1], gathered[:, 1:1 + c], gathered[:, 1 + c:]
+    total = float(counts_.sum())  # host sync on a GPU: the number of values normalized, for the backward
+    mean = (counts_ * means).sum(0) / total
+    # Chan et al.'s combination of the ranks' parts (rank order, the same on every rank): no sum of squares
+    m2 = m2s.sum(0) + (counts_ * (means - mean) ** 2).sum(0)
+    return mean, m2 / total, total
 
 
 class GlobalForward:

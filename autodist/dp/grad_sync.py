@@ -47,6 +47,7 @@ from autodist.dp.structure import Watch
 from autodist.dp.weak_hooks import on_grad_accumulated
 from autodist.dp.weights import Pack, Window
 from autodist.faults import elastic, watchdog
+from autodist.layers import shared_reduce
 from autodist.runtime import plain, provenance
 from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
@@ -519,6 +520,9 @@ class GradSync:
         held = Held()
         for bucket in self.buckets:
             bucket.held(held)
+        reducer = shared_reduce.reducer_of(self.group) if self.coupled else None
+        if reducer is not None:  # BatchNorm's statistics' all-reduces
+            reducer.held(held)
         if self.exchange is not None:
             self.exchange.held(held)
         self.buffer_sync.held(held)
