@@ -13,9 +13,9 @@ What it measures
     batchnorm  a ResNet-style net (a stem and ``--blocks`` residual blocks of conv-BatchNorm-ReLU on ``--image``
                pixels, ``--channels`` channels), global batch ``--batch``: autodist's BatchNorm on the global
                batch (the default) against its per-rank statistics (``batch_norm="local"``) and DDP (per-rank
-               statistics), and on a GPU DDP with torch's ``SyncBatchNorm`` (global statistics, every rank
-               weighted alike: exact only for equal shares). torch's SyncBatchNorm runs on GPUs only, so on CPU
-               its row says so.
+               statistics), and with NCCL (a GPU per rank) DDP with torch's ``SyncBatchNorm`` (global
+               statistics, every rank weighted alike: exact only for equal shares). torch's SyncBatchNorm runs on
+               GPUs only, so elsewhere its row says so.
 
 How to run
     python benchmarks/bench_coupled.py                  # both parts, about two minutes on 2 cores
@@ -144,11 +144,11 @@ def _batchnorm(args: argparse.Namespace, device: torch.device) -> tuple[dict[str
     steps = {"global": _step(exact, batch, _class_loss), "local": _step(local, batch, _class_loss),
              "DDP": _step(DDP(build(), device_ids=ids), batch, _class_loss)}
     note = ""
-    if device.type == "cuda":
+    if device.type == "cuda" and dist.get_backend() == "nccl":
         steps["DDP+SyncBN"] = _step(DDP(nn.SyncBatchNorm.convert_sync_batchnorm(build()), device_ids=ids), batch,
                                     _class_loss)
-    else:
-        note = "; DDP+SyncBN: torch's SyncBatchNorm runs on GPUs only"
+    else:  # gloo on CUDA tensors (ranks sharing a GPU) lacks the all-gather SyncBatchNorm takes
+        note = "; DDP+SyncBN: torch's SyncBatchNorm runs on GPUs with NCCL only"
     return steps, (f"batchnorm: ResNet-style, {args.blocks} blocks of {args.channels} channels on {args.image}x"
                    f"{args.image}, global batch {args.batch}{note}")
 

@@ -4,8 +4,8 @@
 #   1. tests/gpu: several processes on one GPU (gloo on CUDA tensors), NCCL where there are two GPUs, and every
 #      layout on CUDA against one process: dp, each shard= level, mp, pp, checkpoint=True, plan="auto" (its
 #      budget from the GPU's free memory, shared by the ranks on it), checkpoints;
-#   2. the short forms of bench_dp.py, bench_sharded.py and bench_mp.py with --device cuda, against DDP, FSDP2
-#      and torch's tensor parallelism.
+#   2. the short forms of bench_dp.py, bench_sharded.py, bench_mp.py and bench_coupled.py with --device cuda,
+#      against DDP, FSDP2, torch's tensor parallelism and DDP with SyncBatchNorm.
 # Every step's output goes to gpu-check.log and the benchmarks' tables to gpu-figures.md, in GPU_CHECK_OUT
 # (default gpu-check/); the last lines say which steps failed, and the status is non-zero if one did. Where
 # there is no CUDA device it says so in one line and exits 0, after checking that the CUDA tests are collected
@@ -66,10 +66,11 @@ bench() {  # bench NAME SECONDS COMMAND...: a step whose printed table goes to t
       echo '```'; } >>"$figures"
 }
 
-step "tests/gpu" 210 "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/gpu
+step "tests/gpu" 185 "$PY" -m pytest -q -p no:cacheprovider --durations=10 tests/gpu
 bench "bench_dp" 75 "$PY" benchmarks/bench_dp.py --device cuda --steps 5 --rounds 6 --warmup 3
-bench "bench_sharded" 120 "$PY" benchmarks/bench_sharded.py --device cuda --steps 3 --rounds 4 --warmup 2
+bench "bench_sharded" 105 "$PY" benchmarks/bench_sharded.py --device cuda --steps 3 --rounds 4 --warmup 2
 bench "bench_mp" 75 "$PY" benchmarks/bench_mp.py --device cuda --steps 5 --rounds 6 --warmup 3
+bench "bench_coupled" 40 "$PY" benchmarks/bench_coupled.py --device cuda --steps 3 --rounds 4 --warmup 2
 
 echo
 if [ ${#failed[@]} -eq 0 ]; then

@@ -222,3 +222,30 @@ def test_the_planners_gpu_budget_is_the_free_memory_shared_by_the_ranks_on_the_g
     for budget, free, held in ranks(2, _budget):
         sharing = 2 if torch.cuda.device_count() == 1 else 1
         assert abs(budget - (free / sharing + held)) <= 0.05 * free, (budget, free, held)
+
+
+def _coupled() -> tuple[dict, dict, float]:
+    """A BatchNorm net trained on a mean over valid labels (every fourth at -100), on the GPU two ranks share:
+    the global batch's statistics and the tokens read from the loss, against one process."""
+    device = autodist.init().device
+    x, y = w.digits_like(22)
+    y = y.clone()
+    y[::4] = -100
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 3)).double().to(device)
+
+    ref = build()
+    _train(ref, w.loader(x, y, 8), w.optimizer("adam", ref), device)
+    model, data = autodist.parallelize(build(), w.loader(x, y, 8))
+    _train(model, data, w.optimizer("adam", model), device)
+    worst = max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref.state_dict().values(),
+                                                                            model.state_dict().values()))
+    return _cpu(ref.state_dict()), _cpu(model.state_dict()), worst
+
+
+def test_batch_norm_and_token_means_on_a_shared_gpu(ranks):
+    for _, _, worst in ranks(2, _coupled):
+        assert worst <= 1e-10, f"{worst:.3g} from one process"
