@@ -195,7 +195,8 @@ def dp_contenders(work: bench_shapes.Workload, rank: int, phases: dict[str, Phas
     reference = work.build()
     alone, contender = copy.deepcopy(reference), copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference)
-    contender, shards = autodist.parallelize(contender, bench_shapes.global_batches(work))
+    # BatchNorm with each rank's statistics, as DDP's and the lone rank's: the same computation timed
+    contender, shards = autodist.parallelize(contender, bench_shapes.global_batches(work), batch_norm="local")
     micro = list(shards)
     models = {"alone": alone, "ddp": ddp, "autodist": contender}
     contexts = {"alone": nullcontext, "ddp": ddp.no_sync, "autodist": lambda: autodist.no_sync(contender)}

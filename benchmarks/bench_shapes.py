@@ -130,7 +130,10 @@ def contenders(work: Workload, rank: int) -> tuple[nn.Module, nn.Module, dict[st
     reference = work.build()
     contender = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference)
-    contender, shards = autodist.parallelize(contender, global_batches(work) if work.loader else None)
+    # BatchNorm with each rank's statistics, as DDP's: the same computation timed (the global batch's, autodist's
+    # default, against DDP and SyncBatchNorm: bench_coupled.py)
+    contender, shards = autodist.parallelize(contender, global_batches(work) if work.loader else None,
+                                             batch_norm="local")
     if shards is None:
         rows = work.global_batch // RANKS
         shards = [tuple(t[rank * rows:(rank + 1) * rows] for t in batch) for batch in global_batches(work)]
