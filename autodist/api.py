@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from autodist import sync as sync_mod
 from autodist.dp import batch_layout, elastic_data, joining, loader_position, precision, wrappers
+from autodist.dp import batch_norm as bn_layers
 from autodist.dp import data as data_mod
 from autodist.dp.buckets import MB
 from autodist.dp.check import Check, Checker, LossOf
@@ -682,6 +683,11 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                                     at_rest, int(bucket_mb * MB))
         if batch_norm == "global" and cut is None and not elastic_job and isinstance(strategy, sync_mod.Exact):
             sync_state.couple_batch_norm()  # type: ignore[union-attr]
+        elif batch_norm == "global" and world.rank == 0 and announce and bn_layers.layers(model):
+            under, whose = ("pipeline stages (pp)", "each micro-batch's") if cut is not None else \
+                ("--elastic", "each rank's") if elastic_job else (f"sync={strategy!r}", "each rank's")
+            log.info("BatchNorm layers normalize by %s statistics under %s, not the global batch's "
+                     "(docs/coupled-batches.md)", whose, under)
         if check is not None:
             sync_state.checker = Checker(model, sync_state, check, groups.dp, dp_rank)  # type: ignore[union-attr]
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))

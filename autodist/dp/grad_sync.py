@@ -93,7 +93,7 @@ class GradSync:
         self.in_backward = False  # a backward through the model began and has not reached its end
         self.reached: list[Counted] = []  # the forwards this backward went through
         self.read_loss = False  # this backward's count was read from its loss (loss_reading): one for it all
-        self.warned_terms = False
+        self.warned_terms = self.warned_unseen = False
         self.coupled = 0  # BatchNorm layers normalizing by the global batch (couple_batch_norm)
         self.warned_balance = False
         self.last_reading: Reading | None = None  # the loss of the last backward watched (for the check's message)
@@ -217,8 +217,8 @@ class GradSync:
         self.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         counted = self._read_loss(counted)
-        if counted.total is None and (self.coupled or self.hooks and (not self.enabled or self.window.backwards)):
-            counted = self._count_globally(counted)  # accumulating, or coupled in backward: its own N now
+        if self.hooks and counted.total is None and (not self.enabled or self.window.backwards):
+            counted = self._count_globally(counted)  # accumulating: this micro-batch needs its own N now
         self.reached = [counted]
         factor = self.window.factor(counted)
         alone = self.hooks and self.enabled and not self.window.backwards  # synced right after: packing scales it
@@ -233,8 +233,8 @@ class GradSync:
         reading = loss_watch.pending()
         if (reading is None or reading.count is None) and self.pipeline_count is not None:
             reading = Reading((Term("tokens", self.pipeline_count, "the pipeline's merged loss"),))
-        if reading is None and loss_watch.unwatched() and self.counter.samples is None and not self.warned_terms:
-            self.warned_terms = True
+        if reading is None and loss_watch.unwatched() and self.counter.samples is None and not self.warned_unseen:
+            self.warned_unseen = True
             log.warning("autodist did not see this backward's loss: a torch function mode (%s) was active when the "
                         "model's forward ended, and autodist reads the loss through one of its own only where no "
                         "other is. The ranks are weighted by their samples, which is the one-process training only "
@@ -291,7 +291,7 @@ class GradSync:
             counts = counts.round()
         both = torch.cat([counts.flatten(), counts.new_tensor([rows])])
         with waiting("the load-balancing loss's statistics over the global batch"):
-            dist.all_reduce(both, group=self.group)
+            self._all_reduce(both)
         total = float(both[-1])
         statistic = (both[:-1].to(term.statistic.dtype) / total).view(term.statistic.shape)
         grad = grad_inputs[term.index]
@@ -310,11 +310,20 @@ class GradSync:
         device = self.params[0].device if self.params else torch.device("cpu")
         total = torch.tensor([counted.count], dtype=torch.float64, device=device)
         with waiting("count"):
-            dist.all_reduce(total, group=self.group)
+            self._all_reduce(total)
         n = float(total)
         if math.isnan(n):
             self._raise_uncounted(counted.error)
         return Counted(counted.count, n, None, mark=counted.mark)
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        """A few numbers summed over the data-parallel ranks in backward (a count, a loss term's statistics):
+        through shared memory on one machine (tens of microseconds, where gloo took milliseconds), except in
+        an elastic job, where a rank may die mid-sum."""
+        if self.elastic is None:
+            shared_reduce.all_reduce(t, self.group)
+        else:
+            dist.all_reduce(t, group=self.group)
 
     def _fallback_count(self) -> Counted:
         """The count of a backward that reached no output of the model (it called a submodule, say)."""
@@ -520,8 +529,8 @@ class GradSync:
         held = Held()
         for bucket in self.buckets:
             bucket.held(held)
-        reducer = shared_reduce.reducer_of(self.group) if self.coupled else None
-        if reducer is not None:  # BatchNorm's statistics' all-reduces
+        reducer = shared_reduce.reducer_of(self.group)
+        if reducer is not None:  # the counts', BatchNorm's and loss terms' all-reduces
             reducer.held(held)
         if self.exchange is not None:
             self.exchange.held(held)

@@ -60,6 +60,7 @@ class Term:
     kind: Kind  # "tokens": nll_loss's mean; "divided": a sum over a number; "mean": x.mean(); "other"
     denominator: float | None  # what the term divides by on this rank; None for "other"
     node: str  # the reduction's autograd node, for messages
+    elements: int | None = None  # "tokens": its targets (the denominator where none is ignored or weighted)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,11 @@ class Reading:
         counted = self.counted
         return counted[0].denominator if counted else None
 
+    def uneven(self) -> bool:
+        """Whether a counted term's count is not simply its targets (some ignored, or weighted), or is a sum's
+        divisor: a count that need not be proportional to the rows."""
+        return any(t.elements is None or t.denominator != t.elements for t in self.counted)
+
     def disagreement(self) -> str | None:
         """Why one weight per rank cannot be exact for this loss, if the counted terms divide by different
         numbers here (said on the rank that sees it; every rank still takes the first term's count)."""
@@ -112,6 +118,7 @@ class Reading:
                 f"weights this rank by the first one's, so the other terms are not weighted as one process would")
 
 
+@torch.compiler.disable  # it walks autograd's nodes, which dynamo cannot trace (a graph break where called)
 def read(roots: Iterable[torch.Tensor]) -> Reading:
     """The terms of the loss whose backward starts at ``roots`` (the tensors ``backward()`` was called on).
 
@@ -122,7 +129,10 @@ def read(roots: Iterable[torch.Tensor]) -> Reading:
     budget = [_LIMIT]
     for root in roots:
         if isinstance(root, torch.Tensor) and root.grad_fn is not None and root.numel() == 1:
-            _walk(root.grad_fn, terms, budget, balances)
+            try:
+                _walk(root.grad_fn, terms, budget, balances)
+            except RuntimeError:  # a graph backward ran through already: the backward itself says so
+                return Reading((Term("other", None, "(a graph already freed)"),))
     return Reading(tuple(terms), tuple(balances))
 
 
@@ -192,8 +202,8 @@ def _is_sum(node: Any) -> bool:
 
 
 def _reduction(node: Any, name: str) -> Term:
-    if name in _NLL and node._saved_reduction == _MEAN:
-        return Term("tokens", float(node._saved_total_weight), name)  # host sync: the forward's total_weight
+    if name in _NLL and node._saved_reduction == _MEAN:  # host sync: the forward's total_weight
+        return Term("tokens", float(node._saved_total_weight), name, node._saved_target.numel())
     if name == "MeanBackward0":
         return Term("mean", float(node._saved_self_sym_numel), name)
     return Term("other", None, name)

@@ -250,11 +250,14 @@ class Pipeline:
                 self._warn_if_over_tokens(out, flight.counts[m])
         flight.outputs.append(out)
 
+    @torch.compiler.disable
     def _warn_if_over_tokens(self, loss: torch.Tensor, samples: float) -> None:
         """1F1B runs each micro-batch's backward before the next one's loss exists, so it weights them by their
-        samples (or samples=): a loss that is a mean over valid tokens is said once, with the fix."""
-        count = read([loss]).count
-        if count is not None and count != samples:
+        samples (or samples=): a loss that is a mean over valid tokens, some ignored (not as many in every
+        row), is said once, with the fix."""
+        reading = read([loss])
+        count = reading.count
+        if count is not None and reading.uneven():
             self.warned.add("tokens")
             log.warning("loss_fn's loss is a mean over %g valid tokens of this micro-batch's %g samples (labels at "
                         "-100?), but pp with loss_fn (1F1B) weights each micro-batch by its samples, which is not "

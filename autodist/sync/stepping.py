@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -67,6 +68,14 @@ class StepWatch:
         step_hooks.forget(self)
 
 
+def _zero_if_stand_in(tally: "weakref.ref[SampleTally]", grad: torch.Tensor) -> torch.Tensor | None:
+    """A compiled forward's stand-in row (its rank holds no row of the batch): no output hook zeroed its gradient,
+    so each parameter's is zeroed before autograd adds it, as the uncompiled forward's output hook does."""
+    owner = tally()
+    share = provenance.current() if owner is not None and owner.compiled else None
+    return torch.zeros_like(grad) if share is not None and share.count == 0 else None
+
+
 class SampleTally:
     """The samples this rank trained on since the last :meth:`reset` (the weight of its replica)."""
 
@@ -76,6 +85,8 @@ class SampleTally:
         self.reset()
         self.handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self.grad_handles = [on_grad_accumulated(p, self._on_grad) for p in model.parameters() if p.requires_grad]
+        zero = partial(_zero_if_stand_in, weakref.ref(self))  # holds the tally weakly, as on_grad_accumulated
+        self.grad_handles += [p.register_hook(zero) for p in model.parameters() if p.requires_grad]
 
     def reset(self) -> None:
         self.count = 0.0

@@ -15,6 +15,7 @@ which the parallel run must equal at 1e-10, and one process within 1e-6.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import pytest
 import torch
@@ -74,6 +75,34 @@ def _mixtral(coefficient: float = 0.02) -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def _t5() -> nn.Module:
+    config = transformers.T5Config(num_layers=1, num_decoder_layers=1, num_heads=2, d_model=16, d_kv=8, d_ff=32,
+                                   vocab_size=VOCAB, decoder_start_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _token_classifier() -> nn.Module:
+    config = transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=16,
+                                     intermediate_size=32, vocab_size=VOCAB, max_position_embeddings=LENGTH,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=VOCAB)
+    return transformers.BertForTokenClassification(config)
+
+
+def _moe(family: str) -> Callable[[], nn.Module]:
+    """Qwen2-MoE or OLMoE, 4 experts, top-2, their load-balancing loss at 0.02 (eager experts: float64)."""
+    def build() -> nn.Module:
+        common = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                      vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                      router_aux_loss_coef=0.02, max_position_embeddings=LENGTH, attn_implementation="eager",
+                      experts_implementation="eager")
+        if family == "qwen2_moe":
+            config = transformers.Qwen2MoeConfig(intermediate_size=32, moe_intermediate_size=16,
+                                                 shared_expert_intermediate_size=16, **common)
+            return transformers.Qwen2MoeForCausalLM(config)
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(intermediate_size=16, **common))
+    return build
+
+
 class TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -99,17 +128,20 @@ def _masked_mean(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> t
 
 LOSSES = {"hf": (_gpt2, _hf_loss), "ignore_index": (TinyLM, _ignore_index), "masked_mean": (TinyLM, _masked_mean),
           "llama": (_llama, _hf_loss), "mixtral": (_mixtral, _hf_loss),
-          "mixtral_control": (lambda: _mixtral(0.0), _hf_loss), "hf2": (lambda: _gpt2(2), _hf_loss)}
-HF = ("hf", "llama", "hf2")
+          "mixtral_control": (lambda: _mixtral(0.0), _hf_loss), "hf2": (lambda: _gpt2(2), _hf_loss),
+          "t5": (_t5, _hf_loss), "token_classification": (_token_classifier, _hf_loss),
+          "qwen2_moe": (_moe("qwen2_moe"), _hf_loss), "olmoe": (_moe("olmoe"), _hf_loss)}
+HF = ("hf", "llama", "hf2", "t5", "token_classification")
+UNSHIFTED = ("t5", "token_classification")  # a label for every position, not the next token's
 
 
-def _split(loss_of, world: int):
+def _split(loss_of, world: int, shift: int = 1):
     """``loss_of``'s backward as the ranks compute it, in one process: each rank's rows' gradient (of the very
-    loss that rank computes) weighted by its share of the batch's valid labels (shifted: Hugging Face predicts
-    the next token), added in float64 as the sync adds them."""
+    loss that rank computes) weighted by its share of the batch's valid labels (``shift`` 1: a causal language
+    model predicts the next token), added in float64 as the sync adds them."""
     def backward(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, divide: int) -> None:
         bounds = [slice_bounds(len(ids), r, world) for r in range(world)]
-        valid = [int((labels[lo:hi, 1:] != -100).sum()) for lo, hi in bounds]
+        valid = [int((labels[lo:hi, shift:] != -100).sum()) for lo, hi in bounds]
         params = [p for p in model.parameters() if p.requires_grad]
         for (lo, hi), n in zip(bounds, valid):
             if n:
@@ -157,8 +189,8 @@ def _largest_differences(name: str, accumulate: int, world: int, data=_loader, o
     """(from one process, from one process's split of each batch into the ranks' parts)."""
     build, loss_of = LOSSES[name]
     reference = _train(seeded(build, 0), data(), _whole(loss_of), accumulate=accumulate)
-    split = _train(seeded(build, 0), data(), _split(loss_of, world), accumulate=accumulate) \
-        if name in HF else reference
+    split = _train(seeded(build, 0), data(), _split(loss_of, world, 0 if name in UNSHIFTED else 1),
+                   accumulate=accumulate) if name in HF else reference
     model, loader = autodist.parallelize(seeded(build, 0), data(), **(options or {}))
     _train(model, loader, _whole(loss_of), accumulate=accumulate)
     trained = autodist.gather_state_dict(model, all_ranks=True)  # whole where mp splits the layers
@@ -173,6 +205,12 @@ def _check(name: str, differences: list[tuple[float, float]]) -> None:
 
 @pytest.mark.parametrize("name", ["hf", "ignore_index", "masked_mean"])
 def test_token_means_train_as_one_process(ranks, name):
+    _check(name, ranks(2, _largest_differences, name, 1, 2))
+
+
+@pytest.mark.parametrize("name", ["t5", "token_classification"])
+def test_hugging_faces_other_token_losses(ranks, name):
+    """Seq2seq (T5: labels for the decoder) and token classification (BERT): means over the labels not at -100."""
     _check(name, ranks(2, _largest_differences, name, 1, 2))
 
 
@@ -223,6 +261,20 @@ def _balanced(options: dict) -> tuple[float, float]:
     each the largest difference from one process."""
     return (_largest_differences("mixtral", 1, 2, _loader, options)[0],
             _largest_differences("mixtral_control", 1, 2, _loader, options)[0])
+
+
+@float64
+def _other_family(name: str) -> tuple[float, float]:
+    """(the MoE family with its load-balancing loss, Mixtral at coefficient 0 for the float floor)."""
+    return (_largest_differences(name, 1, 2, _loader)[0],
+            _largest_differences("mixtral_control", 1, 2, _loader)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
+def test_other_moe_families_balance_over_the_global_batch(ranks, name):
+    for balanced, control in ranks(2, _other_family, name):
+        assert balanced <= 10 * max(control, 1e-12), f"{name}: {balanced:.3g} from one process ({control:.3g})"
 
 
 @pytest.mark.parametrize("options", [{}, {"shard": "parameters"}], ids=["dp", "shard=parameters"])
@@ -363,3 +415,22 @@ def test_in_batch_negatives_over_the_whole_batch(ranks, how):
 def test_in_batch_negatives_at_three_ranks(ranks):
     for difference in ranks(3, _negatives, "whole"):
         assert difference <= 1e-10, f"{difference:.3g} from one process"
+
+
+# -- float32 ---------------------------------------------------------------------------------------------------
+
+def _in_float32() -> tuple[float, float]:
+    """float32, the user's ignore_index loss: (autodist, weighting by samples), each the largest difference from
+    one process's split of every batch into the ranks' parts (the float32 split floor)."""
+    build, loss_of = LOSSES["ignore_index"]
+    split = _train(seeded(build, 0), _loader(), _split(loss_of, 2, 0))
+    model, loader = autodist.parallelize(seeded(build, 0), _loader())
+    _train(model, loader, _whole(loss_of))
+    by_samples, loader = autodist.parallelize(seeded(build, 0), _loader(), samples=lambda ids: len(ids))
+    _train(by_samples, loader, _whole(loss_of))
+    return _difference(model.state_dict(), split), _difference(by_samples.state_dict(), split)
+
+
+def test_token_means_in_float32_at_the_split_floor(ranks):
+    for exact, by_samples in ranks(2, _in_float32):
+        assert exact <= 1e-5 and by_samples > 1e-3, (exact, by_samples)

@@ -37,7 +37,7 @@ def _cnn_one_step(shard: str | None = None):
     return w.reference_and_parallel(w.TinyCNN, lambda: _cnn_data(10), "sgd", epochs=1, shard=shard)
 
 
-def _cnn_train_and_eval(frozen_bn: bool):
+def _cnn_train_and_eval(frozen_bn: bool, batch_norm: str = "global"):
     def build():
         model = w.TinyCNN()
         if frozen_bn:  # fine-tuning: BatchNorm uses its running statistics, no batch statistics
@@ -46,7 +46,7 @@ def _cnn_train_and_eval(frozen_bn: bool):
     # SGD, not Adam: one conv-weight gradient here is a near-cancellation (4e-7 from terms of 1e-2),
     # and Adam, which divides by the gradient's own size, turns its last-bit rounding (any change of
     # summation order does this, a second process or not) into a 5e-5 relative difference.
-    return w.reference_and_parallel(build, _cnn_data, "sgd", epochs=3)
+    return w.reference_and_parallel(build, _cnn_data, "sgd", epochs=3, batch_norm=batch_norm)
 
 
 @pytest.mark.parametrize("shard", [None, "gradients", "parameters"])
@@ -61,14 +61,19 @@ def test_batchnorm_running_mean_is_global_and_ranks_agree(ranks, shard):
     assert_close(results[1][1], results[0][1], rtol=0, atol=0)
 
 
-def test_batchnorm_in_training_uses_local_statistics(ranks):
-    # Documented difference: in train mode each rank normalizes by its own batch's
-    # statistics (as DDP does), so parameters drift from the single-process run, yet
-    # all ranks keep identical parameters and buffers.
-    results = ranks(2, _cnn_train_and_eval, False)
+def test_batchnorm_with_local_statistics_drifts_from_one_process(ranks):
+    # batch_norm="local": in train mode each rank normalizes by its own batch's statistics (as DDP does), so
+    # parameters drift from the single-process run, yet all ranks keep identical parameters and buffers.
+    # The default, the global batch's statistics, is one process's: tests/dp/test_batch_norm.py.
+    results = ranks(2, _cnn_train_and_eval, False, "local")
     ref, par = results[0]
     assert not torch.allclose(par["conv.weight"], ref["conv.weight"], rtol=1e-5, atol=1e-6)
     assert_close(results[1][1], par, rtol=0, atol=0)
+
+
+def test_batchnorm_in_training_is_one_process(ranks):
+    for ref, par in ranks(2, _cnn_train_and_eval, False):
+        assert_close(par, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_frozen_batchnorm_matches_one_process(ranks):

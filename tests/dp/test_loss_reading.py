@@ -83,3 +83,9 @@ def test_a_load_balancing_loss_is_read_with_its_statistic():
     assert read([(f * probs.mean(0)).sum()]).balances[0].rows == 10.0  # older transformers: a mean over rows
     masked = (probs * torch.ones(10, 1)).sum()  # a masked sum is not one: nothing divides it by rows
     assert read([masked]).balances == ()
+
+
+def test_a_graph_backward_freed_reads_as_nothing_and_torch_says_why():
+    loss = F.cross_entropy(_logits(), LABELS)
+    loss.backward()
+    assert read([loss]).count is None  # the second backward raises torch's own error, not autodist's
