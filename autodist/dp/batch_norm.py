@@ -66,7 +66,7 @@ class _Global(torch.autograd.Function):
         w = ctx.share()
         sums = torch.stack([s1, s2]).to(torch.promote_types(x.dtype, torch.float32)) * w
         with waiting("BatchNorm's global statistics (backward)"):
-            shared_reduce.all_reduce(sums, ctx.group)
+            shared_reduce.all_reduce(sums, ctx.group, "sums")
         if ctx.needs_input_grad[0]:
             if w > 0:  # minus gamma invstd (A + x_hat B) / (M w): A and B the ranks' weighted sums
                 invstd = torch.rsqrt(var + ctx.eps)
@@ -95,7 +95,7 @@ def statistics(x: torch.Tensor, counts: bool, group: Any) -> tuple[torch.Tensor,
         mine[0], mine[1:1 + c] = n, mean
         mine[1 + c:] = (rows - mean.view([1, -1] + [1] * (x.dim() - 2))).square().sum(dims)
     with waiting("BatchNorm's global statistics (forward)"):
-        shared_reduce.all_reduce(gathered, group)
+        shared_reduce.all_reduce(gathered, group, "sums")
     counts_, means, m2s = gathered[:, :1], gathered[:, 1:1 + c], gathered[:, 1 + c:]
     total = float(counts_.sum())  # host sync on a GPU: the number of values normalized, for the backward
     mean = (counts_ * means).sum(0) / total

@@ -321,7 +321,7 @@ class GradSync:
         through shared memory on one machine (tens of microseconds, where gloo took milliseconds), except in
         an elastic job, where a rank may die mid-sum."""
         if self.elastic is None:
-            shared_reduce.all_reduce(t, self.group)
+            shared_reduce.all_reduce(t, self.group, "sums")
         else:
             dist.all_reduce(t, group=self.group)
 
@@ -529,7 +529,7 @@ class GradSync:
         held = Held()
         for bucket in self.buckets:
             bucket.held(held)
-        reducer = shared_reduce.reducer_of(self.group)
+        reducer = shared_reduce.reducer_of(self.group, "sums")
         if reducer is not None:  # the counts', BatchNorm's and loss terms' all-reduces
             reducer.held(held)
         if self.exchange is not None:

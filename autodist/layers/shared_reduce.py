@@ -37,6 +37,11 @@ from autodist.runtime.shared_slots import Shared, part_pieces, shared_slots, sum
 
 WAIT = "a model-parallel layer's all-reduce (in shared memory)"  # in the watchdog's words
 SMALLEST_BYTES = 4 << 20  # the slots' first size: a few activations of a small model
+# a few numbers a step (a count, a loss term's or BatchNorm's statistics), in files of their own: the
+# activations' grow to what the largest layer sends, which a data-parallel model would otherwise pay for
+SUMS_BYTES = 64 << 10
+PURPOSES = {"activations": (SMALLEST_BYTES, "model-parallel all-reduces"),
+            "sums": (SUMS_BYTES, "data-parallel sums of counts and statistics")}
 
 
 class SharedAllReduce:
@@ -48,9 +53,10 @@ class SharedAllReduce:
         self.capacity = self.slots[0].numel()
 
     @classmethod
-    def open(cls, group: dist.ProcessGroup | None, capacity: int) -> SharedAllReduce | None:
+    def open(cls, group: dist.ProcessGroup | None, capacity: int,
+             what: str = "model-parallel all-reduces") -> SharedAllReduce | None:
         """Slots of ``capacity`` bytes, or None where the group cannot share memory. A collective over ``group``."""
-        shared = shared_slots([torch.empty(capacity, dtype=torch.uint8)], group, "model-parallel all-reduces")
+        shared = shared_slots([torch.empty(capacity, dtype=torch.uint8)], group, what)
         return None if shared is None else cls(shared, group)
 
     def held(self, held: Held) -> None:
@@ -70,42 +76,49 @@ class SharedAllReduce:
         flat.copy_(slots[self.rank])
 
 
-# per process group (the default group's object for None), the way its all-reduces go; None: the backend's
-_chosen: "weakref.WeakKeyDictionary[Any, SharedAllReduce | None]" = weakref.WeakKeyDictionary()
+# per purpose and process group (the default group's object for None), the way its all-reduces go; None:
+# the backend's
+_chosen: "dict[str, weakref.WeakKeyDictionary[Any, SharedAllReduce | None]]" = {
+    purpose: weakref.WeakKeyDictionary() for purpose in PURPOSES}
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, purpose: str = "activations") -> None:
     """``dist.all_reduce(t, group=group)`` (a sum, in place), through shared memory where the group can.
 
+    ``purpose``: "activations" (a model-parallel layer's, slots from 4 MiB) or "sums" (a few numbers a step,
+    slots from 64 KiB): each has its own file per group, grown to its own largest tensor.
+
     Example:
-        >>> all_reduce(partial, None)    # every rank of the default group, tensors of one shape
+        >>> all_reduce(partial, None)              # every rank of the default group, tensors of one shape
+        >>> all_reduce(count, dp_group, "sums")
     """
     if not _shareable(t):
         dist.all_reduce(t, group=group)
         return
     key = dist.group.WORLD if group is None else group
     nbytes = t.numel() * t.element_size()
-    reducer = _chosen.get(key, False)
+    chosen, (smallest, what) = _chosen[purpose], PURPOSES[purpose]
+    reducer = chosen.get(key, False)
     if reducer is False or (reducer is not None and reducer.capacity < nbytes):
         grown = 2 * nbytes if reducer else nbytes  # every rank of the group sees the same size here
-        reducer = _chosen[key] = SharedAllReduce.open(group, max(SMALLEST_BYTES, grown))
+        reducer = chosen[key] = SharedAllReduce.open(group, max(smallest, grown), what)
     if reducer is None:
         dist.all_reduce(t, group=group)
     else:
         reducer(t)
 
 
-def held_bytes(group: dist.ProcessGroup | None) -> float:
+def held_bytes(group: dist.ProcessGroup | None, purpose: str = "activations") -> float:
     """Bytes this rank holds for ``group``'s shared-memory all-reduce (its share of the file), 0 where none
     was opened yet. The slots grow with the largest all-reduce and stay: a later model on the same group
     finds them as large."""
-    reducer = reducer_of(group)
+    reducer = reducer_of(group, purpose)
     return 0.0 if reducer is None else len(reducer.mapping) / reducer.size
 
 
-def reducer_of(group: dist.ProcessGroup | None) -> SharedAllReduce | None:
-    """The shared-memory all-reduce ``group``'s model-parallel layers use, once their first all-reduce chose it."""
-    found = _chosen.get(dist.group.WORLD if group is None else group)
+def reducer_of(group: dist.ProcessGroup | None, purpose: str = "activations") -> SharedAllReduce | None:
+    """The shared-memory all-reduce ``group`` uses for ``purpose``, once its first all-reduce chose it."""
+    found = _chosen[purpose].get(dist.group.WORLD if group is None else group)
     return found or None
 
 

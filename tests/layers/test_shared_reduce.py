@@ -37,7 +37,7 @@ def _sums(slow_rank: int | None) -> list[tuple[torch.Tensor, torch.Tensor, bool]
         if dist.get_rank() == slow_rank:
             time.sleep(0.2)
         out.append((t.reshape(-1).clone(), _rank_order_sum(call, n, dtype),
-                    shared_reduce._chosen.get(dist.group.WORLD) is not None))
+                    shared_reduce.reducer_of(None) is not None))
     return out
 
 
@@ -54,7 +54,7 @@ def test_the_sum_is_the_rank_order_sum_on_every_rank_and_shared(ranks, size):
 
 
 def _grown() -> int:
-    return shared_reduce._chosen[dist.group.WORLD].capacity
+    return shared_reduce.reducer_of(None).capacity
 
 
 def test_the_slots_grow_to_the_largest_tensor(ranks):
@@ -74,7 +74,7 @@ def _declined() -> tuple[bool, list[float], list[int]]:
         del os.environ["AUTODIST_SHARED_MEMORY"]
     whole = torch.full((3,), dist.get_rank() + 1)
     shared_reduce.all_reduce(whole, None)
-    return shared_reduce._chosen[group] is None, t.tolist(), whole.tolist()
+    return shared_reduce._chosen["activations"][group] is None, t.tolist(), whole.tolist()
 
 
 def test_turned_off_or_not_floating_point_it_is_the_backends_all_reduce(ranks):
