@@ -35,3 +35,35 @@ def assert_same_training(results: list[tuple[dict, dict]], rtol: float = 1e-5, a
         assert_close(par, ref, rtol=rtol, atol=atol)
     for _, par in results[1:]:
         assert_close(par, results[0][1], rtol=0, atol=0)  # every rank holds the very same model
+
+
+def train_in_windows(model: nn.Module, loader, backward: Callable[[nn.Module, tuple, int], None], epochs: int = 2,
+                     accumulate: int = 1, lr: float = 1e-2) -> None:
+    """Adam (``lr``) over each epoch's batches in windows of ``accumulate``: ``backward(model, batch, len(window))``
+    for each batch, all but a window's last inside ``autodist.no_sync``; a model with ``sync="manual"`` is
+    synchronized before each step. The same loop trains the single-process reference (no_sync does nothing).
+
+    Example:
+        >>> def backward(m, batch, window):
+        ...     (F.cross_entropy(m(batch[0]), batch[1]) / window).backward()
+        >>> train_in_windows(model, loader, backward, accumulate=3)
+    """
+    import autodist
+    from autodist.dp.grad_sync import state_of
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        batches = list(loader)
+        for start in range(0, len(batches), accumulate):
+            window = batches[start:start + accumulate]
+            optimizer.zero_grad()
+            for k, batch in enumerate(window):
+                if k < len(window) - 1:
+                    with autodist.no_sync(model):
+                        backward(model, batch, len(window))
+                else:
+                    backward(model, batch, len(window))
+            sync = state_of(model)
+            if sync is not None and not sync.hooks:  # sync="manual"
+                autodist.synchronize_model(model)
+            optimizer.step()

@@ -31,13 +31,16 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp.grad_sync import GradSync, parallelized, state_of
+from autodist.runtime import provenance
 from autodist.runtime.position import waiting
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, sync: GradSync, dim: int) -> torch.Tensor:
-        mine = x.narrow(dim, 0, 0) if sync.standing_in else x  # a stand-in's row is no row of the batch
+        share = provenance.current()  # the batch in hand (the forward may have called submodules alone)
+        standing_in = sync.standing_in or (share is not None and share.count == 0)
+        mine = x.narrow(dim, 0, 0) if standing_in else x  # a stand-in's row is no row of the batch
         group = sync.group
         sizes = torch.tensor([mine.shape[dim]], dtype=torch.int64, device=x.device)
         every = [torch.empty_like(sizes) for _ in range(dist.get_world_size(group))]

@@ -261,8 +261,8 @@ class Pipeline:
             self.warned.add("tokens")
             log.warning("loss_fn's loss is a mean over %g valid tokens of this micro-batch's %g samples (labels at "
                         "-100?), but pp with loss_fn (1F1B) weights each micro-batch by its samples, which is not "
-                        "the one-process mean over the batch's tokens: pass parallelize(..., samples=fn) counting "
-                        "the tokens loss_fn divides by, or drop loss_fn (GPipe), where autodist reads them itself",
+                        "the one-process mean over the batch's tokens: drop loss_fn (GPipe: the loss computed from "
+                        "model(x) in your loop, or by the model itself), where autodist weights by the tokens",
                         count, samples)
 
     def _arrive(self, index: int) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
+from alike import train_in_windows
 from workloads import float64, seeded
 
 SAMPLES = 69
@@ -71,21 +72,12 @@ def _loader(kind: str) -> DataLoader:
     return DataLoader(_data(kind), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
 
 
-def _train(model: nn.Module, loader, accumulate: int = 1, epochs: int = 2) -> dict[str, torch.Tensor]:
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(epochs):
-        batches = list(loader)
-        for start in range(0, len(batches), accumulate):
-            window = batches[start:start + accumulate]
-            optimizer.zero_grad()
-            for k, (x, y) in enumerate(window):
-                loss = F.cross_entropy(model(x), y) / len(window)
-                if k < len(window) - 1:
-                    with autodist.no_sync(model):
-                        loss.backward()
-                else:
-                    loss.backward()
-            optimizer.step()
+def _cross_entropy(model: nn.Module, batch: tuple, window: int) -> None:
+    (F.cross_entropy(model(batch[0]), batch[1]) / window).backward()
+
+
+def _train(model: nn.Module, loader, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    train_in_windows(model, loader, _cross_entropy, accumulate=accumulate)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
