@@ -86,7 +86,7 @@ class GradSync:
         self.window = Window()  # the backwards since the last sync
         self.previous_total = 1.0  # G: last sync's global count, the same on every rank
         self.last_counted: Counted | None = None  # the last sync's count, for a backward that reached no output
-        self.warned_uncounted = False
+        self.warned_uncounted = self.warned_compiled = False
         self.compiled = False  # a forward of the model was traced by torch.compile
         self.next_bucket = 0
         self.packing: Pack | None = None  # this backward's packing, fixed when its first bucket starts
@@ -153,9 +153,7 @@ class GradSync:
                 share is not None and share.count == 0
         if not torch.is_grad_enabled():
             return
-        if self.structure.moved():  # something was registered somewhere: new parameters here are refused
-            self.structure.check()
-            self.buffer_sync.find_owners(module)
+        self._recheck_structure()
         if self.in_backward:
             self._discard_aborted_backward()
         if self._layout() != self.built_for:
@@ -166,6 +164,15 @@ class GradSync:
                 log.info("the model's trainable parameters changed (which ones, their dtype or device): "
                          "gradient buckets rebuilt")
             self._build()
+
+    def _recheck_structure(self) -> None:
+        """Refuse parameters registered since parallelize; find the buffers' modules again. Cheap unless
+        something was registered somewhere; never inside a compiled forward (the end of its backward looks)."""
+        if self.structure.moved():
+            self.structure.check()
+            model = self.model()
+            if model is not None:
+                self.buffer_sync.find_owners(model)
 
     def _ready_exchange(self) -> Exchange:
         """How this layout's buckets are summed, chosen with the other ranks (at the first sync after a build:
@@ -197,10 +204,18 @@ class GradSync:
             return
         if torch.compiler.is_compiling():
             self.compiled = True
+            if self.counter.samples is not None:  # the user's count of the forward's arguments: one graph break
+                self._count_compiled(args, kwargs, output)
             return
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
         if self.counter.samples is None and not self.compiled:
             loss_watch.arm(self._on_read)  # to read what the loss computed from this output is a mean over
+
+    @torch.compiler.disable
+    def _count_compiled(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """``samples=fn`` under torch.compile: ``fn`` of this forward's arguments, run eagerly at the forward's
+        end (dynamo breaks the graph there, once a forward), so that its backward takes the user's count."""
+        watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> torch.Tensor | None:
         """A backward reached an output of a forward counted ``counted``; a stand-in's output passes zeros on
@@ -329,6 +344,16 @@ class GradSync:
         """The count of a backward that reached no output of the model (it called a submodule, say)."""
         share = provenance.current()
         if share is not None:
+            if self.compiled and not self.warned_compiled:
+                self.warned_compiled = True
+                if dist.get_rank() == 0:
+                    log.warning(
+                        "the model's forward runs compiled (torch.compile), where autodist reads nothing of the "
+                        "loss: each rank is weighted by its samples, exact for a loss that is a mean over samples. "
+                        "For a mean over tokens (labels at -100, a mask) pass parallelize(..., samples=fn) with "
+                        "fn(*args, **kwargs) counting them in the forward's arguments (one graph break at the "
+                        "forward's end), or compile the model's layers (model.layers[i] = torch.compile(...)) "
+                        "rather than the whole model")
             return self.counter.of_share(share)
         if self.last_counted is not None:
             return self.last_counted
@@ -380,6 +405,8 @@ class GradSync:
         # a backward that brought no gradient (torch.autograd.grad for a gradient penalty) adds nothing
         self.in_backward = self.read_loss = False
         self._remove_prescale()
+        if self.compiled:  # its forward looked at nothing
+            self._recheck_structure()
         if self.grads_arrived:
             self.grads_arrived = False
             if self.packing is None:  # not added yet by the first bucket

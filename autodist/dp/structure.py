@@ -8,6 +8,12 @@ apart without a word. torch calls global hooks on every ``register_parameter``,
 parameter as an attribute goes through them too); here they bump one counter,
 and a parallelized model walks its parameters again only when the counter moved
 since it last looked: an int comparison per forward or step otherwise.
+
+Neither the counter's bump nor its reading is ever traced by ``torch.compile``:
+a global that the graph read would become a guard, and a model that makes a
+module in its forward (Hugging Face's ``self.layers[:n]``, a new ModuleList at
+every call) would bump it and recompile at every step until dynamo gives up. A
+compiled forward is checked where autodist's own code runs eagerly (the sync).
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ _handles: list[Any] = []
 
 def _bump(*args: Any) -> None:
     global _generation
-    _generation += 1
+    if not torch.compiler.is_compiling():  # a registration in a traced forward: a module made there (a slice)
+        _generation += 1
 
 
 class ModelChanged(RuntimeError):
@@ -51,8 +58,9 @@ class Watch:
         self.seen = _generation
 
     def moved(self) -> bool:
-        """Something was registered somewhere since the last check (cheap; :meth:`check` says what)."""
-        return _generation != self.seen
+        """Something was registered somewhere since the last check (cheap; :meth:`check` says what). Always
+        False inside a forward torch.compile traces."""
+        return not torch.compiler.is_compiling() and _generation != self.seen
 
     def check(self) -> None:
         if _generation == self.seen:
