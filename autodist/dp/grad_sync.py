@@ -49,6 +49,7 @@ from autodist.dp.weights import Pack, Window
 from autodist.faults import elastic, watchdog
 from autodist.layers import shared_reduce
 from autodist.runtime import plain, provenance
+from autodist.runtime.compiled import unwrapped
 from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
 from autodist.runtime.world import log
@@ -599,6 +600,7 @@ _unparallelized: "weakref.WeakKeyDictionary[nn.Module, Registration]" = weakref.
 
 
 def attach(model: nn.Module, registration: Registration) -> None:
+    model = unwrapped(model)
     if model in _registry:
         raise RuntimeError("this model is already parallelized; call autodist.parallelize once per model")
     _registry[model] = registration
@@ -611,9 +613,7 @@ def is_parallelized(model: nn.Module) -> bool:
 def registration_of(model: nn.Module) -> Registration | None:
     """The data-parallel layout parallelize gave ``model`` (or the model ``torch.compile`` wrapped in it);
     None if it was not parallelized."""
-    found = _registry.get(model)
-    inner = getattr(model, "_orig_mod", None)  # torch.compile(model) after parallelize
-    return found if found is not None or not isinstance(inner, nn.Module) else _registry.get(inner)
+    return _registry.get(unwrapped(model))  # torch.compile's wrapper, before or after parallelize: its model
 
 
 def parallelized() -> list[nn.Module]:

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from autodist.runtime.compiled import unwrapped
+
 
 @dataclass
 class Resuming:
@@ -113,12 +115,12 @@ _loaders: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.Weak
 def attach(model: nn.Module, loader: Any) -> None:
     """Record ``loader`` (one ``parallelize`` returned) as ``model``'s, in order, for its checkpoints."""
     if getattr(loader, "position", None) is not None:
-        _loaders.setdefault(model, []).append(weakref.ref(loader))
+        _loaders.setdefault(unwrapped(model), []).append(weakref.ref(loader))
 
 
 def loaders_of(model: nn.Module) -> list[Any]:
     """The loaders parallelized with ``model`` and still alive, in the order they were made."""
-    return [loader for ref in _loaders.get(model, []) if (loader := ref()) is not None]
+    return [loader for ref in _loaders.get(unwrapped(model), []) if (loader := ref()) is not None]
 
 
 def positions(model: nn.Module) -> list[dict[str, Any]]:

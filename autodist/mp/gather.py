@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from autodist.mp.rewrite import mp_modules
+from autodist.runtime.compiled import unwrapped
 from autodist.runtime.world import init
 
 
@@ -32,6 +33,7 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    model = unwrapped(model)  # torch.compile's wrapper: the names of the model it compiled
     world = init()
     live = model.state_dict()  # the values on their device (dense per rank even where sharded at rest)
     state = {k: v.detach().cpu().clone() for k, v in live.items()}

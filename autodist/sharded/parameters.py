@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.runtime.compiled import unwrapped
 from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
 from autodist.runtime.tree import tensor_leaves
@@ -426,7 +427,7 @@ def gathered(model: nn.Module, what: str) -> Iterator[nn.Module]:
     """Every block of ``model`` gathered and held whole for ``what`` (the watchdog's words for it), then each
     rank's part kept and the blocks freed: :func:`full_parameters`, and the copies of the model. Nothing
     without ``shard="parameters"``."""
-    sharding = sharding_of(getattr(model, "_orig_mod", model))
+    sharding = sharding_of(unwrapped(model))
     if sharding is None:
         yield model
         return

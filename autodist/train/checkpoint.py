@@ -68,6 +68,7 @@ from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
 from autodist.mp.rewrite import mp_modules
 from autodist.pp.pipeline import pipeline_of
+from autodist.runtime.compiled import PREFIX, unwrapped
 from autodist.runtime.world import World, init, log
 from autodist.sync import strategy_of
 from autodist.train.checkpoint_file import (FORMAT, VERSION, CheckpointError, atomic_save, check_loadable, checked_path,
@@ -82,12 +83,14 @@ PathLike = Union[str, "os.PathLike[str]"]
 # -- arguments -----------------------------------------------------------------------------------
 
 
-def _check_model(model: Any) -> None:
+def _check_model(model: Any) -> nn.Module:
+    """The model to work on (the one inside ``torch.compile``'s wrapper), or a TypeError naming what came."""
     if isinstance(model, type) and issubclass(model, nn.Module):
         raise TypeError(f"Expect an nn.Module instance for model, the class {model.__name__} found; pass the "
                         f"model you train, e.g. {model.__name__}(...) as built in your script")
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
+    return unwrapped(model)
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -311,7 +314,7 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         which ``load`` gives back to it.
     """
     path = checked_path(path, writing=True)
-    _check_model(model)
+    model = _check_model(model)
     _check_optimizer(optimizer)
     check_loadable(extra, "extra")
     world = init()
@@ -355,9 +358,19 @@ def _check_model_keys(dense: dict[str, Any], layout: dict[str, _Slot], model: nn
                            f"for {_listed(wrong)}; build the model with the sizes it was saved with")
 
 
+def _named_as_the_model(dense: dict[str, Any], layout: dict[str, _Slot]) -> dict[str, Any]:
+    """``dense`` without the ``_orig_mod.`` before every name where ``torch.compile``'s wrapper was saved (a file
+    written before autodist unwrapped it, or a state dict of the wrapper) and the model's names have none."""
+    names = {slot.name for slot in layout.values()}
+    if dense and all(k.startswith(PREFIX) for k in dense) and not any(n.startswith(PREFIX) for n in names):
+        return {k.removeprefix(PREFIX): v for k, v in dense.items()}
+    return dense
+
+
 def _load_model(dense: dict[str, Any], model: nn.Module, layout: dict[str, _Slot], where: str,
                 source: str = "checkpoint", strict: bool = True) -> Any:
     """Check ``dense`` against the model, then load each rank's slice of it; ``model.load_state_dict``'s result."""
+    dense = _named_as_the_model(dense, layout)
     _check_model_keys(dense, layout, model, where, source, strict)
     local = {key: slot.shard(dense[slot.name]) if slot.shape is not None else dense[slot.name]
              for key, slot in layout.items() if slot.name in dense}
@@ -435,7 +448,7 @@ def load(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
         after building an LR scheduler: building one resets the learning rates.
     """
     path = checked_path(path, writing=False)
-    _check_model(model)
+    model = _check_model(model)
     _check_optimizer(optimizer)
     checkpoint = read(path)
     layout = _layout(model)
@@ -510,7 +523,7 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
         is: save a generator of its own as an extra there.
     """
     path = checked_path(path, writing=False)
-    _check_model(model)
+    model = _check_model(model)
     _check_optimizer(optimizer)
     world = init()
     state = elastic.current()
@@ -557,7 +570,7 @@ def load_dense_state_dict(model: nn.Module, state: dict[str, Any], *, strict: bo
     Example:
         >>> load_dense_state_dict(model, torch.load("model.pt", weights_only=True))
     """
-    _check_model(model)
+    model = _check_model(model)
     return _load_model(state, model, _layout(model), where, "state", strict)
 
 
@@ -577,7 +590,7 @@ def dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Modul
     Example:
         >>> torch.save(dense_optimizer_state_dict(optimizer, model), "optimizer.pt")   # loads in one process
     """
-    _check_model(model)
+    model = _check_model(model)
     _check_optimizer(optimizer)
     params = _param_slots(model, optimizer, _layout(model))
     packed = optimizer.state_dict()  # a sharded optimizer's post hook has made it dense over the data-parallel ranks
@@ -595,7 +608,7 @@ def load_dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.
     Example:
         >>> load_dense_optimizer_state_dict(optimizer, model, torch.load("optimizer.pt", weights_only=True))
     """
-    _check_model(model)
+    model = _check_model(model)
     _check_optimizer(optimizer)
     params = _param_slots(model, optimizer, _layout(model))
     sizes = [len(group["params"]) for group in state["param_groups"]]

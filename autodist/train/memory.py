@@ -27,6 +27,7 @@ from torch import nn
 from autodist.dp.grad_sync import registration_of
 from autodist.layers.shared_reduce import reducer_of
 from autodist.mp.rewrite import mp_modules
+from autodist.runtime.compiled import unwrapped
 from autodist.runtime.held import KINDS, Held
 from autodist.runtime.tree import tensor_leaves
 from autodist.runtime.world import init
@@ -93,7 +94,7 @@ def memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
 
 def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Held:
     held = Held()
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model it compiled
+    inner = unwrapped(model)  # torch.compile's wrapper: the model it compiled
     params = list(inner.parameters())
     held.add("parameters", *params)
     held.add("model buffers", *inner.buffers())

@@ -72,12 +72,16 @@ def _loader(kind: str) -> DataLoader:
     return DataLoader(dataset, batch_size=BATCH, shuffle=True)  # the global RNG draws each epoch's order
 
 
-def _train(kind: str, path: str | None, stop: int | None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+def _train(kind: str, path: str | None, stop: int | None, compiled: bool = False
+           ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """Train EPOCHS epochs from a checkpoint at ``path`` if there is one (saving it at step STOP, and stopping
-    there if ``stop``); the weights and the ids of every step taken. In a world of one: the single process."""
+    there if ``stop``); the weights and the ids of every step taken. In a world of one: the single process.
+    ``compiled``: the model torch.compile returns is the one trained, saved and resumed."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1).double()
     model, loader = autodist.parallelize(model, _loader(kind))
+    if compiled:
+        model = torch.compile(model, backend="eager")
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     state = {"epoch": 0, "step": 0}
     if path is not None:
@@ -96,7 +100,7 @@ def _train(kind: str, path: str | None, stop: int | None) -> tuple[dict[str, tor
             if path is not None and step == STOP and stop:
                 autodist.save(path, model, optimizer, epoch=epoch, step=step)
                 return {}, seen
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, seen
+    return {k.removeprefix("_orig_mod."): v.detach().clone() for k, v in model.state_dict().items()}, seen
 
 
 def _joined(per_rank: list[list[list[int]]]) -> list[list[int]]:
@@ -115,6 +119,24 @@ def test_resumed_at_step_37_trains_as_one_uninterrupted_process(ranks, tmp_path,
     assert _joined([ids for _, ids in second]) == steps[STOP:]  # step 38 on: the same samples, none again
     for got, _ in second:
         torch.testing.assert_close(got, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled_first", [True, False], ids=["compiled-then-not", "not-then-compiled"])
+def test_a_compiled_model_saves_and_resumes_as_the_model_it_wraps(ranks, tmp_path, compiled_first):
+    """autodist.save(path, torch.compile(model), ...) as scripts write it: the file names the tensors as the
+    uncompiled model does and holds the loader's position (before: '_orig_mod.' keys, no position, so a
+    compiled run restarted re-read its epoch from the first batch and an uncompiled one could not load it)."""
+    weights, steps = _train("own-generator", None, None)  # one process, never stopped
+    path = os.fspath(tmp_path / "ckpt.pt")
+    first = ranks(2, _train, "own-generator", path, True, compiled_first)
+    assert _joined([ids for _, ids in first]) == steps[:STOP]
+    saved = torch.load(path, weights_only=True)
+    assert not any("_orig_mod" in k for k in saved["model"]), list(saved["model"])
+    second = ranks(2, _train, "own-generator", path, False, not compiled_first)
+    assert _joined([ids for _, ids in second]) == steps[STOP:]
+    for got, _ in second:
+        assert max(float((got[k] - weights[k]).abs().max()) for k in weights) <= 1e-10
 
 
 LAUNCHED = '''

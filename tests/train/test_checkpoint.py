@@ -23,7 +23,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
-from autodist.train import checkpoint_file
+from autodist.train import checkpoint, checkpoint_file
 import workloads as w
 from test_mp import FunctionalMLP as FunctionalNet  # F.linear calls: the MP layers keep the names w1, b1, ...
 
@@ -164,6 +164,18 @@ def test_model_part_loads_into_the_plain_model(mp2_checkpoint):
     plain = build()
     plain.load_state_dict(torch.load(path, weights_only=True)["model"])  # strict
     assert_close(w.state(plain), saved, rtol=0, atol=0)
+
+
+def test_a_compiled_models_state_loads_into_the_model_and_its_wrapper():
+    """A state dict of torch.compile's wrapper ('_orig_mod.' before every name: what files of a compiled model
+    held before autodist unwrapped it) loads into the uncompiled model, and a plain one into the wrapper."""
+    source, plain = w.seeded(w.mlp, 0), w.seeded(w.mlp, 1)
+    wrapped = {f"_orig_mod.{k}": v for k, v in source.state_dict().items()}
+    checkpoint.load_dense_state_dict(plain, wrapped)  # strict
+    assert_close(w.state(plain), w.state(source), rtol=0, atol=0)
+    target = w.seeded(w.mlp, 2)
+    checkpoint.load_dense_state_dict(torch.compile(target, backend="eager"), source.state_dict())
+    assert_close(w.state(target), w.state(source), rtol=0, atol=0)
 
 
 # -- 3. atomic write ---------------------------------------------------------------------------
