@@ -705,11 +705,13 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     wrappers.watch(model)  # and a wrapper around it fails at its first forward
     if world.rank == 0 and announce:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %s%d model-parallel, "
-                 "sync=%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
+                 "sync=%s%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp, _staged(cut, microbatches or 2 * dims.pp, loss_fn),
                  dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest),
-                 f", {len(recomputed)} blocks recomputed in backward" if recomputed else "", _device_of(model, world))
+                 f", {len(recomputed)} blocks recomputed in backward" if recomputed else "",
+                 f", mixed_precision={mixed_precision!r} (float32 master weights)" if compute is not None else "",
+                 _device_of(model, world))
         if elastic_job:
             log.info("elastic (autodist run --elastic): a lost rank's step is abandoned and the ranks left go on "
                      "with the same training (docs/elastic.md)")

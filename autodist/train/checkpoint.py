@@ -93,6 +93,19 @@ def _check_model(model: Any) -> nn.Module:
     return unwrapped(model)
 
 
+def _brief(value: Any, width: int = 40) -> str:
+    """``repr(value)`` for a log line: whole where short, else what it is (a scheduler's dict: its keys)."""
+    shown = repr(value)
+    if len(shown) <= width:
+        return shown
+    if isinstance(value, dict):
+        keys = ", ".join(map(str, list(value)[:4])) + (", ..." if len(value) > 4 else "")
+        return f"<dict of {len(value)}: {keys}>"
+    if isinstance(value, (list, tuple)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return shown[:width - 3] + "..."
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return
@@ -535,7 +548,7 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
         return dict(defaults)
     extra = load(path, model, optimizer)
     if world.rank == 0:
-        log.info("resumed from %s (%s)", path, ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()) or "no extras")
+        log.info("resumed from %s (%s)", path, ", ".join(f"{k}={_brief(v)}" for k, v in extra.items()) or "no extras")
     return {**defaults, **extra}
 
 

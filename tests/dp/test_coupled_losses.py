@@ -112,6 +112,18 @@ class TinyLM(nn.Module):
         return self.head(torch.tanh(self.embed(ids)))
 
 
+class LossInside(TinyLM):
+    """Its forward computes the loss (a mean over the labels not at -100), as nanoGPT's does."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(ids).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+def valid_labels(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``samples=``: what LossInside's mean is over."""
+    return (labels != -100).sum()
+
+
 def _hf_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=labels).loss
 
@@ -126,7 +138,11 @@ def _masked_mean(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> t
     return (each * mask).sum() / mask.sum()
 
 
-LOSSES = {"hf": (_gpt2, _hf_loss), "ignore_index": (TinyLM, _ignore_index), "masked_mean": (TinyLM, _masked_mean),
+def _inside(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels)
+
+
+LOSSES = {"inside": (LossInside, _inside), "hf": (_gpt2, _hf_loss), "ignore_index": (TinyLM, _ignore_index), "masked_mean": (TinyLM, _masked_mean),
           "llama": (_llama, _hf_loss), "mixtral": (_mixtral, _hf_loss),
           "mixtral_control": (lambda: _mixtral(0.0), _hf_loss), "hf2": (lambda: _gpt2(2), _hf_loss),
           "t5": (_t5, _hf_loss), "token_classification": (_token_classifier, _hf_loss),
@@ -237,6 +253,13 @@ def test_token_means_through_pipeline_stages_and_data_parallel_ranks(ranks):
 def test_token_means_accumulated_over_an_uneven_window(ranks, name):
     """3 micro-batches a step: 9 steps over 2 epochs of 9 batches, the window holding the short one uneven."""
     _check(name, ranks(2, _largest_differences, name, 3, 2))
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_samples_counting_tokens_weights_each_micro_batch(ranks, accumulate):
+    """samples=fn counting the valid labels, with and without accumulation: each micro-batch of a window is
+    weighted by its own count over the ranks' (before: the counts pooled over the window, 8.8e-3 off)."""
+    _check("inside", ranks(2, _largest_differences, "inside", accumulate, 2, _loader, {"samples": valid_labels}))
 
 
 # -- mixture of experts: the load-balancing loss --------------------------------------------------------------

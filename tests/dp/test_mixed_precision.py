@@ -141,3 +141,23 @@ def test_shard_parameters_gathers_in_the_compute_dtype(ranks):
     for gathered, master in ranks(2, _gathered_dtypes):
         assert gathered == {torch.bfloat16}  # half the bytes of float32 on the wire and in memory
         assert master == {torch.float32}  # what each rank keeps and steps
+
+
+def _summary() -> list[str]:
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("autodist").addHandler(handler)
+    try:
+        autodist.parallelize(_build(), mixed_precision="bf16")
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    return [r.getMessage() for r in records if r.getMessage().startswith("parallelized")]
+
+
+def test_the_summary_line_names_the_option(ranks):
+    summary, nothing = ranks(2, _summary)
+    assert len(summary) == 1 and "mixed_precision='bf16' (float32 master weights)" in summary[0], summary
+    assert nothing == []  # rank 0 alone says it
