@@ -172,6 +172,11 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     together = sum(rows[i].peak for i in measurable) <= room
     for i, result in zip(measurable, trial.run_all(make, auto.steps, together)):
         row = rows[i]
+        if isinstance(result, str):  # a model-parallel plan that does not fit its forward fails at every shard=
+            same = [r for r in rows if r.layout.mp == row.layout.mp] if row.layout.mp > 1 else [row]
+            for r in same:
+                r.impossible, r.status = f"could not be made: {result}", f"not possible: could not be made: {result}"
+            continue
         row.measured_seconds, row.measured_peak, row.measured_memory = result.seconds, result.peak, result.kinds
         if result.peak > budget:
             row.status = f"does not fit: measured {size_text(result.peak)} > budget {size_text(budget)}"

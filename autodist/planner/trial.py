@@ -27,6 +27,7 @@ from autodist.mp import observe
 from autodist.planner.live import LiveBytes
 from autodist.planner.plan import Layout
 from autodist.planner.step import loss_of, make_optimizer, rng_state, set_rng_state
+from autodist.runtime import plain
 from autodist.train.memory import memory
 
 Setup = Callable[..., tuple[nn.Module, Any]]  # parallelize without its log line
@@ -93,24 +94,47 @@ class Trial:
         gc.collect()
 
 
-def run_all(make: list[Callable[[], Trial]], steps: int, together: bool) -> list[Result]:
-    """Every trial's result; ``together``: all alive at once, their steps interleaved (one step of each in
-    turn, the order reversed every round, so the machine's drift lands on all alike), else one after the
-    other. The random streams are put back after each trial is made and after all have run."""
+def _built(build: Callable[[], Trial]) -> Trial | str:
+    """The trial, or why its layout cannot be made (the same on every rank: a model-parallel plan that does
+    not fit the model's forward, say, is found alike by every rank from the same batch), agreed by all."""
+    try:
+        made: Trial | str = build()
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        made = f"{type(error).__name__}: {error}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = plain.all_gather(isinstance(made, str))
+        if any(failed) and not all(failed):
+            here = made if isinstance(made, str) else "made here"
+            raise RuntimeError(f"plan: a finalist could be made on some ranks and not on others ({here}); pin "
+                               f"the layout yourself (mp=, shard=)")
+    return made
+
+
+def run_all(make: list[Callable[[], Trial]], steps: int, together: bool) -> list[Result | str]:
+    """Every trial's result, or why its layout could not be made; ``together``: all alive at once, their steps
+    interleaved (one step of each in turn, the order reversed every round, so the machine's drift lands on
+    all alike), else one after the other. The random streams are put back after each trial is made and after
+    all have run."""
     rng = rng_state()
-    results: list[Result | None] = [None] * len(make)
+    results: list[Result | str | None] = [None] * len(make)
     trials: list[Trial] = []
     try:
         if together:
+            made = []
             for build in make:
-                trials.append(build())
+                made.append(_built(build))
                 set_rng_state(rng)
+            trials = [t for t in made if not isinstance(t, str)]
             for r in range(steps):
                 for trial in (trials if r % 2 == 0 else trials[::-1]):
                     trial.step()
-            return [t.result() for t in trials]
+            return [t if isinstance(t, str) else t.result() for t in made]
         for i, build in enumerate(make):
-            trial = build()
+            trial = _built(build)
+            set_rng_state(rng)
+            if isinstance(trial, str):
+                results[i] = trial
+                continue
             try:
                 for _ in range(steps):
                     trial.step()

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from autodist.runtime.world import log
 from autodist.sharded import blocks as blocks_mod
 
 
@@ -37,7 +39,41 @@ class Recompute:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
+        if torch.is_grad_enabled():
+            kwargs = _without_a_cache(block, kwargs)
         return torch.utils.checkpoint.checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+_said_cache = [False]
+
+
+def _without_a_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without an empty key/value cache (Hugging Face's ``past_key_values``, made by the model in
+    every forward while ``config.use_cache`` is on): the block's recomputation in backward would append its
+    keys and values a second time and attend over both (a shape error where an attention mask is given).
+    What Hugging Face's own gradient checkpointing does (``use_cache=False`` in training). A cache holding
+    keys already (a prefix) is refused: dropping it would change the result."""
+    found = {k: v for k, v in kwargs.items() if _is_cache(v)}
+    if not found:
+        return kwargs
+    for name, cache in found.items():
+        held = cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else 0
+        if held:  # the blocks before it ran without it too: what it holds came before this forward
+            raise NotImplementedError(
+                f"checkpoint=True recomputes {type(block).__name__} in backward, and its {name} holds {held} "
+                f"positions from before this forward (a prefix): recomputing would add them again. Train "
+                f"without the cache (use_cache=False) or without checkpoint=True")
+    if not _said_cache[0]:
+        _said_cache[0] = True
+        log.info("checkpoint=True: %s runs without its key/value cache (%s) while gradients are on, as Hugging "
+                 "Face's own gradient checkpointing does (use_cache=False in training): recomputed in backward, "
+                 "it would add its keys a second time", type(block).__name__, ", ".join(found))
+    return {k: (None if k in found else v) for k, v in kwargs.items()}
+
+
+def _is_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache (``transformers.Cache`` and its kinds), known by its class's names."""
+    return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(value).__mro__)
 
 
 def is_recomputing(forward: Any) -> bool:

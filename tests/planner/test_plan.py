@@ -304,3 +304,33 @@ def test_ranks_sharing_a_gpu_share_its_free_memory():
     assert [sharing_a_gpu(r, 8, 8) for r in range(8)] == [1] * 8
     assert [sharing_a_gpu(r, 3, 2) for r in range(3)] == [2, 1, 2]  # ranks 0 and 2 on GPU 0
     assert sharing_a_gpu(0, 1, 0) == 1
+
+
+
+def _qwen2_padded() -> tuple[str, list[tuple[int, str]]]:
+    """Qwen2 (grouped-query attention: 2 key/value heads, which mp=2 cannot split by its reshape) on padded
+    batches with an attention mask, labels at -100 on the padding, as an SFT collator gives them: the plan's
+    choice and each row's (mp, status)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for length in torch.randint(5, 12, (16,), generator=g).tolist():
+        ids = torch.randint(0, 50, (12,), generator=g)
+        mask = (torch.arange(12) < length).long()
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    plan = autodist.plan(w.seeded(lambda: transformers.Qwen2ForCausalLM(config), 0),
+                         torch.utils.data.DataLoader(rows, batch_size=8), autodist.Auto(finalists=4))
+    return str(plan.layout), [(r.layout.mp, r.status) for r in plan.rows]
+
+
+@pytest.mark.slow
+def test_a_padded_hugging_face_batch_is_planned(ranks):
+    """Before: the profile's recomputed blocks appended to Hugging Face's key/value cache a second time (a shape
+    error where the batch has an attention mask), and then a finalist that mp=2 could not split stopped the
+    search. Now mp=2's rows say why they cannot be made, and a data-parallel layout is chosen."""
+    for chosen, rows in ranks(2, _qwen2_padded):
+        assert "mp=1" in chosen, chosen
+        assert all(s.startswith("not possible") for mp, s in rows if mp == 2), rows
+        assert any("could not be made" in s and "model parallelism" in s for mp, s in rows if mp == 2), rows
