@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import contextlib
+import itertools
 import linecache
 import os
 import sys
@@ -256,9 +257,16 @@ def example_of(data: Any, rows: int = 2) -> Example | None:
 
 
 def _first_rows(data: Any, rows: int) -> Any:
-    from torch.utils.data import DataLoader, Dataset, default_collate
+    from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-    if isinstance(data, DataLoader):
+    if isinstance(data, DataLoader) and isinstance(data.dataset, IterableDataset):
+        # a stream's first samples, read from a fresh iterator of it (the loop's own iteration starts afresh);
+        # one whose iterator is always the same object would lose them: nothing is read (example= is asked)
+        first = iter(data.dataset)
+        if first is iter(data.dataset):
+            return None
+        batch = data.collate_fn(list(itertools.islice(first, rows)))  # type: ignore[arg-type]
+    elif isinstance(data, DataLoader):
         batch = data.collate_fn([data.dataset[i] for i in range(min(rows, len(data.dataset)))])  # type: ignore
     elif isinstance(data, Dataset):
         batch = default_collate([data[i] for i in range(min(rows, len(data)))])  # type: ignore[arg-type]

@@ -307,10 +307,18 @@ def test_ranks_sharing_a_gpu_share_its_free_memory():
 
 
 
-def _qwen2_padded() -> tuple[str, list[tuple[int, str]]]:
+class _Rows(torch.utils.data.IterableDataset):
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def _qwen2_padded(stream: bool) -> tuple[str, list[tuple[int, str]]]:
     """Qwen2 (grouped-query attention: 2 key/value heads, which mp=2 cannot split by its reshape) on padded
-    batches with an attention mask, labels at -100 on the padding, as an SFT collator gives them: the plan's
-    choice and each row's (mp, status)."""
+    batches with an attention mask, labels at -100 on the padding, as an SFT collator gives them, from a
+    list or a stream: the plan's choice and each row's (mp, status)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
@@ -321,16 +329,19 @@ def _qwen2_padded() -> tuple[str, list[tuple[int, str]]]:
         mask = (torch.arange(12) < length).long()
         rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     plan = autodist.plan(w.seeded(lambda: transformers.Qwen2ForCausalLM(config), 0),
-                         torch.utils.data.DataLoader(rows, batch_size=8), autodist.Auto(finalists=4))
+                         torch.utils.data.DataLoader(_Rows(rows) if stream else rows, batch_size=8),
+                         autodist.Auto(finalists=4))
     return str(plan.layout), [(r.layout.mp, r.status) for r in plan.rows]
 
 
 @pytest.mark.slow
-def test_a_padded_hugging_face_batch_is_planned(ranks):
+@pytest.mark.parametrize("stream", [False, True], ids=["list", "stream"])
+def test_a_padded_hugging_face_batch_is_planned(ranks, stream):
     """Before: the profile's recomputed blocks appended to Hugging Face's key/value cache a second time (a shape
-    error where the batch has an attention mask), and then a finalist that mp=2 could not split stopped the
-    search. Now mp=2's rows say why they cannot be made, and a data-parallel layout is chosen."""
-    for chosen, rows in ranks(2, _qwen2_padded):
+    error where the batch has an attention mask), then a finalist that mp=2 could not split stopped the
+    search, and a stream gave no batch to measure. Now mp=2's rows say why they cannot be made, and a
+    data-parallel layout is chosen."""
+    for chosen, rows in ranks(2, _qwen2_padded, stream):
         assert "mp=1" in chosen, chosen
         assert all(s.startswith("not possible") for mp, s in rows if mp == 2), rows
         assert any("could not be made" in s and "model parallelism" in s for mp, s in rows if mp == 2), rows
