@@ -124,3 +124,26 @@ def float64(fn: Callable) -> Callable:
         finally:
             torch.set_default_dtype(torch.float32)
     return run
+
+
+def padded_rows(samples: int = 16, length: int = 12, vocab: int = 50, seed: int = 4) -> list[dict]:
+    """Token rows of random lengths padded to ``length``, with an attention mask and labels at -100 on the
+    padding, as a Hugging Face SFT collator gives them (a list of dicts: a Dataset, or a stream's items)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for valid in torch.randint(length // 2, length, (samples,), generator=g).tolist():
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        mask = (torch.arange(length) < valid).long()
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return rows
+
+
+def qwen2(vocab: int = 50, positions: int = 16, tied: bool = False) -> nn.Module:
+    """A tiny Hugging Face Qwen2 (grouped-query attention: 2 key/value heads; ``config.use_cache`` on, as its
+    default is); the caller skips where transformers is missing (``pytest.importorskip``)."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                                      tie_word_embeddings=tied)
+    return transformers.Qwen2ForCausalLM(config)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
-from workloads import float64, seeded
+from workloads import float64, qwen2, seeded
 
 pytestmark = pytest.mark.slow  # torch.compile takes seconds a model: the full tier
 transformers = pytest.importorskip("transformers")
@@ -23,10 +23,7 @@ VOCAB, LENGTH = 48, 12
 
 def _qwen2() -> nn.Module:
     """Qwen2Model's forward slices ``self.layers[: num_hidden_layers]``: a new ModuleList at every call."""
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
-                                      tie_word_embeddings=True)
-    return transformers.Qwen2ForCausalLM(config)
+    return qwen2(VOCAB, LENGTH, tied=True)
 
 
 def _tokens(samples: int = 21, prompts: bool = False) -> TensorDataset:

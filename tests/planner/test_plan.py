@@ -319,16 +319,9 @@ def _qwen2_padded(stream: bool) -> tuple[str, list[tuple[int, str]]]:
     """Qwen2 (grouped-query attention: 2 key/value heads, which mp=2 cannot split by its reshape) on padded
     batches with an attention mask, labels at -100 on the padding, as an SFT collator gives them, from a
     list or a stream: the plan's choice and each row's (mp, status)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    g = torch.Generator().manual_seed(4)
-    rows = []
-    for length in torch.randint(5, 12, (16,), generator=g).tolist():
-        ids = torch.randint(0, 50, (12,), generator=g)
-        mask = (torch.arange(12) < length).long()
-        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    plan = autodist.plan(w.seeded(lambda: transformers.Qwen2ForCausalLM(config), 0),
+    pytest.importorskip("transformers")
+    rows = w.padded_rows()
+    plan = autodist.plan(w.seeded(w.qwen2, 0),
                          torch.utils.data.DataLoader(_Rows(rows) if stream else rows, batch_size=8),
                          autodist.Auto(finalists=4))
     return str(plan.layout), [(r.layout.mp, r.status) for r in plan.rows]

@@ -86,27 +86,13 @@ def test_checkpointed_blocks_train_as_one_process(ranks, options):
         assert names == ["blocks.0", "blocks.1", "blocks.2"] and in_copy == []
 
 
-def _padded_batches() -> list[dict]:
-    """Padded rows with an attention mask and labels at -100 on the padding, as an SFT collator gives them."""
-    g = torch.Generator().manual_seed(4)
-    rows = []
-    for length in torch.randint(5, 12, (16,), generator=g).tolist():
-        ids = torch.randint(0, 50, (12,), generator=g)
-        mask = (torch.arange(12) < length).long()
-        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return rows
-
-
 @w.float64
 def _hugging_face_cache(checkpoint: bool) -> dict:
     """Qwen2 (its config's use_cache on, as every Hugging Face config has it: the model makes a key/value
     cache in each forward, training too) trained 2 steps, its blocks recomputed or not."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    model, loader = autodist.parallelize(w.seeded(lambda: transformers.Qwen2ForCausalLM(config), 0),
-                                         torch.utils.data.DataLoader(_padded_batches(), batch_size=8),
-                                         checkpoint=checkpoint)
+    pytest.importorskip("transformers")
+    loader = torch.utils.data.DataLoader(w.padded_rows(), batch_size=8)
+    model, loader = autodist.parallelize(w.seeded(w.qwen2, 0), loader, checkpoint=checkpoint)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for batch in loader:
         opt.zero_grad()
