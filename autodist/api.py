@@ -32,6 +32,7 @@ from autodist.pp import cut as pp_cut
 from autodist.pp import pipeline as pp_pipeline
 from autodist.ps.strategy import ParameterServer
 from autodist.runtime import environment
+from autodist.runtime.compiled import unwrapped
 from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import Groups, ParallelDims, build_groups, replica_group, second_dp_group
 from autodist.runtime.rng import share_rng_state
@@ -579,10 +580,16 @@ def parallelize(
                          f"yourself")
     if plan is not None and mixed_precision is not None:
         raise ValueError("plan= does not search layouts with mixed_precision yet: choose mp= and shard= yourself")
+    # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
+    # registries every function taking a model looks in), and the wrapper returned, compiling it as before
+    given, model = model, unwrapped(model)
     if plan is None:
-        return _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
-    chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
-    return _build_chosen(model, data, mp=chosen.mp, shard=chosen.shard, checkpoint=chosen.checkpoint, **options)
+        built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
+    else:
+        chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
+        built, data = _build_chosen(model, data, mp=chosen.mp, shard=chosen.shard, checkpoint=chosen.checkpoint,
+                                    **options)
+    return (given if built is model else built), data
 
 
 def _build_chosen(model: nn.Module, data: data_mod.DataLike, *, announce: bool = True,

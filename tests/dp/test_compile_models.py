@@ -4,6 +4,8 @@ compiled run says once that it reads nothing of the loss, and a parameter added 
 refused at the end of a compiled backward as it is before an uncompiled forward."""
 from __future__ import annotations
 
+import functools
+import gc
 import logging
 
 import pytest
@@ -35,6 +37,21 @@ def _tokens(samples: int = 21, prompts: bool = False) -> TensorDataset:
     return TensorDataset(ids, torch.where(torch.arange(LENGTH)[None, :] < prompt[:, None], -100, ids))
 
 
+def _released(fn):
+    """``fn``, then dynamo's caches emptied: they hold the compiled models, which a pool's later tests would
+    find still parallelized (``autodist.whole_batch`` asks which model then)."""
+    @functools.wraps(fn)
+    def run(*args):
+        import torch._dynamo
+
+        try:
+            return fn(*args)
+        finally:
+            torch._dynamo.reset()
+            gc.collect()
+    return run
+
+
 def _train(model: nn.Module, loader, backward, epochs: int = 2) -> None:
     """Adam over ``loader`` as it yields (a compiled forward takes its weight from the batch the sharded loader
     handed out last: a list made first would leave none current)."""
@@ -54,6 +71,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k.removeprefix("_orig_mod."): v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@_released
 @float64
 def _hugging_face_compiled() -> tuple[list[int], float]:
     """(dynamo's frames compiled so far after each step, the largest difference from one process): every
@@ -104,6 +122,7 @@ def _valid_labels(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (labels != -100).sum()
 
 
+@_released
 @float64
 def _samples_compiled(counted: bool) -> tuple[float, list[str]]:
     """(the largest difference from one process after 2 epochs of Adam, the warnings): the model compiled
@@ -149,6 +168,7 @@ def test_a_compiled_forward_says_it_reads_nothing_of_the_loss(ranks):
         assert len(said) == (1 if rank == 0 else 0), warnings
 
 
+@_released
 def _parameter_added_under_compile() -> str:
     model, loader = autodist.parallelize(seeded(_LossInside, 0), DataLoader(_tokens(), batch_size=8))
     compiled = torch.compile(model, backend="aot_eager")
