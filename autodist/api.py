@@ -542,8 +542,10 @@ def parallelize(
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
         same kind (a DataLoader comes back as a DataLoader yielding this rank's
-        slice of each global batch). Ranks of one model-parallel group get the
-        same shard.
+        slice of each global batch, and keeping its position for checkpoints).
+        Ranks of one model-parallel group get the same shard. In a world of
+        one: the model as it is, and the data too, except that a DataLoader
+        comes back position-keeping (its own batches, in its order).
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader)
@@ -634,7 +636,9 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             precision.setup(model, compute)
         if loss_fn is not None:  # model(x, target=y) is the loss, as under pp
             pp_pipeline.with_loss(model, loss_fn)
-        return model, data_mod.in_one_process(data, dim)
+        data_shard = data_mod.in_one_process(data, dim)
+        loader_position.attach(model, data_shard)  # a checkpoint in one process resumes mid-epoch too
+        return model, data_shard
     wrappers.refuse_inside_lightning(model)
     mp = _hand_placed_mp(model, mp, world)
     dims = ParallelDims.for_world(world.size, mp, pp)
@@ -791,8 +795,10 @@ def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | No
 
     dim = 0 if batch_dim is None else batch_dim
     world = init()
-    if world.size == 1:  # parallelize returned the model as it was: so is the data
-        return data_mod.in_one_process(data, dim)
+    if world.size == 1:  # parallelize returned the model as it was: the data too (a loader keeps its position)
+        data_shard = data_mod.in_one_process(data, dim)
+        loader_position.attach(model, data_shard)
+        return data_shard
     registration = registration_of(model)
     if registration is None:
         raise ValueError(f"{type(model).__name__} was not parallelized, so it has no data-parallel rank to shard "

@@ -382,22 +382,24 @@ def check(data: DataLike, size: int, dim: int = 0) -> None:
 
 
 def in_one_process(data: DataLike, dim: int = 0) -> DataLike:
-    """``data`` in a world of one: validated and returned as it is, except that a DataLoader's sampler without
-    ``set_epoch`` is given one that does nothing, so that DDP code calling ``loader.sampler.set_epoch(epoch)``
-    runs in one process too (the loader reshuffles every epoch by itself, as on more ranks).
+    """``data`` in a world of one: validated, and returned as it is except for a DataLoader, which comes back as
+    the one ``parallelize`` returns on more ranks (at one rank: the same batches, in the same order) so that it
+    keeps its position for ``autodist.save``: the script resumes mid-epoch in one process as it does on more,
+    from a checkpoint of any number of ranks. Its ``batch_size`` and ``drop_last`` read as the loader's, and
+    ``loader.sampler.set_epoch(epoch)`` (DDP's habit) is accepted.
 
     Example:
-        >>> loader = in_one_process(DataLoader(range(4), shuffle=True))
+        >>> loader = in_one_process(DataLoader(range(4), batch_size=2, shuffle=True))
         >>> loader.sampler.set_epoch(1)
+        >>> loader.batch_size
+        2
     """
-    check(data, 1, dim)
-    if isinstance(data, DataLoader) and not hasattr(data.sampler, "set_epoch"):
-        try:
-            data.sampler.set_epoch = _epoch_is_the_loaders
-        except AttributeError:  # a sampler with __slots__: left as it is
-            pass
-    return data
-
-
-def _epoch_is_the_loaders(epoch: int) -> None:
-    """``set_epoch`` of a sampler that draws a new order every epoch by itself: nothing to do."""
+    if not isinstance(data, DataLoader):
+        check(data, 1, dim)
+        return data
+    kept = shard_loader(data, 0, 1, list, dim)
+    for name in ("batch_size", "drop_last"):  # what a one-process script may read of its loader
+        object.__setattr__(kept, name, getattr(data, name))
+    if not hasattr(kept.sampler, "set_epoch"):  # a stream's: nothing to pass an epoch to
+        object.__setattr__(kept, "sampler", EpochSampler(data.dataset, None))
+    return kept

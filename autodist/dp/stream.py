@@ -144,6 +144,10 @@ class StreamShard(DataLoader):
                          "checkpoint", self.position.epoch, resuming.skip)
             pass_over(batches, resuming)
         for batch in batches:
+            if self.size == 1:  # one process: the batch as the loader made it, counted for the position
+                shares.append(BatchShare(1, 1, provenance.new_batch_id(), None, None))
+                yield batch
+                continue
             n = batch_size(batch, self.dim)
             lo, hi = slice_bounds(n, self.rank, self.size)
             whole = (lambda kept=batch: kept) if provenance.keeping() else None

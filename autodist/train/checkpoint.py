@@ -532,8 +532,7 @@ def resume(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | 
         you accept to repeat. A loader ``parallelize`` split goes on where
         the checkpoint left it, mid-epoch too: the next batch it gives is
         the one after the last taken before the save, at any number of
-        ranks. In a world of one ``parallelize`` returns the loader as it
-        is: save a generator of its own as an extra there.
+        ranks, plain ``python`` (a world of one) included.
     """
     path = checked_path(path, writing=False)
     model = _check_model(model)

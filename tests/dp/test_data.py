@@ -46,6 +46,11 @@ class _Stream(IterableDataset):
         yield from range(3)
 
 
+class _Counting(IterableDataset):
+    def __iter__(self):
+        yield from range(6)
+
+
 @pytest.mark.parametrize("data, error, words", [
     ((torch.zeros(4), torch.zeros(5)), ValueError, "different lengths [4, 5]"),
     (torch.zeros(2), ValueError, "2 sample(s) but there are 3"),
@@ -149,21 +154,33 @@ def test_set_epoch_on_the_returned_loaders_sampler_is_a_ddp_habit_that_works():
     assert [b[0].tolist() for b in plain] == [[0, 1], [4, 5]]
 
 
-def test_set_epoch_works_in_one_process_too():
-    """Without a launcher (and under `autodist run -n 1`) parallelize returns the loader itself; its sampler
-    gets a set_epoch that does nothing where it had none, and the order stays the loader's own."""
-    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
-    model, same = autodist.parallelize(torch.nn.Linear(2, 2), loader)
-    assert same is loader
-    same.sampler.set_epoch(3)
-    reference = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=True,
-                           generator=torch.Generator().manual_seed(0))
-    assert [b[0].tolist() for b in same] == [b[0].tolist() for b in reference]
+def test_in_one_process_the_loader_gives_its_own_batches_and_takes_set_epoch():
+    """Without a launcher (and under `autodist run -n 1`) parallelize returns a loader that keeps its position
+    for checkpoints: its batches are the loader's own, in the same order (its generator or the global RNG),
+    it reads as the loader (batch_size, drop_last, len), and set_epoch is accepted or passed on."""
+    def loaders(seeded: bool, **options):
+        return [DataLoader(TensorDataset(torch.arange(10)), batch_size=4, **options,
+                           generator=torch.Generator().manual_seed(0) if seeded else None) for _ in range(2)]
+
+    for seeded, options in ((True, {"shuffle": True}), (False, {"shuffle": True}), (False, {"drop_last": True})):
+        loader, reference = loaders(seeded, **options)
+        model, kept = autodist.parallelize(torch.nn.Linear(2, 2), loader)
+        assert (kept.batch_size, kept.drop_last, len(kept)) == (4, loader.drop_last, len(loader))
+        kept.sampler.set_epoch(3)
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            got = [b[0].tolist() for b in kept]
+            torch.manual_seed(seed)
+            assert got == [b[0].tolist() for b in reference], options
     seeded = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, sampler=EpochSeeded(8))
     _, kept = autodist.parallelize(torch.nn.Linear(2, 2), seeded)
-    assert kept.sampler.set_epoch.__func__ is EpochSeeded.set_epoch  # a sampler's own is left alone
-
+    kept.sampler.set_epoch(7)
+    assert seeded.sampler.epoch == 7  # a sampler's own set_epoch gets the epoch
+    stream = DataLoader(_Counting(), batch_size=4)
+    _, kept = autodist.parallelize(torch.nn.Linear(2, 2), stream)
+    kept.sampler.set_epoch(1)
+    batches = list(kept)
+    assert [b.tolist() for b in batches] == [b.tolist() for b in stream]
 
 def test_a_global_rng_loader_takes_rank_zeros_order_once_an_epoch():
     calls = []

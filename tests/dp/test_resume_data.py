@@ -118,7 +118,26 @@ def test_resumed_at_step_37_trains_as_one_uninterrupted_process(ranks, tmp_path,
     second = ranks(after, _train, kind, path, False)
     assert _joined([ids for _, ids in second]) == steps[STOP:]  # step 38 on: the same samples, none again
     for got, _ in second:
-        torch.testing.assert_close(got, weights)
+        torch.testing.assert_close(got, weights, rtol=0, atol=1e-10)
+
+
+def _in(ranks, world: int, *args):
+    """``_train(*args)`` at ``world`` ranks; a world of one is this process, run as plain ``python`` runs it."""
+    return [_train(*args)] if world == 1 else ranks(world, _train, *args)
+
+
+@pytest.mark.parametrize("kind, before, after", [("global-rng", 1, 1), ("stream", 2, 1), ("own-generator", 1, 2)])
+def test_a_world_of_one_saves_and_resumes_its_position_as_more_ranks_do(ranks, tmp_path, kind, before, after):
+    """Plain `python` (no launcher) keeps the loader's position too: stopped at step 37 and resumed, in one
+    process or from and to more ranks, the samples from step 38 on and the weights are one uninterrupted run's."""
+    weights, steps = _train(kind, None, None)
+    path = os.fspath(tmp_path / "ckpt.pt")
+    first = _in(ranks, before, kind, path, True)
+    assert _joined([ids for _, ids in first]) == steps[:STOP]
+    second = _in(ranks, after, kind, path, False)
+    assert _joined([ids for _, ids in second]) == steps[STOP:]
+    for got, _ in second:
+        torch.testing.assert_close(got, weights, rtol=0, atol=1e-10)
 
 
 @pytest.mark.slow
