@@ -29,8 +29,9 @@ from autodist.sharded.layout import Layout
 class Part:
     """Parameters of one dtype and device as one flat vector: this rank's chunk at rest, the whole while gathered."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, ranks: int) -> None:
+    def __init__(self, params: list[nn.Parameter], rank: int, ranks: int, keeps_dtype: bool = False) -> None:
         self.params, self.ranks = params, ranks
+        self.keeps_dtype = keeps_dtype  # gathered in the master's dtype whatever the block's compute dtype
         self.chunk = Layout.of_groups(params, [list(range(len(params)))], ranks).kinds[0].chunk
         like = params[0]
         self.spans, offset = [], 0
@@ -68,14 +69,17 @@ class Block:
     each part's trainable parameters one gradient bucket, and its chunk on this rank (:meth:`shard_of`) what
     the optimizer steps views of."""
 
-    def __init__(self, number: int, name: str, params: list[nn.Parameter], rank: int, ranks: int) -> None:
+    def __init__(self, number: int, name: str, params: list[nn.Parameter], rank: int, ranks: int,
+                 shared: frozenset[int] = frozenset()) -> None:
         self.number, self.name, self.ranks = number, name, ranks
         self.params = [p for p in params if p.requires_grad]
-        trained: dict[tuple, list[nn.Parameter]] = {}  # a part per dtype (a bfloat16 block's float32 router)
+        # a part per dtype (a bfloat16 block's float32 router), and one for the parameters in ``shared`` (ids of
+        # those several modules hold: tied weights), which mixed_precision gathers in the master's dtype
+        trained: dict[tuple, list[nn.Parameter]] = {}
         frozen: dict[tuple, list[nn.Parameter]] = {}
         for p in params:
-            (trained if p.requires_grad else frozen).setdefault((p.dtype, p.device), []).append(p)
-        self.parts = [Part(ps, rank, ranks) for ps in [*trained.values(), *frozen.values()]]
+            (trained if p.requires_grad else frozen).setdefault((p.dtype, p.device, id(p) in shared), []).append(p)
+        self.parts = [Part(ps, rank, ranks, key[2]) for kinds in (trained, frozen) for key, ps in kinds.items()]
         self.trained = self.parts[:len(trained)]  # each one gradient bucket, and the optimizer's pieces
         self.part_of = {id(p): part for part in self.trained for p in part.params}
         self.placeholders = [(p, torch.full((1,), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape))
@@ -99,8 +103,9 @@ class Block:
         ``reading``: to read it whole (a state dict, a load), in the master's dtype, whatever ``compute`` is."""
         if self.parts[0].full is not None:
             return False
-        for part in self.parts:
-            part.start(group, None if reading else self.compute)
+        for part in self.parts:  # a tied weight in the master's dtype: each module casts its own use of it, and
+            # the uses' gradients add in float32, as without shard=
+            part.start(group, None if reading or part.keeps_dtype else self.compute)
         return True
 
     @property

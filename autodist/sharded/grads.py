@@ -7,8 +7,9 @@ slice (empty where the rank owns none of ``p``). It does what a training loop do
 process would:
 
 * ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``: each gradient's norm is a :class:`PartialNorm`
-  (this rank's part of it); stacking them and taking the norm of the stack all-reduces the parts once, so
-  every rank gets the global norm of the whole gradient, and the scaling applies to each slice;
+  (this rank's part of it); stacking them all-reduces the slices' sums of p-th powers once and gives each
+  whole gradient's norm, rounded to its dtype as torch rounds it (a bfloat16 model's norm is one process's
+  bit for bit), so every rank gets the global norm, and the scaling applies to each slice;
 * ``clip_grad_value_``, ``zero_grad(set_to_none=False)``: elementwise, on the slice;
 * ``GradScaler``'s unscale: on the slice, its inf/NaN check over the whole gradient (every rank skips alike).
 
@@ -117,7 +118,10 @@ def _norm(g: Any, ord: float) -> Any:
             value = torch.tensor(0.0 if ord > 0 else math.inf, dtype=local.dtype, device=local.device)
         else:
             value = torch.linalg.vector_norm(local, ord)
-        return PartialNorm(value, ord, g.group, g.split, g.counted)
+        part = PartialNorm(value, ord, g.group, g.split, g.counted)
+        if not math.isinf(ord):  # the slice's sum of p-th powers, at float32 or wider: summed over the ranks
+            part.power = local.to(torch.promote_types(local.dtype, torch.float32)).abs().pow(ord).sum()
+        return part
     return torch.linalg.vector_norm(g, ord)
 
 
@@ -169,12 +173,14 @@ class PartialNorm(torch.Tensor):
     group: Any  # the data-parallel group; once stacked, the group the parts are summed over
     split: tuple[Any] | None  # (the model-parallel group,) for the norm of an MP layer's shard
     here: list[bool]  # once stacked: which parts this rank counts (a part other ranks hold alike counts once)
+    power: torch.Tensor | None  # the slice's sum of |x|**ord (finite orders), for the whole gradient's norm
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, ord: float, group: Any, split: tuple[Any] | None = None,
                 counted: bool = True) -> "PartialNorm":
         t = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
         t.local, t.ord, t.group, t.split, t.here, t.counted = local, ord, group, split, [], counted
+        t.power = None  # the slice's sum of |x|**ord (finite orders), for the whole gradient's norm
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -186,8 +192,10 @@ class PartialNorm(torch.Tensor):
         if _passes(func):
             return _plain(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
-            return PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group, args[0].split,
-                               args[0].counted)
+            moved = PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group, args[0].split,
+                                args[0].counted)
+            moved.power = args[0].power
+            return moved
         if func is torch.stack and not kwargs.get("dim") and len(args) == 1:
             return _stack(args[0])
         if func is torch.linalg.vector_norm and isinstance(args[0], PartialNorm) and \
@@ -215,6 +223,8 @@ def _stack(norms: list[Any]) -> PartialNorm:
     # holds (not an MP layer's shard) on that group's first rank, and the parts are summed over the world.
     splits = [n.split for n in partial if n.split is not None] + [(n.group,) for n in norms
                                                                   if isinstance(n, SplitNorm)]
+    if not splits and all(n.power is not None for n in partial):
+        return _each_whole(norms, partial)
     first_mp = first_rank(splits[0][0]) if splits else True
     first_dp = first_rank(first.group)
     here = [(n.counted if n.split is not None else first_mp) if isinstance(n, PartialNorm) else
@@ -223,6 +233,23 @@ def _stack(norms: list[Any]) -> PartialNorm:
     stacked = PartialNorm(torch.stack(parts), first.ord, None if splits else first.group)
     stacked.here = here
     return stacked
+
+
+def _each_whole(norms: list[Any], partial: list[PartialNorm]) -> torch.Tensor:
+    """The stack one process takes: each gradient's whole norm, in its dtype. The slices' sums of p-th powers
+    are summed over the ranks (one all-reduce, at float32 or wider) and each gradient's norm is rounded to its
+    dtype from its sum, as torch rounds a norm it takes of a whole gradient: a bfloat16 gradient's norm is one
+    process's bit for bit (but where the float32 sums, added in another order, straddle a bfloat16 rounding
+    boundary), a float32 one's within float32's rounding. The norm of the stack is then torch's own."""
+    wide = partial[0].power.dtype
+    for n in partial[1:]:
+        wide = torch.promote_types(wide, n.power.dtype)
+    sums = torch.stack([n.power.to(wide) for n in partial])
+    torch.distributed.all_reduce(sums, group=partial[0].group)
+    whole = iter(sums.pow(1.0 / partial[0].ord) if partial[0].ord != 1.0 else sums)
+    device = partial[0].local.device
+    return torch.stack([(next(whole).to(n.local.dtype) if isinstance(n, PartialNorm) else n.detach()).to(device)
+                        for n in norms])
 
 
 def _whole_norm(stacked: PartialNorm) -> torch.Tensor:

@@ -37,6 +37,7 @@ Example:
 """
 from __future__ import annotations
 
+import collections
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,6 +76,16 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+def _refuse_a_second_call(block: Block) -> None:
+    """A block run twice in one forward (shared layers, as ALBERT's) under mixed_precision: each call gathers it
+    anew in the compute dtype, which gives its parameters a second gradient accumulator (torch makes one per
+    dtype change), and the calls' gradients would add in that dtype, not in float32 as without shard=."""
+    raise RuntimeError(f"block {block.name!r} ran twice in one forward under mixed_precision with "
+                       f"shard='parameters' (a layer shared by several places of the model): not supported. Use "
+                       f"shard='gradients' or 'optimizer', or blocks=[...] naming a module that holds the shared "
+                       f"layer and runs once a forward")
+
+
 class ParameterSharding:
     """The blocks of one model, the hooks that gather and free them, and its dense state dict."""
 
@@ -107,7 +118,9 @@ class ParameterSharding:
             log.warning("%s. Until then the whole model is gathered for every forward and backward (that much "
                         "memory more while a step runs) and held sharded between steps",
                         blocks_mod.none_found(model, "shard='parameters'"))
-        self.blocks = [Block(i, name, ps, rank, ranks) for i, (name, _, ps) in enumerate(named)]
+        holders = collections.Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+        shared = frozenset(i for i, n in holders.items() if n > 1)  # tied weights (an embedding and its output)
+        self.blocks = [Block(i, name, ps, rank, ranks, shared) for i, (name, _, ps) in enumerate(named)]
         self.root = self.blocks[-1] if root else None
         self.block_of = {id(p): blk for blk in self.blocks for p in blk.params}
         self.by_module = {id(m): blk for (_, m, _), blk in zip(named, self.blocks) if blk is not self.root}
@@ -183,6 +196,8 @@ class ParameterSharding:
         block = self.by_module[id(module)]
         if block not in self.seen:
             self.seen.append(block)
+        elif block.compute is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            _refuse_a_second_call(block)  # (not a checkpointed block's recompute, which runs in backward)
         self._gather(block)
         following = self.next_of.get(block)
         if following is not None:

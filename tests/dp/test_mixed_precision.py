@@ -161,3 +161,38 @@ def test_the_summary_line_names_the_option(ranks):
     summary, nothing = ranks(2, _summary)
     assert len(summary) == 1 and "mixed_precision='bf16' (float32 master weights)" in summary[0], summary
     assert nothing == []  # rank 0 alone says it
+
+
+class _SharedTwice(nn.Module):
+    """One block run twice in each forward (shared layers, as ALBERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.shared, self.head = nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(self.shared(self.embed(x))))
+
+
+def _a_block_run_twice(layout: dict) -> str:
+    named = {"blocks": ["shared"]} if layout.get("shard") == "parameters" or layout.get("checkpoint") else {}
+    model, (x, y) = autodist.parallelize(w.seeded(_SharedTwice, 0), w.digits_like(n=8), mixed_precision="bf16",
+                                         **named, **layout)
+    try:
+        for _ in range(2):
+            F.cross_entropy(model(x).float(), y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.parametrize("layout, said", [
+    ({"shard": "parameters"}, "block 'shared' ran twice in one forward"),
+    ({"shard": "parameters", "checkpoint": True}, "block 'shared' ran twice in one forward"),
+    ({"shard": "gradients"}, "trained"), ({"checkpoint": True}, "trained")], ids=str)
+def test_a_block_run_twice_under_shard_parameters_is_refused_by_name(ranks, layout, said):
+    """Under mixed_precision each call would gather the block anew in bfloat16, its parameters getting a second
+    gradient accumulator: refused where the second call begins, naming the block and what works (before: a
+    wrong hint about reentrant checkpointing in backward). A checkpointed block's recompute is no second call."""
+    for got in ranks(2, _a_block_run_twice, layout):
+        assert said in got, got

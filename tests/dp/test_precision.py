@@ -158,6 +158,63 @@ def test_a_bfloat16_transformer_trains_at_the_split_floor(ranks, optimizer):
                 assert_close(state, plain_mean, rtol=0, atol=0)
 
 
+# -- clipping, and a tied weight: the sharded run is plain data parallelism's, bit for bit ----------------------
+
+def _tied_qwen2(dtype: torch.dtype) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=32, intermediate_size=64, vocab_size=50,
+                                      max_position_embeddings=16, tie_word_embeddings=True)
+    return transformers.Qwen2ForCausalLM(config).to(dtype)
+
+
+def _clipped(layout: dict, clip: bool) -> tuple[list[float], dict]:
+    """Tied-embedding Qwen2, AdamW, the gradient clipped to norm 0.5 every step (or its norm only taken): the
+    norms and the weights."""
+    mixed = layout.get("mixed_precision") is not None
+    model = w.seeded(lambda: _tied_qwen2(torch.float32 if mixed else torch.bfloat16), 100 * w.rank())
+    model, data = autodist.parallelize(model, DataLoader(_ids(), batch_size=4), **layout)
+    opt = _optimizer("adamw", model.parameters())
+    norms = []
+    for _ in range(2):
+        for ids in data:
+            opt.zero_grad()
+            _loss(model, ids).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5 if clip else float("inf")).item())
+            opt.step()
+    return norms, autodist.gather_state_dict(model, all_ranks=True)
+
+
+def _clipped_layouts(base: dict, clip: bool) -> list[tuple[list[float], dict]]:
+    return [_clipped({**base, **layout}, clip) for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("base, clip", [({}, True), ({"mixed_precision": "bf16"}, False)],
+                         ids=["bfloat16-clipped", "mixed-bf16"])
+def test_clipping_and_a_tied_weight_train_bit_for_bit_as_plain_data_parallelism(ranks, base, clip):
+    """A bfloat16 (or mixed-precision) Qwen2 with tied embeddings: every shard= level takes the gradient norm
+    plain data parallelism takes, and clipped by it, ends with its weights, bit for bit. (Before: the sharded
+    norm summed the slices' bfloat16 norms, a bfloat16 step off; the tied weight's two uses added their
+    gradients in bfloat16 under shard='parameters'.)"""
+    for runs in ranks(2, _clipped_layouts, base, clip):
+        (norms, state), rest = runs[0], runs[1:]
+        assert max(norms) > 0.5  # where clipped, the clipping scales the gradient
+        for layout, (got_norms, got) in zip(LAYOUTS[1:], rest):
+            assert_close(torch.tensor(got_norms), torch.tensor(norms), rtol=0 if clip else 3e-7, atol=0,
+                         msg=str(layout))  # float32 norms: see the next test
+            assert_close(got, state, rtol=0, atol=0, msg=lambda m: f"{layout}: {m}")
+
+
+def test_a_float32_gradient_sharded_has_its_norm_within_float32_rounding(ranks):
+    """Mixed precision keeps float32 gradients: their sharded norm is summed from the slices (float32 rounding
+    apart from the whole tensor's kernel), so clipped runs agree to float32's last places, not bit for bit."""
+    for runs in ranks(2, _clipped_layouts, {"mixed_precision": "bf16"}, True):
+        (norms, state), rest = runs[0], runs[1:]
+        for layout, (got_norms, got) in zip(LAYOUTS[1:], rest):
+            assert_close(torch.tensor(got_norms), torch.tensor(norms), rtol=3e-7, atol=0, msg=str(layout))
+            assert_close(got, state, rtol=0, atol=1e-6, msg=lambda m: f"{layout}: {m}")
+
+
 # -- no hidden float32 master --------------------------------------------------------------------------------
 
 def _blocks() -> nn.Module:
