@@ -4,8 +4,10 @@ Usage: python elastic_train.py OUT KILLS [EPOCHS]. KILLS is "" or comma-separate
 SIGKILLing itself at its loop's STEP-th iteration (counted from 0 over the whole run): WHERE is "backward"
 (in the middle of backward), "between" (after the optimizer step), "step" (inside optimizer.step) or
 "freeze" (SIGSTOP after the optimizer step: alive, silent, as a host cut off) or "busy" (BUSY_S seconds in
-its own code after the optimizer step, evaluating alone: waited for, not lost). Each rank that finishes writes OUT.<rank>: its parameters, the optimizer's
-state, the learning rate, and the batches its loop took. Run in one process (no launcher) it is the reference.
+its own code after the optimizer step, evaluating alone: waited for, not lost); "reduce" and "busyreduce" do the
+same at the end of the epoch of that step, between its last sync and ``engine.Metrics.reduce``. Each rank that
+finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
+and each epoch's metrics. Run in one process (no launcher) it is the reference.
 """
 import os
 import signal
@@ -41,7 +43,7 @@ def main(out: str, kills: str, epochs: int) -> None:
     mine = [(int(s), where) for r, s, where in (k.split(":") for k in kills.split(",") if k) if int(r) == rank]
     if os.environ.get("AUTODIST_ELASTIC_JOIN"):
         mine = []  # started again to join the others: it lives
-    taken = 0
+    taken, metrics, epochs_seen = 0, autodist.engine.Metrics(), []
     # written for restarts: a rank that joins a running elastic job gets the others' epoch (no file is read)
     joining = bool(os.environ.get("AUTODIST_ELASTIC_JOIN"))
     for _ in range(autodist.resume(f"{out}.never-saved", net, opt, epoch=0)["epoch"], epochs):
@@ -52,9 +54,11 @@ def main(out: str, kills: str, epochs: int) -> None:
             taken += 1
             opt.zero_grad()
             out_ = net(x)
+            loss = F.cross_entropy(out_, y)
+            metrics.update(loss.detach() * len(y), (out_.argmax(1) == y).sum(), len(y))
             if die == "backward":  # after the last layer's gradients, before the first's
                 net[0].bias.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
-            F.cross_entropy(out_, y).backward()
+            loss.backward()
             if die == "step":
                 opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
             opt.step()
@@ -64,9 +68,20 @@ def main(out: str, kills: str, epochs: int) -> None:
                 time.sleep(float(os.environ["BUSY_S"]))
             if die in ("between", "freeze"):
                 os.kill(os.getpid(), signal.SIGKILL if die == "between" else signal.SIGSTOP)
+        at_end = [where for s, where in mine if s < taken and where.endswith("reduce")]
+        if at_end:
+            mine = [(s, where) for s, where in mine if not (s < taken and where.endswith("reduce"))]
+            if at_end[0] == "busyreduce":
+                time.sleep(float(os.environ["BUSY_S"]))
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if not os.environ.get("NO_METRICS"):  # (a sum between epochs finds a rank lost at the boundary first)
+            epochs_seen.append(metrics.reduce(net))
+            metrics.reset()
     state = {"params": {n: p.detach().clone() for n, p in net.state_dict().items()},
              "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
-             "lr": opt.param_groups[0]["lr"], "scheduler": sched.last_epoch, "taken": taken}
+             "lr": opt.param_groups[0]["lr"], "scheduler": sched.last_epoch, "taken": taken,
+             "metrics": epochs_seen}
     torch.save(state, f"{out}.{rank}")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import lr_scheduler
@@ -28,6 +28,7 @@ _pending = False  # a sync was abandoned and no sync was applied since
 _skipped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # stepped while pending
 _installed = False  # the listener and the schedulers' wrapped step (once: elastic mode only)
 _schedulers: list[weakref.ref] = []  # every LR scheduler, in the order made (its __init__ steps it once)
+_dropped: set[int] = set()  # batches (provenance ids) of abandoned iterations: a few per lost rank
 
 
 class _Listener:
@@ -75,6 +76,17 @@ def install() -> None:
 def schedulers() -> list[Any]:
     """The LR schedulers made since :func:`install` and still alive, in the order made."""
     return [s for ref in _schedulers if (s := ref()) is not None]
+
+
+def dropped(batches: Iterable[int]) -> None:
+    """The loader takes these batches (provenance ids) again after a regroup: what was counted of them, in the
+    abandoned iterations, does not count (``engine.Metrics``)."""
+    _dropped.update(batches)
+
+
+def was_dropped(batch: int) -> bool:
+    """Whether the batch (a provenance id) was taken in an abandoned iteration, and taken again since."""
+    return batch in _dropped
 
 
 def mark() -> None:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
-from autodist.dp import joining, loader_position
+from autodist.dp import abandoned, joining, loader_position
 from autodist.dp.handover import handed_over
 from autodist.faults import elastic
+from autodist.runtime import provenance
 
 KEPT_EPOCHS = 2  # orders kept in the store per loader: the epoch in progress and the one before
 
@@ -65,16 +66,22 @@ def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: 
         iterator = fresh()
         batches = handed_over(iterator, sampler.latest_shares, (loader.watch_key, number, steps, samples), position)
         regrouped = False
+        since: list[int] = []  # the batches (provenance ids) taken since the last applied step
         for batch in batches:
+            share = provenance.current()
+            if share is not None:
+                since.append(share.batch)
             yield batch
             if state.committed > seen and state.generation == generation:
                 at_commit = position.taken  # every batch so far is in an applied step
+                since = []
             seen = state.committed
             if state.admitting:  # ranks wait to join: at this step boundary, with the state they need
                 model = loader.elastic_model()
                 state.admit(lambda: joining.state(model, loader_position.loaders_of(model)))
             regrouped = state.generation != generation
             if regrouped:
+                abandoned.dropped(since)
                 break
         batches.close()
         if not regrouped:

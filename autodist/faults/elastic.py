@@ -173,9 +173,33 @@ class Elastic:
             if now - looked > 0.05:
                 looked = now
                 if self.store.check([key]):
-                    raise GaveUp("another rank's gradient sync failed")
+                    raise GaveUp("another rank's sum failed")
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
+
+    def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t`` summed over the ranks alive together, under the sync's rules (every member calls it where it
+        would call a collective, e.g. ``engine.Metrics.reduce``): agreed on as a sync is; where it fails (a
+        member lost before or during it, or busy in its own code past ``AUTODIST_TIMEOUT``) the ranks left
+        regroup as after a failed sync and sum again. ``what``: the sum in words, for the regroup's line.
+
+        Example:
+            >>> sums = current().all_reduce(torch.tensor([loss_sum, correct, count]), "metrics' sum")
+        """
+        committed = self.committed  # no step: the loader's count of applied steps does not move
+        while True:
+            summed, failed = t.clone(), None
+            try:
+                work = dist.all_reduce(summed, group=self.group, async_op=True)
+                self.wait_for([work])
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - a peer's connection reset, or the group's timeout
+                failed = exc
+            agreed = self.agree(failed is None)
+            self.committed = committed
+            if agreed:
+                return summed
+            self.regroup(failed, what, "it was summed again over the ranks left")
 
     def _outcome(self, key: str) -> str:
         """The sync's word, once written (the store wakes the wait: no polling); ``abort`` written here if it
@@ -187,10 +211,12 @@ class Elastic:
         return self.store.get(key).decode()
 
     # -- a new generation --------------------------------------------------------------------------
-    def regroup(self, failed: BaseException | None) -> None:
+    def regroup(self, failed: BaseException | None, what: str = "gradient sync",
+                then: str = "the step in flight was abandoned (no rank applied it)") -> None:
         """Meet the ranks left in the next generation and sum over them from now on (see the module
-        docstring); ``failed``: this rank's collective's error (None: another rank's failed). Raises
-        :class:`LeftOut` if they went on without this rank."""
+        docstring); ``failed``: this rank's collective's error (None: another rank's failed); ``what``: the
+        sum that failed, and ``then``: what became of it, in words. Raises :class:`LeftOut` if they went on
+        without this rank."""
         began = time.monotonic()
         _abort(self.group)  # this rank is done with it (its peers' waits end by wait_for: gloo's abort does not)
         nxt = self.generation + 1
@@ -217,18 +243,17 @@ class Elastic:
         try:
             self.group = self._group()
         except Exception as exc:  # noqa: BLE001 - a member was lost while the group formed: meet again
-            self.regroup(exc)
+            self.regroup(exc, what, then)
             return
         if self.rank == 0 and not lost:
-            log.warning("elastic: the gradient sync was given up (%s) while a rank was busy in its own code past "
-                        "AUTODIST_TIMEOUT; the step in flight was abandoned (no rank applied it) and %s go on as "
-                        "generation %d, the same ranks (%.2f s to regroup)", _reason(failed), named(fixed), nxt,
-                        time.monotonic() - began)
+            log.warning("elastic: the %s was given up (%s) while a rank was busy in its own code past "
+                        "AUTODIST_TIMEOUT; %s, and %s go on as generation %d, the same ranks (%.2f s to regroup)",
+                        what, _reason(failed, what), then, named(fixed), nxt, time.monotonic() - began)
         elif self.rank == 0:
-            log.warning("elastic: lost %s (%s); the step in flight was abandoned (no rank applied it), and %s %s "
-                        "on as generation %d, each global batch split over %s: the same training (%.2f s to "
-                        "regroup)", named(lost), _reason(failed), named(fixed), "goes" if len(fixed) == 1 else "go",
-                        nxt, "it" if len(fixed) == 1 else "them", time.monotonic() - began)
+            log.warning("elastic: lost %s (%s); %s, and %s %s on as generation %d, each global batch split over "
+                        "%s: the same training (%.2f s to regroup)", named(lost), _reason(failed, what), then,
+                        named(fixed), "goes" if len(fixed) == 1 else "go", nxt, "it" if len(fixed) == 1 else "them",
+                        time.monotonic() - began)
 
 
 def _abort(group: dist.ProcessGroup) -> None:
@@ -240,13 +265,13 @@ def _abort(group: dist.ProcessGroup) -> None:
         log.debug("elastic: the old group could not be aborted: %s", exc)
 
 
-def _reason(failed: BaseException | None) -> str:
+def _reason(failed: BaseException | None, what: str = "gradient sync") -> str:
     """Why the sync failed, in a few words: gloo's message without its source location and advice."""
     if failed is None or isinstance(failed, GaveUp):
-        return "another rank's gradient sync failed"
+        return f"another rank's {what} failed"
     line = (str(failed).strip().splitlines() or [type(failed).__name__])[0]
     line = line.split("] ", 1)[-1] if line.startswith("[") else line
-    return "the gradient sync failed: " + line.split(". ", 1)[0][:120]
+    return f"the {what} failed: " + line.split(". ", 1)[0][:120]
 
 
 _elastic: Elastic | None = None

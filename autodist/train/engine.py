@@ -36,7 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
+from autodist.dp import abandoned
 from autodist.dp.grad_sync import registration_of
+from autodist.faults import elastic
+from autodist.faults.liveness import named
 from autodist.runtime import provenance
 from autodist.runtime.world import init, log
 from autodist.sync import Exact, strategy_of
@@ -269,6 +272,8 @@ class Metrics:
         self.loss_sum: float | torch.Tensor = 0.0
         self.correct: float | torch.Tensor = 0.0
         self.count = 0
+        self.members: tuple[int, ...] | None = None  # an elastic job's ranks alive as these sums began
+        self.by_batch: dict[int, tuple[Any, Any, int]] = {}  # elastic: each batch's sums, until reduce
 
     def update(self, loss_sum: float | torch.Tensor, correct: int | torch.Tensor, count: int) -> None:
         """Add one batch.
@@ -291,8 +296,17 @@ class Metrics:
         share = provenance.current()
         if count == 0 or (share is not None and share.count == 0):
             return
-        self.loss_sum = self.loss_sum + _one_number(loss_sum, "loss_sum", "loss_fn(out, y, reduction='sum')")
-        self.correct = self.correct + _one_number(correct, "correct", "(out.argmax(1) == y).sum()")
+        loss_sum = _one_number(loss_sum, "loss_sum", "loss_fn(out, y, reduction='sum')")
+        correct = _one_number(correct, "correct", "(out.argmax(1) == y).sum()")
+        state = elastic.current()
+        if state is not None and share is not None:  # kept by batch: one taken again after a regroup counts once
+            if self.members is None:
+                self.members = state.members
+            before = self.by_batch.get(share.batch, (0.0, 0.0, 0))
+            self.by_batch[share.batch] = (before[0] + loss_sum, before[1] + correct, before[2] + count)
+            return
+        self.loss_sum = self.loss_sum + loss_sum
+        self.correct = self.correct + correct
         self.count += count
 
     def reduce(self, model: nn.Module | None = None, *, with_drift: bool = True) -> dict[str, float]:
@@ -311,10 +325,26 @@ class Metrics:
             low-communication mode, :func:`drift`'s keys too (``spread``,
             ``bytes_sent``, ``syncs``) unless ``with_drift=False``. The sums are kept: call :meth:`reset` to
             start over.
+
+        Under ``autodist run --elastic`` the sums are added over the ranks alive together, as a gradient sync
+        is: a rank lost before or during the sum is left out and the ranks left sum again. The samples a lost
+        rank counted went with it: rank 0 says how many ranks were lost since the sums began, and ``count``
+        is what the ranks left counted.
         """
         _, size, group = _data_parallel(model)
+        for batch, (loss_sum, correct, count) in list(self.by_batch.items()):
+            del self.by_batch[batch]
+            if not abandoned.was_dropped(batch):  # not an abandoned iteration's
+                self.loss_sum, self.correct, self.count = self.loss_sum + loss_sum, self.correct + correct, \
+                    self.count + count
         parts = (self.loss_sum, self.correct, self.count)
-        if size > 1:
+        state = elastic.current()
+        if state is not None:
+            sums = state.all_reduce(torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).cpu()
+                                                 for v in parts]), "metrics' sum")
+            loss_sum, correct, count = sums.tolist()
+            self._said_lost(state)
+        elif size > 1:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
                 else torch.device("cpu")
             sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in parts])
@@ -326,6 +356,14 @@ class Metrics:
         nan = float("nan")
         return {"loss": loss_sum / count if count else nan, "accuracy": 100.0 * correct / count if count else nan,
                 "count": count, "correct": correct, **(drift(model) if model is not None and with_drift else {})}
+
+
+    def _said_lost(self, state: elastic.Elastic) -> None:
+        lost = [r for r in self.members or () if r not in state.members]
+        if lost and state.rank == 0:
+            log.warning("engine.Metrics: lost since these sums began: %s, with the samples counted there; the "
+                        "averages are over the samples the ranks left counted (reset() each epoch starts the next "
+                        "one whole)", named(lost))
 
 
 def drift(model: nn.Module) -> dict[str, float]:

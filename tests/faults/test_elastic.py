@@ -69,6 +69,40 @@ def test_the_ranks_left_finish_the_same_training(tmp_path, reference, kills, los
             assert state["taken"] == reference["taken"] + len(lost)
 
 
+def _same_metrics(got: dict, reference: dict) -> None:
+    assert got["count"] == reference["count"] and got["correct"] == reference["correct"], (got, reference)
+    assert abs(got["loss"] - reference["loss"]) <= 1e-12 * abs(reference["loss"]), (got, reference)
+
+
+@pytest.mark.parametrize("kills, lost, epoch0_count, env", [
+    ("2:7:reduce", [2], 60, {}),  # after epoch 0's last sync, before its reduce: its 30 samples went with it
+    ("2:3:between", [2], 74, {}),  # its 16 samples of steps 0-3; the abandoned step 4 counted once, not twice
+    ("0:7:busyreduce", [], 90, {"AUTODIST_TIMEOUT": "3", "BUSY_S": "9"}),  # waited for: all three sum again
+])
+def test_engine_metrics_follow_the_ranks_alive(tmp_path, reference, kills, lost, epoch0_count, env):
+    """engine.Metrics.reduce sums over the ranks alive together, under the sync's rules: a rank lost before
+    or during it is left out (rank 0 says so), a rank busy past the timeout is waited for, and a batch taken
+    again after a regroup counts once. Before: the reduce all-reduced on the default group, and the ranks left
+    died with gloo's error."""
+    proc = _run(tmp_path, str(tmp_path / "out"), kills, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    for rank in range(3):
+        if rank in lost:
+            continue
+        state = torch.load(tmp_path / f"out.{rank}")
+        _same_training(state, reference)
+        first, second = state["metrics"]
+        assert first["count"] == epoch0_count, first
+        if not lost:
+            _same_metrics(first, reference["metrics"][0])
+        _same_metrics(second, reference["metrics"][1])  # the next epoch whole, over the ranks left
+    if lost:
+        assert "engine.Metrics: lost since these sums began: rank 2" in said, said[-3000:]
+    if kills.endswith("busyreduce"):
+        assert "the metrics' sum was given up" in said and "elastic: lost" not in said, said[-3000:]
+
+
 def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path):
     # --max-restarts 1: rank 2 dies at step 3 and is started again; it joins at a step boundary with rank 0's
     # weights, momentum, scheduler, data position and random generator, and every rank ends as one process
@@ -90,7 +124,7 @@ def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path):
 def test_a_loss_at_an_epoch_boundary_keeps_the_next_epochs_order(tmp_path):
     # rank 1 dies after the last step of epoch 0: the first sync of epoch 1 is abandoned, that epoch is taken
     # up from its first batch (its order drawn again on its generators), and epoch 2 draws as one process
-    proc = _run(tmp_path, str(tmp_path / "out"), "1:7:between", "3")
+    proc = _run(tmp_path, str(tmp_path / "out"), "1:7:between", "3", env={"NO_METRICS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = _one_process(tmp_path, epochs=3)
     for rank in (0, 2):
