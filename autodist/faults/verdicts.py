@@ -46,23 +46,23 @@ def where(status: Status) -> str:
 
     Example:
         >>> where(Status(rank=1, syncs=9, position=[0, 9, 11], stuck_s=61.0))
-        'is in its own code after step 9 of epoch 0 (9 gradient syncs done), at the same Python line for 61 s'
+        'is in its own code after batch 9 of epoch 0 (9 gradient syncs done), at the same Python line for 61 s'
         >>> where(Status(rank=0, syncs=9, position=[0, 9, 11], at="train.py:88 in estimate_loss"))
-        'is in its own code after step 9 of epoch 0 (9 gradient syncs done) at train.py:88 in estimate_loss'
+        'is in its own code after batch 9 of epoch 0 (9 gradient syncs done) at train.py:88 in estimate_loss'
     """
     if status.state == "failed":
         return f"failed ({status.note})"
     done = f"{status.syncs} gradient sync{'s' if status.syncs != 1 else ''} done"
     if status.state == "exited":
-        ended = f"; its data ended after step {status.data_end[1]} of epoch {status.data_end[0]}" \
+        ended = f"; its data ended after batch {status.data_end[1]} of epoch {status.data_end[0]}" \
             if status.data_end else ""
         return f"reached the end of its script ({done}{ended})"
     if status.wait:
         return f"waits in {status.wait} for {status.wait_s:.0f} s"
     if status.data_end:
-        at = f"finished its data after step {status.data_end[1]} of epoch {status.data_end[0]} ({done})"
+        at = f"finished its data after batch {status.data_end[1]} of epoch {status.data_end[0]} ({done})"
     elif status.position:
-        at = f"is in its own code after step {status.position[1]} of epoch {status.position[0]} ({done})"
+        at = f"is in its own code after batch {status.position[1]} of epoch {status.position[0]} ({done})"
     else:
         at = f"is in its own code ({done})"
     at += f" at {status.at}" if status.at else ""
@@ -108,10 +108,10 @@ def judge(me: Status, statuses: dict[int, Status | None], silent_s: dict[int, fl
     ``busy`` seconds (None: ``timeout``; ``busy_words``: that limit in the message).
 
     Example:
-        >>> me = Status(rank=0, wait="the gradient sync of step 10 of epoch 0", wait_s=1.5)
+        >>> me = Status(rank=0, wait="the gradient sync of batch 10 of epoch 0", wait_s=1.5)
         >>> judge(me, {1: Status(rank=1, state="exited", syncs=9, data_end=[0, 9])}, {1: 0.0}, 60, 1)
-        'rank 1 reached the end of its script (9 gradient syncs done; its data ended after step 9 of epoch 0) \
-while rank 0 waits in the gradient sync of step 10 of epoch 0: the ranks did not run the same collectives \
+        'rank 1 reached the end of its script (9 gradient syncs done; its data ended after batch 9 of epoch 0) \
+while rank 0 waits in the gradient sync of batch 10 of epoch 0: the ranks did not run the same collectives \
 (every rank must take the same number of steps, and call collectives such as autodist.save on every rank)'
     """
     waiting = f"rank {me.rank} waits in {me.wait}"
@@ -156,11 +156,11 @@ def still_waiting(me: Status, statuses: dict[int, Status | None], busy: list[int
     """The progress line of a rank that waits for ranks alive in their own code (:func:`in_own_code`).
 
     Example:
-        >>> me = Status(rank=1, wait="the gradient sync of step 3 of epoch 0", wait_s=60.4)
+        >>> me = Status(rank=1, wait="the gradient sync of batch 3 of epoch 0", wait_s=60.4)
         >>> still_waiting(me, {0: Status(rank=0, syncs=2, position=[0, 3, 9], at="train.py:88 in estimate_loss")},
         ...               [0], "AUTODIST_BUSY_TIMEOUT=1800 s")
-        'rank 1 has waited 60 s in the gradient sync of step 3 of epoch 0 for rank 0, which is in its own code \
-after step 3 of epoch 0 (2 gradient syncs done) at train.py:88 in estimate_loss: its heartbeat goes on, so \
+        'rank 1 has waited 60 s in the gradient sync of batch 3 of epoch 0 for rank 0, which is in its own code \
+after batch 3 of epoch 0 (2 gradient syncs done) at train.py:88 in estimate_loss: its heartbeat goes on, so \
 it is waited for up to AUTODIST_BUSY_TIMEOUT=1800 s'
     """
     names = "; ".join(f"rank {rank}, which {where(statuses[rank])}" for rank in busy)  # type: ignore[arg-type]

@@ -667,7 +667,7 @@ def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
         their_steps, rank, their_samples = map(int, most.decode().split())
         if their_steps > steps and rank != dog.rank:
             raise ValueError(
-                f"rank {dog.rank}'s data ended after step {steps} of epoch {epoch}, but rank {rank}'s has "
-                f"{their_steps} steps (its DataLoader's dataset holds {their_samples} samples, this rank's "
-                f"{samples}), so rank {rank} would wait forever in the gradient sync of step {steps + 1}: every "
+                f"rank {dog.rank}'s data ended after batch {steps} of epoch {epoch}, but rank {rank}'s has "
+                f"{their_steps} batches (its DataLoader's dataset holds {their_samples} samples, this rank's "
+                f"{samples}), so rank {rank} would wait forever in the gradient sync of batch {steps + 1}: every "
                 f"rank must pass the same data to autodist.parallelize, which splits it between them")

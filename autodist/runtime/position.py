@@ -58,11 +58,11 @@ def wait_words(kind: str, syncs: int, position: Position | None) -> str:
 
     Example:
         >>> wait_words("sync", 9, (0, 10, 11))
-        'the gradient sync of step 10 of epoch 0'
+        'the gradient sync of batch 10 of epoch 0'
         >>> wait_words("sync", 9, None)
         'gradient sync #10'
     """
-    at = f"step {position[1]} of epoch {position[0]}" if position else None
+    at = f"batch {position[1]} of epoch {position[0]}" if position else None
     if kind in ("sync", "exchange"):  # "exchange": choosing how the buckets are summed, at a sync's start
         return f"the gradient sync of {at}" if at else f"gradient sync #{syncs + 1}"
     if kind == "count":

@@ -169,9 +169,9 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_lost_it():
     assert root_cause([by_watchdog, killed]) is killed and killed.status == 137
     assert summary([killed]) == ["autodist run: rank 1 failed (killed by SIGKILL)"]
     lost_on_this_node = Failure(0, 1, "autodist.faults.watchdog.PeerFailure: rank 1 died without a word (...) while "
-                                      "rank 0 waits in the gradient sync of step 4 of epoch 84", 5.0)
+                                      "rank 0 waits in the gradient sync of batch 4 of epoch 84", 5.0)
     assert summary([lost_on_this_node]) == ["autodist run: rank 0 stopped (exit code 1): rank 1 died without a word "
-                                            "(...) while rank 0 waits in the gradient sync of step 4 of epoch 84"]
+                                            "(...) while rank 0 waits in the gradient sync of batch 4 of epoch 84"]
     two = summary([Failure(0, 1, "KeyError: 'x'", 3.0), Failure(1, 2, "OSError: disk full", 2.0)], world=2)
     assert two == ["autodist run: rank 1 of 2 failed (exit code 2): OSError: disk full",
                    "autodist run: rank 0 also failed (exit code 1): KeyError: 'x'"]
@@ -199,7 +199,7 @@ def test_a_rank_stopped_while_exiting_keeps_the_status_it_was_leaving_with(tmp_p
 
 
 def test_a_watchdog_verdict_is_the_summary_when_no_rank_raised():
-    found = ("rank 0 has waited 5 s in the gradient sync of step 4 of epoch 0 for the other ranks: rank 1 is in its "
+    found = ("rank 0 has waited 5 s in the gradient sync of batch 4 of epoch 0 for the other ranks: rank 1 is in its "
              "own code")
     decider = Failure(0, 1, found, 12.0, verdict=True)
     obeyed = Failure(1, 1, f"stopped because rank 0 found: {found}", 11.9, verdict=True)
@@ -400,7 +400,7 @@ import torch, torch.distributed as dist, autodist
 from autodist.runtime.world import collective_timeout
 loader = torch.utils.data.DataLoader(torch.randn(8, 3), batch_size=4, shuffle=True)
 model, loader = autodist.parallelize(torch.nn.Linear(3, 2), loader)
-loader.sampler.set_epoch(1)     # DDP's habit: accepted on the loader returned as it is
+loader.sampler.set_epoch(1)     # DDP's habit: accepted in a world of one too
 print("rank", dist.get_rank(), "of", dist.get_world_size(), [tuple(x.shape) for x in loader])
 print("collectives wait", collective_timeout(), "s")
 dist.barrier()

@@ -138,10 +138,10 @@ def test_cell(cells, mode, fault):
     elif fault == "stall":  # rank 1 asleep in its own code: waited for up to BUSY, with a line after TIMEOUT
         assert cell.code == 1, cell.output
         assert re.search(r"\[autodist rank 0\] rank 0 has waited \d s in .* for rank 1, which is in its own code "
-                         r"after step 4 of epoch 0 .* so it is waited for up to AUTODIST_BUSY_TIMEOUT", cell.output), \
+                         r"after batch 4 of epoch 0 .* so it is waited for up to AUTODIST_BUSY_TIMEOUT", cell.output), \
             cell.output
         assert cell.last.startswith("autodist run: the ranks were stopped: rank 0 "), cell.output
-        assert "rank 1 is in its own code after step 4 of epoch 0" in cell.last, cell.output
+        assert "rank 1 is in its own code after batch 4 of epoch 0" in cell.last, cell.output
         assert f"(AUTODIST_BUSY_TIMEOUT={BUSY} s: how long a rank alive" in cell.last, cell.output
         plain = cells.get((mode, "none"))
         ending = 2 * plain.after_fault if plain is not None and plain.after_fault is not None else 6
@@ -152,7 +152,7 @@ def test_cell(cells, mode, fault):
         assert cell.code == 0, cell.output
         assert cell.output.count(" done at ") == 2, cell.output
         assert re.search(r"\[autodist rank 1\] rank 1 has waited \d+ s in .* for rank 0, which is in its own code "
-                         r"after step 4 of epoch 0", cell.output), cell.output
+                         r"after batch 4 of epoch 0", cell.output), cell.output
         assert 3 * TIMEOUT <= cell.after_fault, cell.output
     _checkpoint_intact(cell, fault)
 

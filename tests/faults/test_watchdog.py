@@ -36,13 +36,13 @@ def test_a_rank_in_its_own_code_is_waited_for_up_to_the_busy_limit_then_named_wi
                      stack='  File "train.py", line 9, in main\n    time.sleep(1000)\n')
     assert judge(me, {1: stalled}, {1: 0.5}, timeout=60, settle=1, busy=1800) is None  # alive: waited for
     assert still_waiting(me, {1: stalled}, [1], "AUTODIST_BUSY_TIMEOUT=1800 s") == (
-        "rank 0 has waited 61 s in the gradient sync of step 412 of epoch 2 for rank 1, which is in its own code "
-        "after step 412 of epoch 2 (411 gradient syncs done) at train.py:9 in main, at the same Python line for 60 s: "
+        "rank 0 has waited 61 s in the gradient sync of batch 412 of epoch 2 for rank 1, which is in its own code "
+        "after batch 412 of epoch 2 (411 gradient syncs done) at train.py:9 in main, at the same Python line for 60 s: "
         "its heartbeat goes on, so it is waited for up to AUTODIST_BUSY_TIMEOUT=1800 s")
     me.wait_s = 1801.0
     assert judge(me, {1: stalled}, {1: 0.5}, timeout=60, settle=1, busy=1800) == (
-        "rank 0 has waited 1801 s in the gradient sync of step 412 of epoch 2 for the other ranks: rank 1 is in its "
-        "own code after step 412 of epoch 2 (411 gradient syncs done) at train.py:9 in main, at the same Python "
+        "rank 0 has waited 1801 s in the gradient sync of batch 412 of epoch 2 for the other ranks: rank 1 is in its "
+        "own code after batch 412 of epoch 2 (411 gradient syncs done) at train.py:9 in main, at the same Python "
         "line for 60 s (AUTODIST_BUSY_TIMEOUT=1800 s: how long a rank alive in its own code is waited for; raise it "
         "if a rank is legitimately busy this long)\n"
         "rank 1's Python stack (most recent call last):\n"
@@ -76,17 +76,17 @@ def test_a_failed_or_ended_rank_is_an_error_at_once():
         "rank 0 failed (ValueError: boom) while rank 2 waits in gradient sync #5"
     ended = Status(rank=1, state="exited", syncs=4, data_end=[0, 4])
     assert judge(me, {1: ended}, {}, timeout=60, settle=1).startswith(
-        "rank 1 reached the end of its script (4 gradient syncs done; its data ended after step 4 of epoch 0) "
+        "rank 1 reached the end of its script (4 gradient syncs done; its data ended after batch 4 of epoch 0) "
         "while rank 2 waits in gradient sync #5: the ranks did not run the same collectives")
     # an end seen before the status could be current is not judged yet
     assert judge(Status(rank=2, wait="x", wait_s=0.5), {1: ended}, {}, timeout=60, settle=1) is None
 
 
 def test_a_silent_rank_is_named_as_such():
-    me = Status(rank=0, wait="the gradient sync of step 3 of epoch 0", wait_s=6.0)
+    me = Status(rank=0, wait="the gradient sync of batch 3 of epoch 0", wait_s=6.0)
     message = judge(me, {1: Status(rank=1, position=[0, 2, 6], syncs=2)}, {1: 5.5}, timeout=5, settle=1)
     assert "rank 1 sent no heartbeat for 6 s (killed, frozen, or its host is unreachable; last seen it is in " \
-           "its own code after step 2 of epoch 0" in message
+           "its own code after batch 2 of epoch 0" in message
     assert where(Status(rank=1, wait="gradient sync #3", wait_s=4.2)) == "waits in gradient sync #3 for 4 s"
 
 
@@ -240,12 +240,12 @@ def test_a_rank_stalled_in_user_code_is_waited_for_then_named_with_its_stack(tmp
     assert job.codes == [1, 1], job.outputs
     *progress, last = job.lines(0)
     assert progress and all(re.fullmatch(
-        r"\[autodist rank 0\] rank 0 has waited \d+ s in the gradient sync of step 3 of epoch 0 for rank 1, which is "
-        r"in its own code after step 3 of epoch 0 \(2 gradient syncs done\) at faulty_train.py:\d+ in _inject <- "
+        r"\[autodist rank 0\] rank 0 has waited \d+ s in the gradient sync of batch 3 of epoch 0 for rank 1, which is "
+        r"in its own code after batch 3 of epoch 0 \(2 gradient syncs done\) at faulty_train.py:\d+ in _inject <- "
         r"faulty_train.py:\d+ in main(, at the same Python line for \d+ s)?: its heartbeat goes on, so it is "
         rf"waited for up to AUTODIST_BUSY_TIMEOUT={BUSY} s", line) for line in progress), progress
-    assert re.search(r"rank 0 has waited \d+ s in the gradient sync of step 3 of epoch 0 for the other ranks: "
-                     r"rank 1 is in its own code after step 3 of epoch 0 \(2 gradient syncs done\) at faulty_train.py",
+    assert re.search(r"rank 0 has waited \d+ s in the gradient sync of batch 3 of epoch 0 for the other ranks: "
+                     r"rank 1 is in its own code after batch 3 of epoch 0 \(2 gradient syncs done\) at faulty_train.py",
                      last), last
     assert last.endswith(f"(AUTODIST_BUSY_TIMEOUT={BUSY} s: how long a rank alive in its own code is waited for; "
                          f"raise it if a rank is legitimately busy this long)"), last
@@ -270,8 +270,8 @@ def test_rank_0_evaluating_alone_is_waited_for(tmp_path):
     lines = job.lines(1)
     assert 2 <= len(lines) <= 3, lines  # at TIMEOUT, then every TIMEOUT (min(60 s, AUTODIST_TIMEOUT))
     for line in lines:
-        assert re.fullmatch(r"\[autodist rank 1\] rank 1 has waited \d+ s in the gradient sync of step 3 of epoch 0 "
-                            r"for rank 0, which is in its own code after step 3 of epoch 0 \(2 gradient syncs done\) "
+        assert re.fullmatch(r"\[autodist rank 1\] rank 1 has waited \d+ s in the gradient sync of batch 3 of epoch 0 "
+                            r"for rank 0, which is in its own code after batch 3 of epoch 0 \(2 gradient syncs done\) "
                             r"at faulty_train.py:\d+ in estimate_loss <- faulty_train.py:\d+ in _inject"
                             r"(, at the same Python line for \d+ s)?: its heartbeat goes on, so it is waited for up "
                             r"to AUTODIST_BUSY_TIMEOUT=1800 s", line), line
@@ -293,7 +293,7 @@ def test_a_rank_that_raises_is_named_once_by_the_others(tmp_path, normal_end):
     print(f"exception in rank 1: all ranks exited {job.seconds:.1f} s after it")
     assert job.codes == [1, 1], job.outputs
     assert job.lines(0) == ["[autodist rank 0] rank 1 failed (ValueError: boom in rank 1's loss) while rank 0 "
-                            "waits in the gradient sync of step 3 of epoch 0"]
+                            "waits in the gradient sync of batch 3 of epoch 0"]
     assert "Connection" not in job.outputs[0] and "Traceback" not in job.outputs[0], job.outputs[0]
     assert "ValueError: boom in rank 1's loss" in job.outputs[1]  # its own traceback, as usual
     _prompt(job, normal_end)
@@ -306,7 +306,7 @@ def test_a_killed_rank_is_named_once_by_the_others(tmp_path, normal_end):
     print(f"SIGKILL of rank 1: rank 0 exited {job.seconds:.1f} s after it")
     assert job.codes == [1, -9], job.outputs
     assert job.lines(0) == ["[autodist rank 0] rank 1 died without a word (killed by a signal, out of memory, or "
-                            "aborted in C++: see its own output) while rank 0 waits in the gradient sync of step 3 "
+                            "aborted in C++: see its own output) while rank 0 waits in the gradient sync of batch 3 "
                             "of epoch 0"]
     assert "Connection" not in job.outputs[0] and "Traceback" not in job.outputs[0], job.outputs[0]
     _prompt(job, normal_end)
@@ -318,12 +318,12 @@ def test_loaders_of_different_lengths_fail_when_the_first_one_ends(tmp_path, nor
     job = _run("uneven_loader", tmp_path)
     print(f"320 vs 256 samples: all ranks exited {job.seconds:.1f} s after the first")
     assert job.codes == [1, 1], job.outputs
-    why = ("rank 1's data ended after step 4 of epoch 0, but rank 0's has 5 steps (its DataLoader's dataset holds "
+    why = ("rank 1's data ended after batch 4 of epoch 0, but rank 0's has 5 batches (its DataLoader's dataset holds "
            "320 samples, this rank's 256)")
     assert f"ValueError: {why}" in job.outputs[1]
     assert job.lines(0) == [f"[autodist rank 0] rank 1 failed (ValueError: {why}, so rank 0 would wait forever in "
-                            f"the gradient sync of step 5: every rank must pass the same data to autodist.parallelize, "
-                            f"which splits it between them) while rank 0 waits in the gradient sync of step 5 of "
+                            f"the gradient sync of batch 5: every rank must pass the same data to autodist.parallelize, "
+                            f"which splits it between them) while rank 0 waits in the gradient sync of batch 5 of "
                             f"epoch 0"]
     _prompt(job, normal_end)
 
@@ -348,7 +348,7 @@ def test_save_on_rank_0_only_names_the_collective_and_the_line(tmp_path, normal_
     print(f"autodist.save on rank 0 only: all ranks exited {job.seconds:.1f} s after rank 0 called it")
     assert job.codes == [1, 1], job.outputs
     line = job.lines(0)[0]
-    assert "rank 1 reached the end of its script (6 gradient syncs done; its data ended after step 6 of epoch 0) " \
+    assert "rank 1 reached the end of its script (6 gradient syncs done; its data ended after batch 6 of epoch 0) " \
            "while rank 0 waits in torch.distributed.all_reduce called at checkpoint.py" in line, line
     assert "in save <- faulty_train.py" in line, line
     assert job.lines(1)[0].startswith("[autodist rank 1] stopped because rank 0 found: rank 1 reached the end")

@@ -91,7 +91,7 @@ def test_a_tick_costs_two_requests_a_rank_and_two_more_for_the_reader(size):
     assert _round(ranks) == 2 * size + 2
     start = time.monotonic()
     for rank in ranks[1:]:  # rank 0 busy in its own code, every other rank waiting for it
-        rank.wait = ("the gradient sync of step 3 of epoch 0", start)
+        rank.wait = ("the gradient sync of batch 3 of epoch 0", start)
     assert [_round(ranks) for _ in range(3)] == [2 * size + 2] * 3
     assert ranks[0].digest.by == 0 and len(ranks[0].digest_text) < 1000  # small, whatever the ranks
 
@@ -100,11 +100,11 @@ def test_the_lowest_waiting_rank_says_whom_it_waits_for_once_a_line_is_due():
     ranks = _ranks(4)
     start = time.monotonic() - TIMEOUT  # waiting for AUTODIST_TIMEOUT already
     for rank in ranks[1:]:
-        rank.wait = ("the gradient sync of step 3 of epoch 0", start)
+        rank.wait = ("the gradient sync of batch 3 of epoch 0", start)
     _round(ranks)
     _round(ranks)
     assert [len(r.lines) for r in ranks] == [0, 1, 0, 0]
-    assert re.match(r"rank 1 has waited \d s in the gradient sync of step 3 of epoch 0 for rank 0, which is in its own "
+    assert re.match(r"rank 1 has waited \d s in the gradient sync of batch 3 of epoch 0 for rank 0, which is in its own "
                     r"code \(0 gradient syncs done\) at train.py:88 in estimate_loss: its heartbeat goes on",
                     ranks[1].lines[0]), ranks[1].lines
     _round(ranks)
@@ -114,12 +114,12 @@ def test_the_lowest_waiting_rank_says_whom_it_waits_for_once_a_line_is_due():
 def test_the_reader_finds_the_verdict_for_the_rank_that_waited_longest():
     ranks = _ranks(3)
     _round(ranks)
-    ranks[1].wait = ("the gradient sync of step 3 of epoch 0", time.monotonic())
+    ranks[1].wait = ("the gradient sync of batch 3 of epoch 0", time.monotonic())
     deadline = time.monotonic() + 20 * TIMEOUT
     while not ranks[1].verdicts and time.monotonic() < deadline:  # rank 2 silent from here on
         time.sleep(ranks[0].tick)
         _round(ranks, skip=(2,))
-    assert re.match(r"rank 1 has waited \d s in the gradient sync of step 3 of epoch 0 for the other ranks: rank 0 is "
+    assert re.match(r"rank 1 has waited \d s in the gradient sync of batch 3 of epoch 0 for the other ranks: rank 0 is "
                     r"in its own code .*; rank 2 sent no heartbeat for \d s", ranks[1].verdicts[0]), ranks[1].verdicts
     assert ranks[0].verdicts == ["stopped because rank 1 found"]
 
