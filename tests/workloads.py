@@ -138,6 +138,15 @@ def padded_rows(samples: int = 16, length: int = 12, vocab: int = 50, seed: int 
     return rows
 
 
+def gpt2(vocab: int = 50, positions: int = 16) -> nn.Module:
+    """A tiny Hugging Face GPT-2 (tied embeddings; its blocks take the key/value cache by position;
+    ``config.use_cache`` on); the caller skips where transformers is missing."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=positions)
+    return transformers.GPT2LMHeadModel(config)
+
+
 def qwen2(vocab: int = 50, positions: int = 16, tied: bool = False) -> nn.Module:
     """A tiny Hugging Face Qwen2 (grouped-query attention: 2 key/value heads; ``config.use_cache`` on, as its
     default is); the caller skips where transformers is missing (``pytest.importorskip``)."""

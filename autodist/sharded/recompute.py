@@ -40,22 +40,25 @@ class Recompute:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
         if torch.is_grad_enabled():
-            kwargs = _without_a_cache(block, kwargs)
+            args, kwargs = _without_a_cache(block, args, kwargs)
         return torch.utils.checkpoint.checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
 
 
 _said_cache = [False]
 
 
-def _without_a_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without an empty key/value cache (Hugging Face's ``past_key_values``, made by the model in
-    every forward while ``config.use_cache`` is on): the block's recomputation in backward would append its
-    keys and values a second time and attend over both (a shape error where an attention mask is given).
-    What Hugging Face's own gradient checkpointing does (``use_cache=False`` in training). A cache holding
-    keys already (a prefix) is refused: dropping it would change the result."""
+def _without_a_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` without an empty key/value cache (Hugging Face's ``past_key_values``, made by the
+    model in every forward while ``config.use_cache`` is on; GPT-2 passes it by position): the block's
+    recomputation in backward would append its keys and values a second time and attend over both (a shape
+    error where an attention mask is given). What Hugging Face's own gradient checkpointing does
+    (``use_cache=False`` in training). A cache holding keys already (a prefix) is refused: dropping it would
+    change the result."""
     found = {k: v for k, v in kwargs.items() if _is_cache(v)}
+    found.update((f"argument {i}", v) for i, v in enumerate(args) if _is_cache(v))
     if not found:
-        return kwargs
+        return args, kwargs
     for name, cache in found.items():
         held = cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else 0
         if held:  # the blocks before it ran without it too: what it holds came before this forward
@@ -68,7 +71,8 @@ def _without_a_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]
         log.info("checkpoint=True: %s runs without its key/value cache (%s) while gradients are on, as Hugging "
                  "Face's own gradient checkpointing does (use_cache=False in training): recomputed in backward, "
                  "it would add its keys a second time", type(block).__name__, ", ".join(found))
-    return {k: (None if k in found else v) for k, v in kwargs.items()}
+    return (tuple(None if _is_cache(v) else v for v in args),
+            {k: (None if k in found else v) for k, v in kwargs.items()})
 
 
 def _is_cache(value: Any) -> bool:

@@ -87,12 +87,13 @@ def test_checkpointed_blocks_train_as_one_process(ranks, options):
 
 
 @w.float64
-def _hugging_face_cache(checkpoint: bool) -> dict:
-    """Qwen2 (its config's use_cache on, as every Hugging Face config has it: the model makes a key/value
-    cache in each forward, training too) trained 2 steps, its blocks recomputed or not."""
+def _hugging_face_cache(family: str, checkpoint: bool) -> dict:
+    """Qwen2 or GPT-2 (its config's use_cache on, as every Hugging Face config has it: the model makes a
+    key/value cache in each forward, training too; GPT-2's blocks take it by position) trained 2 steps, its
+    blocks recomputed or not."""
     pytest.importorskip("transformers")
     loader = torch.utils.data.DataLoader(w.padded_rows(), batch_size=8)
-    model, loader = autodist.parallelize(w.seeded(w.qwen2, 0), loader, checkpoint=checkpoint)
+    model, loader = autodist.parallelize(w.seeded(getattr(w, family), 0), loader, checkpoint=checkpoint)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for batch in loader:
         opt.zero_grad()
@@ -101,10 +102,13 @@ def _hugging_face_cache(checkpoint: bool) -> dict:
     return w.state(model)
 
 
-def test_a_hugging_face_models_cache_is_not_filled_twice(ranks):
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_a_hugging_face_models_cache_is_not_filled_twice(ranks, family):
     """Before: recomputed in backward, each decoder layer appended its keys to the model's cache again and
-    attended over both copies (a shape error with an attention mask). Now the recomputed run is the plain one."""
-    for plain, recomputed_run in zip(ranks(2, _hugging_face_cache, False), ranks(2, _hugging_face_cache, True)):
+    attended over both copies (a shape error with an attention mask; GPT-2's too, which passes the cache by
+    position). Now the recomputed run is the plain one."""
+    for plain, recomputed_run in zip(ranks(2, _hugging_face_cache, family, False),
+                                     ranks(2, _hugging_face_cache, family, True)):
         assert max(float((plain[k] - recomputed_run[k]).abs().max()) for k in plain) <= 1e-12
 
 
