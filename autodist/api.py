@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from autodist import sync as sync_mod
 from autodist.dp import batch_layout, elastic_data, joining, loader_position, precision, wrappers
@@ -21,6 +21,7 @@ from autodist.dp.check import Check, Checker, LossOf
 from autodist.dp.grad_sync import Registration, attach, is_parallelized
 from autodist.dp.replicate import broadcast_state, check_same_model, model_tensors
 from autodist.dp.shares import SampleCounter, SampleFn
+from autodist.dp.stream import Batches
 from autodist.faults import elastic, watchdog
 from autodist.mp import observe, rewrite
 from autodist.mp.guards import retire
@@ -244,9 +245,10 @@ def _not_elastic(world: World, dims: ParallelDims, shard: str | None, strategy: 
         return f"its layout has {', '.join(layout)}, whose state a lost rank takes with it"
     if world.backend != "gloo":
         return f"it runs on {world.backend!r}, where a lost peer's collective neither fails nor can be left"
-    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
-        return (f"its data is {_kind(data)}, which cannot be split again over the ranks left: pass a DataLoader "
-                f"over a map-style Dataset to parallelize")
+    if not isinstance(data, DataLoader) or isinstance(data.dataset, Batches):
+        return (f"its data is {_kind(data)}, which cannot be read again and split over the ranks left: pass a "
+                f"DataLoader to parallelize (over a map-style Dataset, or a stream that gives the same batches each "
+                f"time it is iterated)")
     return None
 
 
@@ -264,7 +266,7 @@ def _elastic_loader(model: nn.Module, loader: Any, sync_state: Any) -> None:
 
 def _kind(data: data_mod.DataLike) -> str:
     if isinstance(data, DataLoader):
-        return "a DataLoader over a stream (an IterableDataset)"
+        return "a DataLoader over an iterator read once"
     return "no data" if data is None else f"a {type(data).__name__}"
 
 

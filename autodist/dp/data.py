@@ -190,7 +190,7 @@ class ShardedLoader(DataLoader):
             steps = -1
         samples = len(self.dataset)  # type: ignore[arg-type]
         if elastic.current() is not None:  # the ranks left after a lost one take the abandoned batches again
-            return elastic_data.epoch(self, super().__iter__, steps, samples)
+            return elastic_data.epoch(self, self.batch_sampler, super().__iter__, steps, samples)
         resuming = self.position.begin()
         self.batch_sampler.resuming = resuming  # type: ignore[union-attr]
         batches = super().__iter__()

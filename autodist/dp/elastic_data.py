@@ -5,8 +5,9 @@ Each time the loop asks for a batch, the loader first looks at the elastic state
 (:mod:`autodist.faults.elastic`): if a sync was applied since the last batch, every batch taken so far is in the
 training; if the ranks regrouped, the batches taken since the last applied sync were abandoned, and the epoch
 goes on from there: its generators set back to how it began, the batches before passed over by index (no
-sample is loaded: :mod:`autodist.dp.loader_position`, as a checkpoint resumes), and each later global batch
-split over the new generation's ranks. The loop sees one more iteration per abandoned step; the epoch ends
+sample is loaded: :mod:`autodist.dp.loader_position`, as a checkpoint resumes; a stream is read again from the
+epoch's start, each batch checked against the one read before), and each later global batch split over the new
+generation's ranks. The loop sees one more iteration per abandoned step; the epoch ends
 where one process's does.
 
 A sampler that draws from the global RNG (``shuffle=True`` without a generator) draws on every rank, and the
@@ -44,13 +45,15 @@ class ElasticOrder:
         return [int(i) for i in state.store.compare_set(f"order/{self.key}", "", drawn).decode().split(",") if i]
 
 
-def epoch(loader: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: int) -> Iterator[Any]:
-    """One epoch of ``loader`` (a ShardedLoader) in elastic mode; ``fresh()`` starts the DataLoader's own
-    iterator over its batch sampler as it is set."""
+def epoch(loader: Any, split: Any, fresh: Callable[[], Iterator[Any]], steps: int, samples: int) -> Iterator[Any]:
+    """One epoch of ``loader`` (a ShardedLoader, or a StreamShard) in elastic mode. ``split`` cuts each global
+    batch (its ``rank``, ``size`` and ``resuming`` are set before each ``fresh()``, and ``latest_shares`` is
+    what the iterator ``fresh()`` starts fills): the map-style loader's batch sampler, or the stream's loader
+    itself, which then reads its stream again from the epoch's start."""
     state = elastic.current()
     if state is None:
         raise RuntimeError("elastic_data.epoch runs in an elastic job only (autodist run --elastic)")
-    position, sampler = loader.position, loader.batch_sampler
+    position, sampler = loader.position, split
     joining.settle(loader.elastic_model())  # a rank that joined: its optimizers take the members' state now
     resuming = position.begin()
     number, began = position.epoch, dict(position.began)

@@ -335,11 +335,17 @@ class GradSync:
     def _all_reduce(self, t: torch.Tensor) -> None:
         """A few numbers summed over the data-parallel ranks in backward (a count, a loss term's statistics):
         through shared memory on one machine (tens of microseconds, where gloo took milliseconds), except in
-        an elastic job, where a rank may die mid-sum."""
+        an elastic job, where a rank may die mid-sum: then ``t`` keeps this rank's numbers and the sync at the
+        end of the window abandons the step (:meth:`_agreed`)."""
         if self.elastic is None:
             shared_reduce.all_reduce(t, self.group, "sums")
-        else:
-            dist.all_reduce(t, group=self.group)
+        elif self.failed is None:  # a rank lost: the window's sync abandons the step, and this sum is moot
+            try:
+                work = dist.all_reduce(t, group=self.group, async_op=True)
+                self.elastic.wait_for([work])  # or until a rank that saw the loss gave the window's sync up
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - a peer's connection reset, or the group's timeout
+                self.failed = exc
 
     def _fallback_count(self) -> Counted:
         """The count of a backward that reached no output of the model (it called a submodule, say)."""

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from autodist.dp import elastic_data
 from autodist.dp.handover import handed_over, slice_bounds
 from autodist.dp.loader_position import Position, Resuming, pass_over
-from autodist.faults import watchdog
+from autodist.faults import elastic, watchdog
 from autodist.runtime import provenance
 from autodist.runtime.provenance import BatchShare
 from autodist.runtime.tree import leaves
@@ -114,7 +115,10 @@ class Batches(IterableDataset):
 
 class StreamShard(DataLoader):
     """The DataLoader ``parallelize`` returns for a DataLoader over an ``IterableDataset``: the original's batches,
-    this rank's rows of each (see the module docstring)."""
+    this rank's rows of each (see the module docstring). Under ``autodist run --elastic`` the ranks left after a
+    lost one read the stream again from the epoch's start to the last applied step (:mod:`autodist.dp.elastic_data`),
+    each batch checked against the one read before: a stream that gives other batches when read again cannot be
+    split again, and says so."""
 
     watch_key = "stream"
 
@@ -122,29 +126,48 @@ class StreamShard(DataLoader):
         super().__init__(source.dataset, batch_size=None)  # never iterated itself: ``source`` is
         self.source, self.rank, self.size, self.dim, self.watch_key = source, rank, size, dim, key
         self.position = Position([source.generator])
+        self.resuming: Resuming | None = None  # elastic: what the next fresh() passes over
+        self.latest_shares: deque[BatchShare] = deque()
+        self.marks: list[int | None] = []  # elastic: the epoch's batches so far, to check a reading again
 
     def __iter__(self) -> Iterator[Any]:
-        resuming = self.position.begin()
-        epoch = self.position.epoch
         try:
             steps = len(self.source)
         except TypeError:  # a stream without len(): nothing to compare
             steps = -1
+        if elastic.current() is not None:  # the ranks left after a lost one take the abandoned batches again
+            self.marks = []
+            return elastic_data.epoch(self, self, self._fresh, steps, -1)
+        resuming = self.position.begin()
+        epoch = self.position.epoch
         watchdog.epoch_begins(self.watch_key, epoch, steps, -1)
         shares: deque[BatchShare] = deque()
         return handed_over(self._slices(shares, resuming), shares, (self.watch_key, epoch, steps, -1), self.position)
 
+    def _fresh(self) -> Iterator[Any]:
+        """The stream from the epoch's start as ``rank``, ``size`` and ``resuming`` are set now (elastic)."""
+        self.latest_shares = deque()
+        resuming, self.resuming = self.resuming, None
+        return self._slices(self.latest_shares, resuming)
+
     def _slices(self, shares: deque[BatchShare], resuming: Resuming | None) -> Iterator[Any]:
         batches = iter(self.source)
+        keeping = elastic.current() is not None
         if resuming is not None:  # a stream has no index: its first batches are read again, and dropped
             if self.rank == 0:
                 from autodist.runtime.world import log
 
-                log.info("resuming a stream in its epoch %d: reading and dropping the %d batches taken before the "
-                         "checkpoint", self.position.epoch, resuming.skip)
+                log.info("resuming a stream in its epoch %d: reading and dropping the %d batches taken before%s",
+                         self.position.epoch, resuming.skip, " the last applied step" if keeping else
+                         " the checkpoint")
+            if keeping:
+                batches = self._same_again(batches, self.marks[:resuming.skip])
+                del self.marks[resuming.skip:]
             pass_over(batches, resuming)
         for batch in batches:
             if self.size == 1:  # one process: the batch as the loader made it, counted for the position
+                if keeping:
+                    self.marks.append(mark(batch))
                 shares.append(BatchShare(1, 1, provenance.new_batch_id(), None, None))
                 yield batch
                 continue
@@ -152,7 +175,21 @@ class StreamShard(DataLoader):
             lo, hi = slice_bounds(n, self.rank, self.size)
             whole = (lambda kept=batch: kept) if provenance.keeping() else None
             shares.append(BatchShare(hi - lo, n, provenance.new_batch_id(), mark(batch), whole))
+            if keeping:
+                self.marks.append(shares[-1].mark)
             yield rows(batch, lo, hi, self.dim, n) if hi > lo else rows(batch, 0, 1, self.dim, n)  # a stand-in
+
+    def _same_again(self, batches: Iterator[Any], marks: list[int | None]) -> Iterator[Any]:
+        """``batches``, the first of them checked against the ``marks`` of the batches read before."""
+        for number, batch in enumerate(batches):
+            if number < len(marks) and mark(batch) != marks[number]:
+                raise RuntimeError(
+                    f"the stream gave another batch {number + 1} of epoch {self.position.epoch} when read again "
+                    f"after a lost rank: the ranks left read it again from the epoch's start to split the "
+                    f"batches since the last applied step over themselves, so it must give the same batches each "
+                    f"time it is iterated (seed its shuffle; an iterator that can be read once cannot be split "
+                    f"again). Run without --elastic to restart from a checkpoint instead")
+            yield batch
 
     def __len__(self) -> int:
         return len(self.source)  # the single-process loader's global batches (raises where it has no len())

@@ -269,6 +269,8 @@ def _reason(failed: BaseException | None, what: str = "gradient sync") -> str:
     """Why the sync failed, in a few words: gloo's message without its source location and advice."""
     if failed is None or isinstance(failed, GaveUp):
         return f"another rank's {what} failed"
+    if isinstance(failed, ValueError) and "world group map" in str(failed) and failed.__context__ is not None:
+        failed = failed.__context__  # torch's logging of the collective's error failed on the regrouped group
     line = (str(failed).strip().splitlines() or [type(failed).__name__])[0]
     line = line.split("] ", 1)[-1] if line.startswith("[") else line
     return f"the {what} failed: " + line.split(". ", 1)[0][:120]
