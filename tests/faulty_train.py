@@ -3,7 +3,8 @@
 Usage: python faulty_train.py FAULT [checkpoint path]. Each fault happens on rank 1 at step 3
 (unless it is about the data): "none", "sleep", "raise", "kill", "uneven_loader", "uneven_shards",
 "save_on_rank0"; "evaluate": rank 0 evaluates alone at step 3 for EVALUATE_S seconds (nanoGPT's
-estimate_loss on rank 0 only).
+estimate_loss on rank 0 only); "kill0": rank 0, which hosts the rendezvous store, SIGKILLs itself at step 3,
+the parameters sharded (shard="parameters": rank 1 waits for it in an all-gather).
 """
 import os
 import signal
@@ -51,6 +52,8 @@ def _inject(fault: str, rank: int, step: int, model: torch.nn.Module) -> None:
     if fault == "evaluate" and rank == 0 and step == 3:
         print(f"fault at {time.time():.3f}", flush=True)
         estimate_loss(model, float(os.environ["EVALUATE_S"]))
+    if fault == "kill0" and rank == 0 and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank != 1 or step != 3 or fault not in ("sleep", "raise", "kill"):
         return
     print(f"fault at {time.time():.3f}", flush=True)
@@ -73,7 +76,8 @@ def main(fault: str, path: str | None) -> None:
         model, (x, y) = autodist.parallelize(model, _data(101))
         batches = [(x[i:i + 10], y[i:i + 10]) for i in range(0, len(x), 10)]
     else:
-        model, loader = autodist.parallelize(model, DataLoader(TensorDataset(*_data(96)), batch_size=16))
+        model, loader = autodist.parallelize(model, DataLoader(TensorDataset(*_data(96)), batch_size=16),
+                                             shard="parameters" if fault == "kill0" else None)
         batches = loader
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step, (x, y) in enumerate(batches, 1):

@@ -23,6 +23,11 @@ KEPT_LINES = 40  # of a hidden rank's stderr: enough for a traceback
 # A label, and torch's own one after it (its excepthook prints "[rank1]: Traceback ...", C++ logs "[rank1]:[W"):
 # the line keeps one.
 _LABELLED = re.compile(r"\[rank(\d+)\]: (?:\[rank\1\]: ?)?")
+# torch's C++ warnings (a TCPStore peer gone) end with the C++ backtrace of the error: dozens of frames of
+# addresses, before autodist's own line that says what happened. One line stands for them.
+_BACKTRACE = re.compile(r"Exception raised from \S+ at .* \(most recent call first\):\s*$")
+_FRAME = re.compile(r"(frame #\d+: |<omitting python frames>)")
+LEFT_OUT = "(torch's C++ backtrace of that error left out: --raw-output shows it)\n"
 
 
 def label(rank: int) -> str:
@@ -87,7 +92,8 @@ class RankLines:
     """A stream the ranks' labelled lines are written to, each write one rank's (torchrun's tailing threads,
     one per rank, and :func:`relay` write so): a rank's line goes on to ``stream`` once whole, in one write,
     if the rank is shown; of the others the last :data:`KEPT_LINES` are kept for :meth:`show_kept`. Writes
-    without a label (the launcher's own lines) go on unchanged.
+    without a label (the launcher's own lines) go on unchanged. The C++ backtrace torch prints under some of its
+    warnings (its frames of addresses) becomes one line (:data:`LEFT_OUT`).
 
     A write may hold part of a line: torchrun's tailing reads a rank's log file up to its end, where the rank
     may have written half a line (``print`` writes the text, then the newline), and labels the rest when it
@@ -98,6 +104,7 @@ class RankLines:
         self._stream, self._shown = stream, shown
         self._kept: dict[int, deque[str]] = {}
         self._partial: dict[int, str] = {}  # per rank, the start of a line whose end has not come yet
+        self._in_backtrace: set[int] = set()  # ranks whose next frame lines are left out
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
@@ -121,6 +128,14 @@ class RankLines:
             self._line(rank, label(rank) + rest + "\n")
 
     def _line(self, rank: int, line: str) -> None:
+        body = line[len(label(rank)):]
+        if rank in self._in_backtrace:
+            if _FRAME.match(body):
+                return
+            self._in_backtrace.discard(rank)
+        if _BACKTRACE.match(body):
+            self._in_backtrace.add(rank)
+            line = label(rank) + LEFT_OUT
         if self._shown is not None and rank not in self._shown:
             with self._lock:
                 self._kept.setdefault(rank, deque(maxlen=KEPT_LINES)).append(line)

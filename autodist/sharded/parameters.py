@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import sys
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -212,6 +213,7 @@ class ParameterSharding:
         self.hooking.append((hooks, block))
 
     def _block_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        raised = sys.exc_info()[1] is not None  # (always_call) the block's forward raised: a gather failed, say
         hooks = self.hooking.pop()[0] if self.hooking else None
         if hooks is not None:
             hooks.__exit__(None, None, None)
@@ -224,7 +226,11 @@ class ParameterSharding:
                 for _, t in tensor_leaves(args):
                     if t.requires_grad:
                         t.register_hook(partial(self._frozen_done, block))
-        block.release()
+        try:
+            block.release()
+        except Exception:  # its gather failed too (a rank lost): the forward's own error is the one to see
+            if not raised:
+                raise
 
     # -- backward ----------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:

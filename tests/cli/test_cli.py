@@ -287,6 +287,19 @@ def test_a_script_that_exits_with_an_error_is_named_with_what_it_said_last(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.e2e
+def test_losing_rank_0_under_shard_parameters_says_so_without_torchs_backtraces():
+    """Rank 0 hosts the rendezvous store: rank 1, waiting in a sharded block's all-gather, finds it gone. Before:
+    torch's C++ warning printed its backtrace (24 frames and more), and the block's end hook its own silenced
+    error, before autodist's line."""
+    code, out, _ = _run("-n", "2", FAULTY, "kill0", AUTODIST_TIMEOUT="5")
+    assert code == 128 + signal.SIGKILL, out
+    assert _summary(out) == ["autodist run: rank 0 of 2 failed (killed by SIGKILL)"]
+    assert "frame #" not in out and "always_call" not in out and "Traceback" not in out, out
+    assert "[autodist rank 1] rank 0 is gone" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rank_killed_by_a_signal_is_named_at_the_end():
     code, out, end = _run("-n", "2", FAULTY, "kill", AUTODIST_TIMEOUT="5")
     print(f"autodist run, SIGKILL of rank 1: exited {end - _fault_at(out):.2f} s after it")

@@ -13,7 +13,7 @@ from string import Template
 import pytest
 
 from autodist.cli.command import UsageError, output_of, torchrun_args
-from autodist.cli.output import KEPT_LINES, TEMPLATE, Output, RankLines, label
+from autodist.cli.output import KEPT_LINES, LEFT_OUT, TEMPLATE, Output, RankLines, label
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 LINES = 300  # per rank and stream, printed by both ranks at once
@@ -149,6 +149,24 @@ def test_rank_lines_hold_a_half_line_until_its_end_comes():
     hidden.write("[rank1]: Error: boom")
     hidden.show_kept(1)  # a hidden rank's last words, finished
     assert hidden.getvalue() == "[rank1]: ValueError: boom\n"
+
+
+def test_torchs_cpp_backtrace_becomes_one_line():
+    stream = io.StringIO()
+    lines = RankLines(stream)
+    warning = "[rank1]: [W1129 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed: Connection reset by peer\n"
+    lines.write(warning)
+    lines.write("[rank1]: Exception raised from recvBytes at /torch/csrc/distributed/c10d/Utils.hpp:784 "
+                "(most recent call first):\n")
+    lines.write("[rank0]: rank 0 goes on\n")
+    for i in range(3):
+        lines.write(f"[rank1]: frame #{i}: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7fe9 in libc10.so)\n")
+    lines.write("[rank1]: <omitting python frames>\n")
+    lines.write("[rank1]: frame #43: __libc_start_main + 0x85 (0x7fe9 in libc.so.6)\n")
+    lines.write("[rank1]: after\n")
+    lines.write("[rank1]: frame #7 of a line of the user's own\n")
+    assert stream.getvalue() == (warning + "[rank1]: " + LEFT_OUT + "[rank0]: rank 0 goes on\n[rank1]: after\n"
+                                 "[rank1]: frame #7 of a line of the user's own\n")
 
 
 # -- real launches ---------------------------------------------------------------------------------
