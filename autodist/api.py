@@ -694,11 +694,11 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB))
-        if batch_norm == "global" and cut is None and not elastic_job and isinstance(strategy, sync_mod.Exact):
+        if batch_norm == "global" and cut is None and isinstance(strategy, sync_mod.Exact):
             sync_state.couple_batch_norm()  # type: ignore[union-attr]
         elif batch_norm == "global" and world.rank == 0 and announce and bn_layers.layers(model):
             under, whose = ("pipeline stages (pp)", "each micro-batch's") if cut is not None else \
-                ("--elastic", "each rank's") if elastic_job else (f"sync={strategy!r}", "each rank's")
+                (f"sync={strategy!r}", "each rank's")
             log.info("BatchNorm layers normalize by %s statistics under %s, not the global batch's "
                      "(docs/coupled-batches.md)", whose, under)
         if check is not None:

@@ -7,7 +7,8 @@ SIGKILLing itself at its loop's STEP-th iteration (counted from 0 over the whole
 its own code after the optimizer step, evaluating alone: waited for, not lost); "reduce" and "busyreduce" do the
 same at the end of the epoch of that step, between its last sync and ``engine.Metrics.reduce``. Each rank that
 finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
-and each epoch's metrics. Run in one process (no launcher) it is the reference.
+and each epoch's metrics. Run in one process (no launcher) it is the reference. BATCHNORM=1 puts a BatchNorm in
+the model; BATCHNORM=nosync also parallelizes it with sync_buffers=False.
 """
 import os
 import signal
@@ -25,6 +26,9 @@ torch.set_default_dtype(torch.float64)
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
+    if os.environ.get("BATCHNORM"):  # its running statistics: changed by a forward that no rank applies
+        return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 3))
     return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
@@ -36,7 +40,7 @@ def loader() -> DataLoader:
 
 def main(out: str, kills: str, epochs: int) -> None:
     torch.manual_seed(5)
-    net, data = autodist.parallelize(model(), loader())
+    net, data = autodist.parallelize(model(), loader(), sync_buffers=os.environ.get("BATCHNORM") != "nosync")
     rank = autodist.rank()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))

@@ -23,7 +23,7 @@ about a millisecond each). The layer keeps its class; its forward
 is an instance attribute (``module.__dict__["forward"]``), set aside when the model is copied.
 
 Example:
-    >>> install(model, group, weight=sync.backward_weight)   # parallelize does this for exact sync
+    >>> install(model, lambda: group, sync.backward_weight, lambda: False)   # parallelize does this
 """
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ from autodist.runtime.position import waiting
 
 Weight = Callable[[], float]  # the share of the backward running now (0 for a stand-in)
 Rows = Callable[[], bool]  # whether the forward running now is a stand-in's
+Group = Callable[[], Any]  # the data-parallel group now (an elastic job's changes when it loses a rank)
+Sum = Callable[[torch.Tensor], None]  # sums a few numbers over that group in place
+
+
+def _shared_sum(group: Group) -> Sum:
+    return lambda t: shared_reduce.all_reduce(t, group(), "sums")
 
 
 class _Global(torch.autograd.Function):
@@ -46,13 +52,13 @@ class _Global(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                stats: tuple[torch.Tensor, torch.Tensor, float], eps: float, group: Any, share: Weight) -> torch.Tensor:
+                stats: tuple[torch.Tensor, torch.Tensor, float], eps: float, sum_: Sum, share: Weight) -> torch.Tensor:
         mean, var, total = stats
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         # torch's kernel with the statistics given (eval mode: nothing updated, nothing of them differentiated)
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.total, ctx.group, ctx.share, ctx.eps, ctx.has_bias = total, group, share, eps, bias is not None
+        ctx.total, ctx.sum, ctx.share, ctx.eps, ctx.has_bias = total, sum_, share, eps, bias is not None
         return y
 
     @staticmethod
@@ -66,7 +72,7 @@ class _Global(torch.autograd.Function):
         w = ctx.share()
         sums = torch.stack([s1, s2]).to(torch.promote_types(x.dtype, torch.float32)) * w
         with waiting("BatchNorm's global statistics (backward)"):
-            shared_reduce.all_reduce(sums, ctx.group, "sums")
+            ctx.sum(sums)
         if ctx.needs_input_grad[0]:
             if w > 0:  # minus gamma invstd (A + x_hat B) / (M w): A and B the ranks' weighted sums
                 invstd = torch.rsqrt(var + ctx.eps)
@@ -80,22 +86,25 @@ class _Global(torch.autograd.Function):
         return dx, dweight, dbias, None, None, None, None
 
 
-def statistics(x: torch.Tensor, counts: bool, group: Any) -> tuple[torch.Tensor, torch.Tensor, float]:
+def statistics(x: torch.Tensor, counts: bool, group: Any, sum_: Sum | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The global batch's per-channel mean and (biased) variance, and its values per channel; ``counts``
-    False: this rank's rows count zero (a stand-in). Every rank of ``group`` must call it."""
+    False: this rank's rows count zero (a stand-in). Every rank of ``group`` must call it; ``sum_`` sums over it
+    (through shared memory where not given)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     dims = [0] + list(range(2, x.dim()))
     c = x.shape[1]
     n = x.numel() // c if counts else 0
-    gathered = torch.zeros(dist.get_world_size(group), 1 + 2 * c, dtype=dtype, device=x.device)
+    rank, size = (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
+    gathered = torch.zeros(size, 1 + 2 * c, dtype=dtype, device=x.device)  # (an elastic group is not registered)
     if n:  # an all-gather as a sum of rows each rank fills alone (exact)
         rows = x.detach().to(dtype)
         mean = rows.mean(dims)  # two passes (var_mean's one is 10x slower on a CPU), no sum of squares
-        mine = gathered[dist.get_rank(group)]
+        mine = gathered[rank]
         mine[0], mine[1:1 + c] = n, mean
         mine[1 + c:] = (rows - mean.view([1, -1] + [1] * (x.dim() - 2))).square().sum(dims)
     with waiting("BatchNorm's global statistics (forward)"):
-        shared_reduce.all_reduce(gathered, group, "sums")
+        (sum_ or _shared_sum(lambda: group))(gathered)
     counts_, means, m2s = gathered[:, :1], gathered[:, 1:1 + c], gathered[:, 1 + c:]
     total = float(counts_.sum())  # host sync on a GPU: the number of values normalized, for the backward
     mean = (counts_ * means).sum(0) / total
@@ -108,9 +117,10 @@ class GlobalForward:
     """The forward of one BatchNorm layer of a parallelized model: the global batch's statistics where the
     layer uses batch statistics (training mode, or no running statistics), its own forward otherwise."""
 
-    def __init__(self, module: nn.modules.batchnorm._BatchNorm, group: Any, share: Weight, stand_in: Rows) -> None:
+    def __init__(self, module: nn.modules.batchnorm._BatchNorm, group: Group, sum_: Sum, share: Weight,
+                 stand_in: Rows) -> None:
         self.module = weakref.ref(module)
-        self.group, self.share, self.stand_in = group, share, stand_in
+        self.group, self.sum, self.share, self.stand_in = group, sum_, share, stand_in
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.module()
@@ -129,7 +139,7 @@ class GlobalForward:
         if updates and bn.num_batches_tracked is not None:
             bn.num_batches_tracked.add_(1)
             factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-        mean, var, total = statistics(x, not self.stand_in(), self.group)
+        mean, var, total = statistics(x, not self.stand_in(), self.group(), self.sum)
         if bn.training and total <= 1:  # what one process raises for its batch, said of the global batch
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()} "
                              f"(the global batch holds {total:g} value(s) per channel)")
@@ -138,7 +148,7 @@ class GlobalForward:
                 unbiased = var * (total / (total - 1)) if total > 1 else var
                 bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
                 bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
-        return _Global.apply(x, bn.weight, bn.bias, (mean, var, total), bn.eps, self.group, self.share)
+        return _Global.apply(x, bn.weight, bn.bias, (mean, var, total), bn.eps, self.sum, self.share)
 
 
 def layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -146,11 +156,13 @@ def layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def install(model: nn.Module, group: Any, share: Weight, stand_in: Rows) -> int:
-    """Give each BatchNorm layer of ``model`` the global batch's statistics; returns how many it has."""
+def install(model: nn.Module, group: Group, share: Weight, stand_in: Rows, sum_: Sum | None = None) -> int:
+    """Give each BatchNorm layer of ``model`` the global batch's statistics; returns how many it has. ``group()``
+    is the data-parallel group at each call, and ``sum_`` sums over it (through shared memory where not given:
+    an elastic job's sync gives its own, which a lost rank does not break)."""
     found = layers(model)
     for bn in found:
-        bn.__dict__["forward"] = GlobalForward(bn, group, share, stand_in)
+        bn.__dict__["forward"] = GlobalForward(bn, group, sum_ or _shared_sum(group), share, stand_in)
     return len(found)
 
 

@@ -31,8 +31,9 @@ Key = tuple[torch.dtype, torch.device]
 class BufferSync:
     """The floating-point buffers of one model, their snapshot at the last sync, and how they travel."""
 
-    def __init__(self, model: nn.Module, enabled: bool) -> None:
+    def __init__(self, model: nn.Module, enabled: bool, keep: bool = False) -> None:
         self.enabled = enabled
+        self.keep = keep  # elastic: the snapshot is kept, for restore(), even where nothing is averaged
         self.owners: list[nn.Module] = []
         self.find_owners(model)
         self.carried: Key | None = None  # the dtype/device that rides in the last gradient bucket
@@ -46,7 +47,7 @@ class BufferSync:
         """Find the modules holding buffers: once, and again when something was registered since
         (:mod:`autodist.dp.structure`). Walking every module at every sync cost a small model's step more than
         its buffers; their tensors are still read at each sync (see buffers())."""
-        self.owners = [m for m in model.modules() if m._buffers] if self.enabled else []
+        self.owners = [m for m in model.modules() if m._buffers] if self.enabled or self.keep else []
 
     def buffers(self) -> list[torch.Tensor]:
         """The floating-point buffers, as ``model.buffers()`` gives them now (``model.to()`` may have replaced
@@ -83,7 +84,10 @@ class BufferSync:
                 b.copy_(kept)
 
     def carry(self, dtype: torch.dtype, device: torch.device) -> int:
-        """Let the buffers of this dtype and device ride in a bucket; the slots they need there."""
+        """Let the buffers of this dtype and device ride in a bucket; the slots they need there (none where
+        nothing is averaged)."""
+        if not self.enabled:
+            return 0
         self.carried = (dtype, device)
         self.carried_sizes = [b.numel() for b in self.buffers() if (b.dtype, b.device) == self.carried]
         return sum(self.carried_sizes) + len(self.carried_sizes)
@@ -125,7 +129,12 @@ class BufferSync:
         self.snapshot.take(buffers)
 
     def average_rest(self, weight: float, group: dist.ProcessGroup | None, rode: bool) -> None:
-        """The buffers that did not ride in a bucket (``rode``: the carried ones did): a blocking all-reduce."""
+        """The buffers that did not ride in a bucket (``rode``: the carried ones did): a blocking all-reduce; where
+        nothing is averaged (elastic with ``sync_buffers=False``), the snapshot :meth:`restore` goes back to."""
+        if not self.enabled:
+            if self.keep:
+                self.snapshot.take(self.buffers())
+            return
         rest = [b for b in self.buffers() if not (rode and (b.dtype, b.device) == self.carried)]
         if rest:
             with waiting("buffers"):

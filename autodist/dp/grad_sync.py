@@ -82,7 +82,7 @@ class GradSync:
         self.named = list(model.named_parameters())
         self.model = weakref.ref(model)
         self.counter = counter or SampleCounter()
-        self.buffer_sync = BufferSync(model, sync_buffers)
+        self.buffer_sync = BufferSync(model, sync_buffers, keep=self.elastic is not None)
         self.enabled = True  # False inside no_sync()
         self.window = Window()  # the backwards since the last sync
         self.previous_total = 1.0  # G: last sync's global count, the same on every rank
@@ -273,7 +273,8 @@ class GradSync:
         how many it has."""
         model = self.model()
         assert model is not None
-        self.coupled = batch_norm.install(model, self.group, self.backward_weight, lambda: self.standing_in)
+        self.coupled = batch_norm.install(model, lambda: self.group, self.backward_weight, lambda: self.standing_in,
+                                          self._all_reduce)
         return self.coupled
 
     def backward_weight(self) -> float:
