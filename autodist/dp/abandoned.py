@@ -29,12 +29,16 @@ _skipped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # steppe
 _installed = False  # the listener and the schedulers' wrapped step (once: elastic mode only)
 _schedulers: list[weakref.ref] = []  # every LR scheduler, in the order made (its __init__ steps it once)
 _dropped: set[int] = set()  # batches (provenance ids) of abandoned iterations: a few per lost rank
+_stepped: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()  # -> its last step
+_steps = [0]  # the steps seen, for the order of _stepped
 
 
 class _Listener:
     """Clears the gradients an optimizer steps on while a step is abandoned, and remembers the optimizer."""
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        _steps[0] += 1
+        _stepped[optimizer] = _steps[0]
         if not _pending:
             _skipped.discard(optimizer)
             return
@@ -76,6 +80,11 @@ def install() -> None:
 def schedulers() -> list[Any]:
     """The LR schedulers made since :func:`install` and still alive, in the order made."""
     return [s for ref in _schedulers if (s := ref()) is not None]
+
+
+def last_step(optimizer: torch.optim.Optimizer) -> int | None:
+    """When ``optimizer`` last stepped, in the order of every step seen since :func:`install` (None: never)."""
+    return _stepped.get(optimizer)
 
 
 def dropped(batches: Iterable[int]) -> None:

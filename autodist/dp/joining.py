@@ -39,17 +39,34 @@ def _optimizers(model: nn.Module) -> dict[str, tuple[torch.optim.Optimizer, list
     """The optimizers over ``model``'s parameters, each named by its parameters' positions in the model, with
     its LR schedulers (in the order they were made where autodist saw it; one made before parallelize after)."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    optimizers, schedulers = {}, []
+    found: dict[str, list[torch.optim.Optimizer]] = {}
+    schedulers = []
     for obj in gc.get_objects():  # once per admission: nothing the model holds leads to its optimizers
-        if isinstance(obj, torch.optim.Optimizer):
+        kind = type(obj)  # (not isinstance: it asks a deprecated torch object for its class, which warns)
+        if issubclass(kind, torch.optim.Optimizer):
             params = [p for group in obj.param_groups for p in group["params"]]
             if params and all(id(p) in index for p in params):
-                optimizers[",".join(str(index[id(p)]) for p in params)] = obj
-        elif isinstance(obj, lr_scheduler.LRScheduler):
+                found.setdefault(",".join(str(index[id(p)]) for p in params), []).append(obj)
+        elif issubclass(kind, lr_scheduler.LRScheduler):
             schedulers.append(obj)
+    optimizers = {key: _the_live_one(candidates) for key, candidates in found.items()}
     seen = abandoned.schedulers()
     ordered = seen + [s for s in schedulers if all(s is not t for t in seen)]
     return {key: (o, [s for s in ordered if s.optimizer is o]) for key, o in optimizers.items()}
+
+
+def _the_live_one(candidates: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """Of the optimizers alive over the same parameters, the one that stepped last (the loop's: an admission
+    comes after a step); raises where none has stepped (an old one not freed yet beside a new one)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    stepped = [(step, i) for i, o in enumerate(candidates) if (step := abandoned.last_step(o)) is not None]
+    if stepped:
+        return candidates[max(stepped)[1]]
+    raise RuntimeError(f"{len(candidates)} optimizers over the same parameters of the model are alive "
+                       f"({', '.join(type(o).__name__ for o in candidates)}), and none has stepped yet, so a rank "
+                       f"joining this elastic job cannot tell which one the training uses: delete the old one "
+                       f"(del optimizer) before making its replacement")
 
 
 def state(model: nn.Module, loaders: list[Any]) -> bytes:
@@ -92,5 +109,10 @@ def settle(model: nn.Module) -> None:
     for key, (optimizer, schedulers) in mine.items():
         if key in pending["optimizers"]:
             optimizer.load_state_dict(pending["optimizers"][key])
-            for scheduler, saved in zip(schedulers, pending["schedulers"].get(key, [])):
-                scheduler.load_state_dict(saved)
+            saved = pending["schedulers"].get(key, [])
+            if len(saved) != len(schedulers):
+                raise RuntimeError(f"this rank joined a running elastic job, but its optimizer over parameters {key} "
+                                   f"of the model has {len(schedulers)} LR scheduler(s) where the others' has "
+                                   f"{len(saved)}: make the same schedulers, in the same order, on every rank")
+            for scheduler, state_ in zip(schedulers, saved):
+                scheduler.load_state_dict(state_)
