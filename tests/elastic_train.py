@@ -38,6 +38,16 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=12, shuffle=True)  # the global RNG draws the order
 
 
+def _states_in_store() -> list[int]:
+    """The generations whose joining state is still in the launcher's store (each should go once read)."""
+    from autodist.faults import elastic
+
+    state = elastic.current()
+    if state is None:
+        return []
+    return [g for g in range(1, state.generation + 1) if state.store.check([f"{g}/state"])]
+
+
 def main(out: str, kills: str, epochs: int) -> None:
     torch.manual_seed(5)
     net, data = autodist.parallelize(model(), loader(), sync_buffers=os.environ.get("BATCHNORM") != "nosync")
@@ -85,7 +95,7 @@ def main(out: str, kills: str, epochs: int) -> None:
     state = {"params": {n: p.detach().clone() for n, p in net.state_dict().items()},
              "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
              "lr": opt.param_groups[0]["lr"], "scheduler": sched.last_epoch, "taken": taken,
-             "metrics": epochs_seen}
+             "metrics": epochs_seen, "states_in_store": _states_in_store()}
     torch.save(state, f"{out}.{rank}")
 
 

@@ -140,7 +140,7 @@ class Elastic:
             gone = self.gone()
             joiners = [int(r) for r in text.split(",") if r and int(r) not in self.members and int(r) not in gone]
             taken = ",".join(map(str, [*self.members, *joiners]))
-            self.store.set(f"{nxt}/state", state())
+            self.store.set(f"{nxt}/state", state() if joiners else b"")  # (every joiner in the list was lost)
             self.store.compare_set(f"{nxt}/members", "", taken)
             for rank in joiners:
                 self.store.set(f"joined/{rank}", str(nxt))
@@ -157,7 +157,9 @@ class Elastic:
         except Exception as exc:  # noqa: BLE001 - a member or a joining rank was lost as the group formed
             self.regroup(exc)
             return
-        if self.rank == 0:
+        if self.rank == 0:  # every joiner read the state before it made the group with the members: it can go
+            self.store.delete_key(f"{nxt}/state")
+        if self.rank == 0 and joined:
             log.warning("elastic: %s joined at a step boundary (a rank the launcher started again), with the "
                         "weights, optimizer state and data position of rank %d; %s go on as generation %d, each "
                         "global batch split over them", named(joined, "member"), fixed[0], named(fixed), nxt)
@@ -329,8 +331,9 @@ def _join(store: Any, me: int, timeout: float, busy: float) -> Elastic:
         time.sleep(0.05)
     generation = int(store.get(key).decode())
     members = tuple(int(r) for r in store.get(f"{generation}/members").decode().split(",") if r)
+    sent = store.get(f"{generation}/state")  # before the group forms: the first member deletes it after
     state = Elastic(store, me, members, timeout, busy, generation)
-    state.joined_with = store.get(f"{generation}/state")
+    state.joined_with = sent
     return state
 
 

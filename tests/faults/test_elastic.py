@@ -120,6 +120,7 @@ def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path):
     for rank in range(3):
         state = torch.load(tmp_path / f"out.{rank}")
         _same_training(state, reference)
+        assert state["states_in_store"] == []  # the model and optimizer sent to the joiner left the store once read
     assert torch.load(tmp_path / "out.2")["taken"] < reference["taken"]  # it joined mid-run, from where the others were
 
 
