@@ -5,7 +5,8 @@ SIGKILLing itself at its loop's STEP-th iteration (counted from 0 over the whole
 (in the middle of backward), "between" (after the optimizer step), "step" (inside optimizer.step) or
 "freeze" (SIGSTOP after the optimizer step: alive, silent, as a host cut off) or "busy" (BUSY_S seconds in
 its own code after the optimizer step, evaluating alone: waited for, not lost); "reduce" and "busyreduce" do the
-same at the end of the epoch of that step, between its last sync and ``engine.Metrics.reduce``. Each rank that
+same at the end of the epoch of that step, between its last sync and ``engine.Metrics.reduce``; "endfreeze"
+SIGSTOPs the rank after it wrote its OUT file (the step is not read). Each rank that
 finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
 and each epoch's metrics. Run in one process (no launcher) it is the reference. BATCHNORM=1 puts a BatchNorm in
 the model; BATCHNORM=nosync also parallelizes it with sync_buffers=False.
@@ -97,6 +98,8 @@ def main(out: str, kills: str, epochs: int) -> None:
              "lr": opt.param_groups[0]["lr"], "scheduler": sched.last_epoch, "taken": taken,
              "metrics": epochs_seen, "states_in_store": _states_in_store()}
     torch.save(state, f"{out}.{rank}")
+    if any(where == "endfreeze" for _, where in mine):  # stopped after its last line: at the end meeting, silent
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ from typing import Any
 
 from autodist.cli.launch import failure_of, python_command, root_cause, summary
 from autodist.cli.output import LABELLED, Output, RankLines, relay
-from autodist.runtime.environment import exit_timeout
+from autodist.cli.stragglers import Stragglers
+from autodist.runtime.environment import exit_timeout, hang_timeout
 
 
 def _past_the_end(procs: list[subprocess.Popen], ended: dict[int, float]) -> bool:
@@ -96,6 +97,14 @@ class _Store:
             self.store.append(self.keys["gone"], f"{member},")
         except Exception:  # noqa: BLE001
             pass
+
+    def beat(self, member: int) -> int | None:
+        """The heartbeat count of ``member`` (None: it has none yet, or the store is gone)."""
+        try:
+            key = f"{self.keys['gone'].rsplit('/', 1)[0]}/beat/{member}"
+            return self.store.add(key, 0) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store is gone: the job ended
+            return None
 
     def said(self, name: str) -> str | None:
         """What the ranks wrote under ``name`` ("fallback": why the job cannot go on without a lost rank;
@@ -163,8 +172,13 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     ended: dict[int, float] = {}
     left_behind: list[int] = []  # elastic: ranks still running AUTODIST_EXIT_TIMEOUT after another finished
+    watch = Stragglers(store, hang_timeout(), exit_timeout()) if store is not None else None
     try:
         while len(ended) < nproc:
+            for rank, why in watch.due({r: member[r] for r in range(nproc) if r not in ended}) if watch else ():
+                print(f"autodist run: rank {first + rank} stopped: {why}", file=sys.stderr, flush=True)
+                procs[rank].kill()
+                procs[rank].wait()
             if store is not None and _past_the_end(procs, ended):
                 left_behind = [rank for rank, p in enumerate(procs) if rank not in ended]
                 for rank in left_behind:
@@ -190,6 +204,7 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
                                 other.wait()
                             node = dataclasses.replace(node, port=_free_port())  # a fresh store: a new rendezvous
                             store = _Store(node.addr, node.port, hosts=True)
+                            watch = Stragglers(store, hang_timeout(), exit_timeout())
                             base["TORCHELASTIC_RESTART_COUNT"] = str(restarted)
                             procs[:] = [start(r) for r in range(nproc)]
                             member.update({r: first + r for r in range(nproc)})

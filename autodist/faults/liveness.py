@@ -70,17 +70,28 @@ def beat(store: Any, rank: int, every: float = 1.0) -> None:
 
 class Meeting:
     """The end of the script (:mod:`autodist.runtime.ending`): each member of the last generation arrives, and
-    nobody waits for a rank the launcher saw end."""
+    nobody waits for a rank the launcher saw end, or for one whose heartbeat has been still for
+    ``AUTODIST_TIMEOUT``."""
 
     busy_words = ""
 
     def __init__(self, state: Any) -> None:  # an autodist.faults.elastic.Elastic
         self.state = state
+        self.beats: dict[int, tuple[int, float]] = {}  # member: (its heartbeat count, when it last moved)
 
     def _waiting_for(self) -> list[int]:
         here = {int(r) for r in self.state.store.get("end").decode().split(",") if r}
         gone = self.state.gone()
-        return [r for r in self.state.members if r not in here and r not in gone]
+        return [r for r in self.state.members if r not in here and r not in gone and not self._silent(r)]
+
+    def _silent(self, rank: int) -> bool:
+        """Whether ``rank``'s heartbeat has been still for ``AUTODIST_TIMEOUT``: frozen (stopped, or its host cut
+        off), as a regroup judges it; the launcher stops its process."""
+        now = time.monotonic()
+        count = self.state.store.add(f"beat/{rank}", 0)
+        if self.beats.get(rank, (None, 0.0))[0] != count:
+            self.beats[rank] = (count, now)
+        return now - self.beats[rank][1] > self.state.timeout
 
     def arrive(self) -> None:
         self.state.store.set(FINISHED, "1")

@@ -140,7 +140,8 @@ def test_a_frozen_rank_is_left_behind_after_the_timeout(tmp_path, reference):
     proc = _run(tmp_path, str(tmp_path / "out"), "1:4:freeze", env={"AUTODIST_TIMEOUT": "3"})
     said = proc.stdout + proc.stderr
     assert "elastic: lost rank 1" in said, said[-3000:]
-    assert "rank 1 still running" in said and "stopped (AUTODIST_EXIT_TIMEOUT)" in said
+    assert "autodist run: rank 1 stopped: its heartbeat stopped" in said, said[-3000:]  # by the launcher, named
+    assert "finished with 2 of 3 ranks; lost rank 1 (killed by SIGKILL)" in said
     for rank in (0, 2):
         state = torch.load(tmp_path / f"out.{rank}")
         _same_training(state, reference)
@@ -238,3 +239,17 @@ def test_batch_norms_statistics_of_an_abandoned_step_are_undone(tmp_path, batch_
         state = torch.load(tmp_path / f"out.{rank}")
         assert "1.running_mean" in state["params"]
         _same_training(state, reference)
+
+
+def test_a_rank_frozen_at_the_end_of_the_script_is_stopped_and_the_job_ends(tmp_path, reference):
+    """Rank 2 stops (SIGSTOP) after its last line, while the others wait for it at the end of the script. Before:
+    they gave up there with status 1 and the launcher, which stopped stragglers only after a clean end, waited
+    for rank 2 forever. Now the launcher stops it once its heartbeat has been still for AUTODIST_TIMEOUT and a
+    few seconds, naming it, and the others end cleanly."""
+    proc = _run(tmp_path, str(tmp_path / "out"), "2:0:endfreeze")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    assert "autodist run: rank 2 stopped: its heartbeat stopped" in said, said[-3000:]
+    assert "finished with 2 of 3 ranks; lost rank 2 (killed by SIGKILL)" in said
+    for rank in range(3):
+        _same_training(torch.load(tmp_path / f"out.{rank}"), reference)
