@@ -6,8 +6,10 @@ SIGKILLing itself at its loop's STEP-th iteration (counted from 0 over the whole
 "freeze" (SIGSTOP after the optimizer step: alive, silent, as a host cut off) or "busy" (BUSY_S seconds in
 its own code after the optimizer step, evaluating alone: waited for, not lost); "reduce" and "busyreduce" do the
 same at the end of the epoch of that step, between its last sync and ``engine.Metrics.reduce``; "endfreeze"
-SIGSTOPs the rank after it wrote its OUT file (the step is not read). Each rank that
-finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
+SIGSTOPs the rank after it wrote its OUT file (the step is not read); "agree" SIGKILLs it after that step's
+all-reduce completed, where it would count itself in the sync's agreement. BUCKET_MB sets parallelize's
+bucket_mb and first_bucket_mb (small: the gradients travel in several buckets, the last layer's first). Each
+rank that finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
 and each epoch's metrics. Run in one process (no launcher) it is the reference. BATCHNORM=1 puts a BatchNorm in
 the model; BATCHNORM=nosync also parallelizes it with sync_buffers=False.
 """
@@ -51,7 +53,9 @@ def _states_in_store() -> list[int]:
 
 def main(out: str, kills: str, epochs: int) -> None:
     torch.manual_seed(5)
-    net, data = autodist.parallelize(model(), loader(), sync_buffers=os.environ.get("BATCHNORM") != "nosync")
+    net, data = autodist.parallelize(model(), loader(), sync_buffers=os.environ.get("BATCHNORM") != "nosync",
+                                     bucket_mb=float(os.environ.get("BUCKET_MB", "25")),
+                                     first_bucket_mb=float(os.environ.get("BUCKET_MB", "1")))
     rank = autodist.rank()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -73,6 +77,10 @@ def main(out: str, kills: str, epochs: int) -> None:
             metrics.update(loss.detach() * len(y), (out_.argmax(1) == y).sum(), len(y))
             if die == "backward":  # after the last layer's gradients, before the first's
                 net[0].bias.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+            if die == "agree":  # its all-reduce done, before it counts itself in the agreement
+                from autodist.faults.elastic import Elastic
+
+                Elastic.agree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
             loss.backward()
             if die == "step":
                 opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))

@@ -253,3 +253,22 @@ def test_a_rank_frozen_at_the_end_of_the_script_is_stopped_and_the_job_ends(tmp_
     assert "finished with 2 of 3 ranks; lost rank 2 (killed by SIGKILL)" in said
     for rank in range(3):
         _same_training(torch.load(tmp_path / f"out.{rank}"), reference)
+
+
+@pytest.mark.parametrize("kills, lost, env", [
+    ("2:4:backward", [2], {"BUCKET_MB": "0.0003"}),  # 4 buckets: the last layer's sent before the kill
+    ("1:4:agree", [1], {}),  # rank 1's all-reduce completed, its agreement never counted: the count times out
+    ("1:4:backward,2:4:backward", [1, 2], {}),  # two lost in the same sync: rank 0 goes on alone
+])
+def test_the_cases_the_agreement_exists_for(tmp_path, reference, kills, lost, env):
+    """The sync is agreed on, not only summed: a rank whose all-reduce completed while another's failed (several
+    buckets, the first on the wire before the loss), one that completed it and died before counting itself, and
+    two lost at once. The ranks left finish as one process does (float64, 1e-10)."""
+    proc = _run(tmp_path, str(tmp_path / "out"), kills, env=env)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    assert f"finished with {3 - len(lost)} of 3 ranks" in said and "the step in flight was abandoned" in said
+    for rank in sorted(set(range(3)) - set(lost)):
+        state = torch.load(tmp_path / f"out.{rank}")
+        _same_training(state, reference)
+        assert state["taken"] == reference["taken"] + 1  # the abandoned step, taken again once
