@@ -272,3 +272,22 @@ def test_the_cases_the_agreement_exists_for(tmp_path, reference, kills, lost, en
         state = torch.load(tmp_path / f"out.{rank}")
         _same_training(state, reference)
         assert state["taken"] == reference["taken"] + 1  # the abandoned step, taken again once
+
+
+GPT_SCRIPT = os.path.join(os.path.dirname(HERE), "elastic_gpt_train.py")  # tests/elastic_gpt_train.py
+
+
+def test_nanogpt_loses_a_rank_mid_backward_and_trains_as_one_process(tmp_path):
+    """An outside model: nanoGPT in float64 with AdamW, rank 1 killed as its gradient reaches the first block (the
+    later blocks' gradients computed). Every rank left ends with one process's weights (1e-10)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, GPT_SCRIPT, str(tmp_path / "one"), ""], check=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", "-n", "3", GPT_SCRIPT,
+                           str(tmp_path / "out"), "1:3"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=env | {"AUTODIST_TIMEOUT": "20", "AUTODIST_EXIT_TIMEOUT": "10"})
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    assert "finished with 2 of 3 ranks" in said and "the step in flight was abandoned" in said, said[-3000:]
+    one, elastic = torch.load(tmp_path / "one"), torch.load(tmp_path / "out")
+    assert max(float((elastic[k] - one[k]).abs().max()) for k in one) <= 1e-10
