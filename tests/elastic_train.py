@@ -11,7 +11,8 @@ all-reduce completed, where it would count itself in the sync's agreement. BUCKE
 bucket_mb and first_bucket_mb (small: the gradients travel in several buckets, the last layer's first). Each
 rank that finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
 and each epoch's metrics. Run in one process (no launcher) it is the reference. BATCHNORM=1 puts a BatchNorm in
-the model; BATCHNORM=nosync also parallelizes it with sync_buffers=False.
+the model; BATCHNORM=nosync also parallelizes it with sync_buffers=False. ADMIT_DIE=WRITE: rank 0 dies just
+before that write of the first admission of a rank that joins (see _dies_before).
 """
 import os
 import signal
@@ -51,12 +52,24 @@ def _states_in_store() -> list[int]:
     return [g for g in range(1, state.generation + 1) if state.store.check([f"{g}/state"])]
 
 
+def _dies_before(write: str) -> None:
+    """Rank 0 SIGKILLs itself just before the admission's write ``write`` (ADMIT_DIE): "state", "members" (the
+    joiners' state, the next generation's members), "joined" (the word to each joiner) or "takeoff" (the join list,
+    cleared last)."""
+    from autodist.faults import elastic
+
+    name = {"state": "_send_state", "members": "_fix_members", "joined": "_tell_joiners", "takeoff": "_take_off"}[write]
+    setattr(elastic, name, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+
+
 def main(out: str, kills: str, epochs: int) -> None:
     torch.manual_seed(5)
     net, data = autodist.parallelize(model(), loader(), sync_buffers=os.environ.get("BATCHNORM") != "nosync",
                                      bucket_mb=float(os.environ.get("BUCKET_MB", "25")),
                                      first_bucket_mb=float(os.environ.get("BUCKET_MB", "1")))
-    rank = autodist.rank()
+    rank = int(os.environ.get("RANK", "0"))  # the launch's slot (autodist.rank() is the place among those alive)
+    if rank == 0 and os.environ.get("ADMIT_DIE"):
+        _dies_before(os.environ["ADMIT_DIE"])
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     mine = [(int(s), where) for r, s, where in (k.split(":") for k in kills.split(",") if k) if int(r) == rank]
@@ -104,7 +117,8 @@ def main(out: str, kills: str, epochs: int) -> None:
     state = {"params": {n: p.detach().clone() for n, p in net.state_dict().items()},
              "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
              "lr": opt.param_groups[0]["lr"], "scheduler": sched.last_epoch, "taken": taken,
-             "metrics": epochs_seen, "states_in_store": _states_in_store()}
+             "metrics": epochs_seen, "states_in_store": _states_in_store(),
+             "place": (autodist.rank(), autodist.world_size())}  # among the ranks alive at the end
     torch.save(state, f"{out}.{rank}")
     if any(where == "endfreeze" for _, where in mine):  # stopped after its last line: at the end meeting, silent
         os.kill(os.getpid(), signal.SIGSTOP)

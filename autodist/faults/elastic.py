@@ -45,10 +45,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autodist.faults.liveness import FINISHED, Alive, Meeting, beat, named
+from autodist.faults.liveness import FINISHED, Alive, Meeting, beat, listed, named
 from autodist.runtime import ending
 from autodist.runtime.environment import Launch, elastic_join, rendezvous_address
-from autodist.runtime.world import World, log
+from autodist.runtime.world import World, follow_members, log
 
 PREFIX = "autodist/elastic"  # the launcher writes gone ranks under it (see autodist.cli.keep_going)
 GONE = "gone"  # "3,5," the ranks the launcher saw end badly
@@ -103,7 +103,7 @@ class Elastic:
     def gone(self) -> set[int]:
         """The ranks the launcher saw end badly so far."""
         text = self.store.get(GONE).decode() if self.store.check([GONE]) else ""
-        return {int(r) for r in text.split(",") if r}
+        return set(listed(text))
 
     # -- each sync -------------------------------------------------------------------------------
     def agree(self, completed: bool) -> bool:
@@ -132,29 +132,27 @@ class Elastic:
         order; the first member sends them ``state()`` (the model, the optimizers, the loaders' places)."""
         nxt = self.generation + 1
         self.admitting = False
-        if self.rank == 0:
-            while True:  # take the whole list; a rank that asks meanwhile is in the next take, or the next admission
-                text = self.store.get(JOIN).decode()
-                if self.store.compare_set(JOIN, text, "").decode() == "":
-                    break
+        if self.rank == 0:  # each write recoverable if this rank dies after it (see _join and the failure below)
             gone = self.gone()
-            joiners = [int(r) for r in text.split(",") if r and int(r) not in self.members and int(r) not in gone]
-            taken = ",".join(map(str, [*self.members, *joiners]))
-            self.store.set(f"{nxt}/state", state() if joiners else b"")  # (every joiner in the list was lost)
-            self.store.compare_set(f"{nxt}/members", "", taken)
-            for rank in joiners:
-                self.store.set(f"joined/{rank}", str(nxt))
+            joiners = list(dict.fromkeys(r for r in listed(self.store.get(JOIN).decode())
+                                         if r not in self.members and r not in gone))
+            _send_state(self.store, nxt, state() if joiners else b"")  # (every joiner in the list was lost)
+            _fix_members(self.store, nxt, [*self.members, *joiners])
+            _tell_joiners(self.store, nxt, joiners)
+            _take_off(self.store, joiners)  # last: until here a joiner stays asked for, for the next admission
         try:
             self.store.wait([f"{nxt}/members"], timedelta(seconds=self.timeout))
         except dist.DistStoreError:  # the first member was lost before it wrote them: meet without it
             self.regroup(None)
             return
-        fixed = tuple(int(r) for r in self.store.get(f"{nxt}/members").decode().split(",") if r)
+        fixed = listed(self.store.get(f"{nxt}/members").decode())
         joined = [r for r in fixed if r not in self.members]
+        before = self.members
         self.generation, self.members, self.syncs = nxt, fixed, 0
         try:
             self.group = self._group()
         except Exception as exc:  # noqa: BLE001 - a member or a joining rank was lost as the group formed
+            self.members = before  # the joiners wait to be asked again: nobody waits for them in the regroup
             self.regroup(exc)
             return
         if self.rank == 0:  # every joiner read the state before it made the group with the members: it can go
@@ -226,7 +224,7 @@ class Elastic:
         self.store.append(arrived, f"{self.me},")
         alive = Alive(self.store, self.timeout, self.busy)
         while not self.store.check([members]):
-            here = {int(r) for r in self.store.get(arrived).decode().split(",") if r}
+            here = set(listed(self.store.get(arrived).decode()))
             gone = self.gone()
             missing = [r for r in self.members if r not in here and r not in gone]
             if not missing or alive.given_up(missing, nxt, speaks=self.me == min(here)):
@@ -234,7 +232,7 @@ class Elastic:
                 self.store.compare_set(members, "", chosen)
                 break
             time.sleep(0.01)
-        fixed = tuple(int(r) for r in self.store.get(members).decode().split(",") if r)
+        fixed = listed(self.store.get(members).decode())
         if self.me not in fixed:
             raise LeftOut(f"rank {self.me} reached generation {nxt} of the elastic job after the other ranks had "
                           f"gone on without it (ranks {list(fixed)}): its heartbeat had stopped for "
@@ -296,6 +294,7 @@ def start(world: World, launch: Launch, timeout: float, busy: float) -> Elastic:
         _elastic = Elastic(client(), world.rank, tuple(range(world.size)), timeout, busy) if me is None else \
             _join(client(), me, timeout, busy)
         _elastic.store.set(JOINABLE, "1")
+        follow_members(lambda: (_elastic.rank, _elastic.size) if _elastic is not None else (world.rank, world.size))
         ending.use_meeting(Meeting(_elastic))
     return _elastic
 
@@ -316,25 +315,57 @@ def fall_back(launch: Launch, rank: int, why: str) -> None:
 def _join(store: Any, me: int, timeout: float, busy: float) -> Elastic:
     """A rank restarted into a running job: it asks to join, and the members admit it after their next step
     (:meth:`Elastic.admit`), the first of them sending it their state."""
-    store.append(JOIN, f"{me},")
     log.info("elastic: started again, this rank asks to join the others as member %d; they admit it after "
              "their next step", me)
     key = f"joined/{me}"
     began = time.monotonic()
-    while not store.check([key]):
-        if store.check([FINISHED]):
-            log.warning("elastic: the job finished before member %d could join; it leaves", me)
-            ending.leave(0)
-        if time.monotonic() - began > busy:
-            raise LeftOut(f"member {me} asked to join the elastic job and was not admitted within "
-                          f"AUTODIST_BUSY_TIMEOUT={busy:g} s: the others take no step (stuck, or busy alone)")
-        time.sleep(0.05)
-    generation = int(store.get(key).decode())
-    members = tuple(int(r) for r in store.get(f"{generation}/members").decode().split(",") if r)
-    sent = store.get(f"{generation}/state")  # before the group forms: the first member deletes it after
-    state = Elastic(store, me, members, timeout, busy, generation)
-    state.joined_with = sent
-    return state
+    while True:
+        store.append(JOIN, f"{me},")
+        while not store.check([key]):
+            if store.check([FINISHED]):
+                log.warning("elastic: the job finished before member %d could join; it leaves", me)
+                ending.leave(0)
+            if time.monotonic() - began > busy:
+                raise LeftOut(f"member {me} asked to join the elastic job and was not admitted within "
+                              f"AUTODIST_BUSY_TIMEOUT={busy:g} s: the others take no step (stuck, or busy alone)")
+            time.sleep(0.05)
+        generation = int(store.get(key).decode())
+        members = listed(store.get(f"{generation}/members").decode())
+        sent = store.get(f"{generation}/state")  # before the group forms: the first member deletes it after
+        try:
+            state = Elastic(store, me, members, timeout, busy, generation)
+        except Exception as exc:  # noqa: BLE001 - the admission failed (a member lost as the group formed)
+            store.delete_key(key)
+            log.warning("elastic: member %d's admission failed (%s); it asks again", me, _reason(exc, "group"))
+            continue
+        state.joined_with = sent
+        return state
+
+
+# The admission's writes, in order (Elastic.admit); the first member may die after any of them.
+def _send_state(store: Any, generation: int, blob: bytes) -> None:
+    """The state the joiners load (deleted once they formed the group with the members)."""
+    store.set(f"{generation}/state", blob)
+
+
+def _fix_members(store: Any, generation: int, members: list[int]) -> None:
+    """The next generation's members; the other members wait for it (a regroup if it never comes)."""
+    store.compare_set(f"{generation}/members", "", ",".join(map(str, members)))
+
+
+def _tell_joiners(store: Any, generation: int, joiners: list[int]) -> None:
+    """Each joiner's word: the generation it is a member of (it asks again if that group fails to form)."""
+    for rank in joiners:
+        store.set(f"joined/{rank}", str(generation))
+
+
+def _take_off(store: Any, ranks: list[int]) -> None:
+    """Remove ``ranks`` from the join list (a rank that asks meanwhile stays on it, for the next admission)."""
+    while ranks:
+        text = store.get(JOIN).decode()
+        rest = "".join(f"{r}," for r in listed(text) if r not in ranks)
+        if store.compare_set(JOIN, text, rest).decode() == rest:
+            return
 
 
 def current() -> Elastic | None:

@@ -18,6 +18,11 @@ from autodist.runtime.world import log
 FINISHED = "finished"  # a member reached the end of its script: a rank still waiting to join leaves
 
 
+def listed(text: str) -> tuple[int, ...]:
+    """The ranks of a list kept in the store ("3,5," -> (3, 5)), as the ranks append themselves to it."""
+    return tuple(int(r) for r in text.split(",") if r)
+
+
 def named(ranks: Any, word: str = "rank") -> str:
     """``ranks`` in words: "rank 2", "ranks 0, 1", "none"."""
     ranks = list(ranks)
@@ -80,7 +85,7 @@ class Meeting:
         self.beats: dict[int, tuple[int, float]] = {}  # member: (its heartbeat count, when it last moved)
 
     def _waiting_for(self) -> list[int]:
-        here = {int(r) for r in self.state.store.get("end").decode().split(",") if r}
+        here = set(listed(self.state.store.get("end").decode()))
         gone = self.state.gone()
         return [r for r in self.state.members if r not in here and r not in gone and not self._silent(r)]
 

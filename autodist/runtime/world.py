@@ -6,6 +6,7 @@ else in autodist receives a :class:`World` (or values taken from it) as an argum
 from __future__ import annotations
 
 import atexit
+from typing import Callable
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -121,7 +122,19 @@ def _adopt_existing_group(launch: Launch) -> World:
                  "the process group was started before autodist.init()")
 
 
+_members: Callable[[], tuple[int, int]] | None = None  # elastic: this rank's place among the ranks alive now
+
+
+def follow_members(place: Callable[[], tuple[int, int]]) -> None:
+    """Under ``autodist run --elastic``: :func:`rank` and :func:`world_size` answer from ``place()``, this rank's
+    index among the ranks alive now and their number (:mod:`autodist.faults.elastic` calls it once)."""
+    global _members
+    _members = place
+
+
 def _place() -> tuple[int, int]:
+    if _members is not None:
+        return _members()
     if _world is not None:
         return _world.rank, _world.size
     if dist.is_available() and dist.is_initialized():  # a process group started by hand
@@ -136,6 +149,9 @@ def rank() -> int:
     Before :func:`init` it comes from the launcher's environment (torchrun,
     Open MPI, MPICH / Intel MPI, Slurm's srun: the same reading as ``init``),
     so it is right where ``os.environ["RANK"]`` is missing (mpirun, srun).
+    Under ``autodist run --elastic`` it is this rank's place among the ranks
+    alive now (0 to ``world_size() - 1``): after a loss or a join exactly
+    one rank answers 0, the first of them.
 
     Example:
         >>> import autodist
@@ -146,7 +162,8 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    """How many ranks the job has (1 without a launcher); starts nothing. See :func:`rank`.
+    """How many ranks the job has (1 without a launcher); starts nothing. See :func:`rank`: under
+    ``autodist run --elastic``, how many are alive now.
 
     Example:
         >>> if autodist.rank() == 0:

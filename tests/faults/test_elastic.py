@@ -60,6 +60,8 @@ def test_the_ranks_left_finish_the_same_training(tmp_path, reference, kills, los
         assert f"rank {rank} ended (killed by SIGKILL); the other ranks go on" in proc.stderr
     assert f"finished with {3 - len(lost)} of 3 ranks" in proc.stderr
     assert "the step in flight was abandoned" in proc.stdout + proc.stderr
+    left = [rank for rank in range(3) if rank not in lost]  # autodist.rank(), world_size(): among those alive
+    assert [torch.load(tmp_path / f"out.{rank}")["place"] for rank in left] == [(i, len(left)) for i in range(len(left))]
     for rank in range(3):
         wrote = (tmp_path / f"out.{rank}").exists()
         assert wrote == (rank not in lost), (rank, proc.stderr[-2000:])
@@ -121,6 +123,7 @@ def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path):
         state = torch.load(tmp_path / f"out.{rank}")
         _same_training(state, reference)
         assert state["states_in_store"] == []  # the model and optimizer sent to the joiner left the store once read
+        assert state["place"] == (rank, 3)  # member 3, the joiner in slot 2, is the third of the ranks alive
     assert torch.load(tmp_path / "out.2")["taken"] < reference["taken"]  # it joined mid-run, from where the others were
 
 
@@ -291,3 +294,20 @@ def test_nanogpt_loses_a_rank_mid_backward_and_trains_as_one_process(tmp_path):
     assert "finished with 2 of 3 ranks" in said and "the step in flight was abandoned" in said, said[-3000:]
     one, elastic = torch.load(tmp_path / "one"), torch.load(tmp_path / "out")
     assert max(float((elastic[k] - one[k]).abs().max()) for k in one) <= 1e-10
+
+
+@pytest.mark.parametrize("write", ["state", "members", "joined", "takeoff"])
+def test_an_admission_interrupted_at_each_write_still_admits_the_rank(tmp_path, write):
+    """Rank 2 dies at step 3 and is started again to join; rank 0, admitting it, dies just before one of the
+    admission's writes. Before: the join list was cleared first, so the joiner polled for AUTODIST_BUSY_TIMEOUT
+    (or the members formed a group with a joiner that never learned it was admitted). Now every prefix of the
+    writes is recoverable: rank 1, first of the ranks left, admits it at a later step, and both end as one
+    process does."""
+    reference = _one_process(tmp_path, epochs=3)
+    proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", "3",
+                env={"STEP_S": "0.3", "EPOCH_S": "1.0", "ADMIT_DIE": write}, restarts=1)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    assert "rank 0 ended (killed by SIGKILL)" in said and "member 3 joined at a step boundary" in said, said[-3000:]
+    for rank in (1, 2):  # rank 2's slot: the rank started again, member 3
+        _same_training(torch.load(tmp_path / f"out.{rank}"), reference)
