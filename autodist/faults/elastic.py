@@ -93,12 +93,8 @@ class Elastic:
     def _group(self) -> dist.ProcessGroup:
         """The generation's gloo group, made from the store alone (not from the default group, which holds
         ranks that are gone and not ranks that joined since); member i is its rank i."""
-        store = dist.PrefixStore(f"{self.generation}/group", self.store)
-        backend = dist.ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=self.timeout))
-        group = dist.ProcessGroup(store, self.rank, self.size)
-        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-        return group
+        return gloo_group(dist.PrefixStore(f"{self.generation}/group", self.store), self.rank, self.size,
+                          self.timeout)
 
     def gone(self) -> set[int]:
         """The ranks the launcher saw end badly so far."""
@@ -297,6 +293,18 @@ def start(world: World, launch: Launch, timeout: float, busy: float) -> Elastic:
         follow_members(lambda: (_elastic.rank, _elastic.size) if _elastic is not None else (world.rank, world.size))
         ending.use_meeting(Meeting(_elastic))
     return _elastic
+
+
+def gloo_group(store: Any, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
+    """A gloo process group of ``size`` ranks met through ``store`` alone, outside torch's registry of groups
+    (``new_group`` needs every rank of the default group, which holds ranks that are gone). Built from torch's
+    private parts (``ProcessGroup._register_backend``): the one place that does, checked by
+    tests/faults/test_elastic_group.py on each torch version."""
+    backend = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
 
 
 def fall_back(launch: Launch, rank: int, why: str) -> None:
