@@ -127,11 +127,22 @@ def test_each_block_compiles_whole_and_trains_as_one_process(ranks, layout, orde
         block_ops = {"tanh", "add"} if layout == "shard-parameters-mp2" else BLOCK_OPS
         whole = [ops for ops in graphs if block_ops <= set(ops)]  # one graph holds a whole block
         assert whole, graphs
-        assert_close(got, want)
+        _same(got, want, layout)
 
 
 def test_a_model_compiled_before_pp_trains_as_one_process(ranks):
     """Compiled, then cut into stages: exact (dynamo counts graph breaks where it meets the stages' exchanges:
     the docs say to compile after parallelize)."""
     for _, _, got, want in ranks(2, _compiled, "pp2", "before"):
+        _same(got, want, "pp2")
+
+
+def _same(got: dict, want: dict, layout: str) -> None:
+    """float64 at its floor (1e-10); bfloat16 compute against the same layout uncompiled, at assert_close's
+    float32 defaults (the compiled graph may order bfloat16's roundings otherwise)."""
+    if LAYOUTS[layout][0] == "gpt-float":
         assert_close(got, want)
+        return
+    assert got.keys() == want.keys()
+    worst = max(float((got[k].double() - want[k].double()).abs().max()) for k in want)
+    assert worst <= 1e-10, worst
