@@ -4,11 +4,12 @@ Every rank's count of samples adding up to the global batch's is not enough: two
 different global batch add up too (a sampler that split the data parallelize returned again, a loop that skips
 a batch on one rank, a sampler seeded differently per rank). A batch the sharded DataLoader hands out carries
 a mark, the same on every rank that draws that global batch (:func:`autodist.dp.data.RankSliceBatchSampler`):
-each rank packs (1, m, m^2), m its step's mark modulo a small M, into three slots of the last bucket, and
-after the all-reduce every rank reads the same sums (K, S1, S2) and knows, all alike, whether the K ranks
-that know their batch agree: K S2 = S1^2 exactly when their m are equal (Cauchy-Schwarz). M keeps the sums
-exact integers in float32 (P M^2 < 2^24); two different batches with equal marks modulo M pass one step
-(1 in M), not the next ones. Ranks whose step had no sharded-loader batch pack zeros and are not compared.
+the mark's base-M digits d_1..d_4 (M small), each rank packs (1, d_1, d_1^2, ..., d_4, d_4^2) into nine slots
+of the last bucket, and after the all-reduce every rank reads the same sums (K, S1, S2 per digit) and knows,
+all alike, whether the K ranks that know their batch agree: K S2 = S1^2 exactly when their digits are equal
+(Cauchy-Schwarz). M keeps the sums exact integers in float32 (P M^2 < 2^24: M = 256 up to 256 ranks, the
+whole 32-bit mark); two different batches pass only where their marks agree modulo M^4 (1 in 2^32 up to 256
+ranks, 1 in 10^8 at 1,000). Ranks whose step had no sharded-loader batch pack zeros and are not compared.
 
 Example:
     >>> pack(region, mark=window.mark, ranks=2)    # before the all-reduce
@@ -22,7 +23,8 @@ import torch
 
 from autodist.dp.buckets import to_device
 
-SLOTS = 3  # the tail of the last bucket these take
+DIGITS = 4  # of the mark, base M
+SLOTS = 1 + 2 * DIGITS  # the tail of the last bucket these take
 
 
 def _modulus(ranks: int) -> int:
@@ -30,18 +32,20 @@ def _modulus(ranks: int) -> int:
 
 
 def pack(region: torch.Tensor, mark: int | None, ranks: int) -> None:
-    """Write this rank's (1, m, m^2), or zeros for a step without a mark, into ``region`` (``SLOTS`` numbers)."""
+    """Write this rank's (1, d, d^2 for each digit d of the mark), or zeros for a step without a mark, into
+    ``region`` (``SLOTS`` numbers)."""
     if mark is None:
         region.zero_()
         return
-    m = mark % _modulus(ranks)
-    region.copy_(to_device([1.0, m, m * m], region), non_blocking=True)
+    base = _modulus(ranks)
+    digits = [(mark // base ** i) % base for i in range(DIGITS)]
+    region.copy_(to_device([1.0, *(float(v) for d in digits for v in (d, d * d))], region), non_blocking=True)
 
 
 def check(region: torch.Tensor) -> None:
     """Raise, on every rank alike, if the summed ``region`` says the ranks that know their batch differ."""
-    known, first, second = region.tolist()
-    if known > 1 and known * second != first * first:
+    known, *sums = region.tolist()
+    if known > 1 and any(known * second != first * first for first, second in zip(sums[::2], sums[1::2])):
         raise RuntimeError(
             f"the data-parallel ranks are not on the same global batch at this step: {known:g} ranks trained on "
             f"batches the sharded DataLoader handed out, and they are parts of different global batches. Something "

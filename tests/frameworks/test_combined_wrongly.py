@@ -90,3 +90,6 @@ def test_the_batch_identity_check_compares_only_the_ranks_that_know_their_batch(
         same_batch.check(summed(0xDEADBEEF, 0xDEADBEEF + 1, None))
     with pytest.raises(RuntimeError, match="not on the same global batch"):
         same_batch.check(summed(*range(1, 4)))  # the middle rank's mark is the mean: all ranks still see it
+    for other in (0xDEADBEEF + 256, 0xDEADBEEF + (1 << 24)):  # equal modulo 256 (before: one step in 256 passed)
+        with pytest.raises(RuntimeError, match="not on the same global batch"):
+            same_batch.check(summed(0xDEADBEEF, other))
