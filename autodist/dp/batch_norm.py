@@ -23,7 +23,8 @@ about a millisecond each). The layer keeps its class; its forward
 is an instance attribute (``module.__dict__["forward"]``), set aside when the model is copied.
 
 Example:
-    >>> install(model, lambda: group, sync.backward_weight, lambda: False)   # parallelize does this
+    >>> install(model, lambda: group, sync.backward_weight, lambda: False,   # parallelize does this
+    ...         lambda t: shared_reduce.all_reduce(t, group, "sums"))
 """
 from __future__ import annotations
 
@@ -34,17 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autodist.layers import shared_reduce
 from autodist.runtime.position import waiting
 
 Weight = Callable[[], float]  # the share of the backward running now (0 for a stand-in)
 Rows = Callable[[], bool]  # whether the forward running now is a stand-in's
 Group = Callable[[], Any]  # the data-parallel group now (an elastic job's changes when it loses a rank)
-Sum = Callable[[torch.Tensor], None]  # sums a few numbers over that group in place
-
-
-def _shared_sum(group: Group) -> Sum:
-    return lambda t: shared_reduce.all_reduce(t, group(), "sums")
+Sum = Callable[[torch.Tensor], None]  # sums a few numbers over that group in place (the gradient sync's)
 
 
 class _Global(torch.autograd.Function):
@@ -86,11 +82,9 @@ class _Global(torch.autograd.Function):
         return dx, dweight, dbias, None, None, None, None
 
 
-def statistics(x: torch.Tensor, counts: bool, group: Any, sum_: Sum | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, float]:
+def statistics(x: torch.Tensor, counts: bool, group: Any, sum_: Sum) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The global batch's per-channel mean and (biased) variance, and its values per channel; ``counts``
-    False: this rank's rows count zero (a stand-in). Every rank of ``group`` must call it; ``sum_`` sums over it
-    (through shared memory where not given)."""
+    False: this rank's rows count zero (a stand-in). Every rank of ``group`` must call it; ``sum_`` sums over it."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     dims = [0] + list(range(2, x.dim()))
     c = x.shape[1]
@@ -104,7 +98,7 @@ def statistics(x: torch.Tensor, counts: bool, group: Any, sum_: Sum | None = Non
         mine[0], mine[1:1 + c] = n, mean
         mine[1 + c:] = (rows - mean.view([1, -1] + [1] * (x.dim() - 2))).square().sum(dims)
     with waiting("BatchNorm's global statistics (forward)"):
-        (sum_ or _shared_sum(lambda: group))(gathered)
+        sum_(gathered)
     counts_, means, m2s = gathered[:, :1], gathered[:, 1:1 + c], gathered[:, 1 + c:]
     total = float(counts_.sum())  # host sync on a GPU: the number of values normalized, for the backward
     mean = (counts_ * means).sum(0) / total
@@ -156,13 +150,13 @@ def layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def install(model: nn.Module, group: Group, share: Weight, stand_in: Rows, sum_: Sum | None = None) -> int:
+def install(model: nn.Module, group: Group, share: Weight, stand_in: Rows, sum_: Sum) -> int:
     """Give each BatchNorm layer of ``model`` the global batch's statistics; returns how many it has. ``group()``
-    is the data-parallel group at each call, and ``sum_`` sums over it (through shared memory where not given:
-    an elastic job's sync gives its own, which a lost rank does not break)."""
+    is the data-parallel group at each call, and ``sum_`` sums over it (the gradient sync's: through shared
+    memory on one machine; in an elastic job, one that a lost rank fails into the abandoned step)."""
     found = layers(model)
     for bn in found:
-        bn.__dict__["forward"] = GlobalForward(bn, group, sum_ or _shared_sum(group), share, stand_in)
+        bn.__dict__["forward"] = GlobalForward(bn, group, sum_, share, stand_in)
     return len(found)
 
 

@@ -342,9 +342,7 @@ class GradSync:
             shared_reduce.all_reduce(t, self.group, "sums")
         elif self.failed is None:  # a rank lost: the window's sync abandons the step, and this sum is moot
             try:
-                work = dist.all_reduce(t, group=self.group, async_op=True)
-                self.elastic.wait_for([work])  # or until a rank that saw the loss gave the window's sync up
-                work.wait()
+                self.elastic.sum_(t)  # or raises once a rank that saw the loss gave the window's sync up
             except Exception as exc:  # noqa: BLE001 - a peer's connection reset, or the group's timeout
                 self.failed = exc
 

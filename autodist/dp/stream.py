@@ -126,7 +126,7 @@ class StreamShard(DataLoader):
         super().__init__(source.dataset, batch_size=None)  # never iterated itself: ``source`` is
         self.source, self.rank, self.size, self.dim, self.watch_key = source, rank, size, dim, key
         self.position = Position([source.generator])
-        self.resuming: Resuming | None = None  # elastic: what the next fresh() passes over
+        self.resuming: Resuming | None = None  # what the next _fresh() passes over
         self.latest_shares: deque[BatchShare] = deque()
         self.marks: list[int | None] = []  # elastic: the epoch's batches so far, to check a reading again
 
@@ -138,14 +138,14 @@ class StreamShard(DataLoader):
         if elastic.current() is not None:  # the ranks left after a lost one take the abandoned batches again
             self.marks = []
             return elastic_data.epoch(self, self, self._fresh, steps, -1)
-        resuming = self.position.begin()
+        self.resuming = self.position.begin()
         epoch = self.position.epoch
         watchdog.epoch_begins(self.watch_key, epoch, steps, -1)
-        shares: deque[BatchShare] = deque()
-        return handed_over(self._slices(shares, resuming), shares, (self.watch_key, epoch, steps, -1), self.position)
+        batches = self._fresh()
+        return handed_over(batches, self.latest_shares, (self.watch_key, epoch, steps, -1), self.position)
 
     def _fresh(self) -> Iterator[Any]:
-        """The stream from the epoch's start as ``rank``, ``size`` and ``resuming`` are set now (elastic)."""
+        """The stream from the epoch's start as ``rank``, ``size`` and ``resuming`` are set now."""
         self.latest_shares = deque()
         resuming, self.resuming = self.resuming, None
         return self._slices(self.latest_shares, resuming)

@@ -173,6 +173,13 @@ class Elastic:
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
 
+    def sum_(self, t: torch.Tensor) -> None:
+        """``t`` summed in place over this generation's group; raises where a member was lost before or during
+        it, or another rank gave the sync up (the caller decides what becomes of the step)."""
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        self.wait_for([work])
+        work.wait()
+
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """``t`` summed over the ranks alive together, under the sync's rules (every member calls it where it
         would call a collective, e.g. ``engine.Metrics.reduce``): agreed on as a sync is; where it fails (a
@@ -186,9 +193,7 @@ class Elastic:
         while True:
             summed, failed = t.clone(), None
             try:
-                work = dist.all_reduce(summed, group=self.group, async_op=True)
-                self.wait_for([work])
-                work.wait()
+                self.sum_(summed)
             except Exception as exc:  # noqa: BLE001 - a peer's connection reset, or the group's timeout
                 failed = exc
             agreed = self.agree(failed is None)

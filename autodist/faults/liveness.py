@@ -29,6 +29,21 @@ def named(ranks: Any, word: str = "rank") -> str:
     return "none" if not ranks else f"{word}{'s' if len(ranks) > 1 else ''} " + ", ".join(map(str, ranks))
 
 
+class Heartbeats:
+    """When each rank's heartbeat (``beat/{rank}`` in the store) last moved, as this rank has looked."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.moved: dict[int, tuple[int, float]] = {}  # rank: (its count, when it last moved)
+
+    def still(self, rank: int, now: float) -> float:
+        """Seconds the count of ``rank`` has not moved by ``now`` (0 at the first look)."""
+        count = self.store.add(f"beat/{rank}", 0)
+        if self.moved.get(rank, (None, 0.0))[0] != count:
+            self.moved[rank] = (count, now)
+        return now - self.moved[rank][1]
+
+
 class Alive:
     """Which missing members of a regroup are still waited for: a rank whose heartbeat goes on (alive in its own
     code: evaluating or saving alone) up to ``AUTODIST_BUSY_TIMEOUT``, a silent one up to ``AUTODIST_TIMEOUT``."""
@@ -36,19 +51,15 @@ class Alive:
     def __init__(self, store: Any, timeout: float, busy: float) -> None:
         self.store, self.timeout, self.busy = store, timeout, busy
         self.began = self.looked = self.said = time.monotonic()
-        self.beats: dict[int, tuple[int, float]] = {}  # rank: (its count, when it last moved)
+        self.beats = Heartbeats(store)
 
     def given_up(self, missing: list[int], generation: int, speaks: bool) -> bool:
         """Whether to stop waiting for ``missing``; ``speaks``: this rank says, once a minute, who is waited for."""
         now = time.monotonic()
-        if now - self.looked < 0.5 and self.beats:
+        if now - self.looked < 0.5 and self.beats.moved:
             return False
         self.looked = now
-        for rank in missing:
-            count = self.store.add(f"beat/{rank}", 0)
-            if self.beats.get(rank, (None, 0.0))[0] != count:
-                self.beats[rank] = (count, now)
-        busy = [r for r in missing if now - self.beats[r][1] <= self.timeout]
+        busy = [r for r in missing if self.beats.still(r, now) <= self.timeout]
         if not busy:
             return now - self.began > self.timeout
         if now - self.began > self.busy:
@@ -82,7 +93,7 @@ class Meeting:
 
     def __init__(self, state: Any) -> None:  # an autodist.faults.elastic.Elastic
         self.state = state
-        self.beats: dict[int, tuple[int, float]] = {}  # member: (its heartbeat count, when it last moved)
+        self.beats = Heartbeats(state.store)
 
     def _waiting_for(self) -> list[int]:
         here = set(listed(self.state.store.get("end").decode()))
@@ -92,11 +103,7 @@ class Meeting:
     def _silent(self, rank: int) -> bool:
         """Whether ``rank``'s heartbeat has been still for ``AUTODIST_TIMEOUT``: frozen (stopped, or its host cut
         off), as a regroup judges it; the launcher stops its process."""
-        now = time.monotonic()
-        count = self.state.store.add(f"beat/{rank}", 0)
-        if self.beats.get(rank, (None, 0.0))[0] != count:
-            self.beats[rank] = (count, now)
-        return now - self.beats[rank][1] > self.state.timeout
+        return self.beats.still(rank, time.monotonic()) > self.state.timeout
 
     def arrive(self) -> None:
         self.state.store.set(FINISHED, "1")
