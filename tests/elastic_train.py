@@ -12,7 +12,9 @@ bucket_mb and first_bucket_mb (small: the gradients travel in several buckets, t
 rank that finishes writes OUT.<rank>: its parameters, the optimizer's state, the learning rate, the batches its loop took
 and each epoch's metrics. Run in one process (no launcher) it is the reference. BATCHNORM=1 puts a BatchNorm in
 the model; BATCHNORM=nosync also parallelizes it with sync_buffers=False. ADMIT_DIE=WRITE: rank 0 dies just
-before that write of the first admission of a rank that joins (see _dies_before).
+before that write of the first admission of a rank that joins (see _dies_before). JOIN_AT=N: the ranks that
+started together wait at their N-th iteration until a rank started again to join has begun (OUT.joining), so
+that it asks while they still have steps to take, however slowly it starts.
 """
 import os
 import signal
@@ -62,7 +64,17 @@ def _dies_before(write: str) -> None:
     setattr(elastic, name, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
 
 
+def _wait_for_a_joiner(out: str) -> None:
+    """JOIN_AT: the job does not end before the rank started again has begun (a slow start is not a failure)."""
+    waited = time.monotonic()
+    while not os.path.exists(f"{out}.joining"):
+        assert time.monotonic() - waited < 120, "no rank was started again to join"
+        time.sleep(0.05)
+
+
 def main(out: str, kills: str, epochs: int) -> None:
+    if os.environ.get("AUTODIST_ELASTIC_JOIN"):
+        open(f"{out}.joining", "w").close()
     torch.manual_seed(5)
     net, data = autodist.parallelize(model(), loader(), sync_buffers=os.environ.get("BATCHNORM") != "nosync",
                                      bucket_mb=float(os.environ.get("BUCKET_MB", "25")),
@@ -83,6 +95,8 @@ def main(out: str, kills: str, epochs: int) -> None:
             time.sleep(float(os.environ.get("EPOCH_S", "0")))
         for x, y in data:
             die = next((where for s, where in mine if s == taken), None)
+            if not joining and taken == int(os.environ.get("JOIN_AT", "-1")):
+                _wait_for_a_joiner(out)
             taken += 1
             opt.zero_grad()
             out_ = net(x)

@@ -113,8 +113,8 @@ def test_a_restarted_rank_joins_and_the_three_train_the_same(tmp_path):
     # does, over 3 epochs whose orders the global generator draws (the others come late to each epoch, so that
     # the joining rank draws the next order first)
     reference = _one_process(tmp_path, epochs=3)
-    proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", "3", env={"STEP_S": "0.3", "EPOCH_S": "1.0"},
-                restarts=1)
+    proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", "3", restarts=1,
+                env={"STEP_S": "0.3", "EPOCH_S": "1.0", "JOIN_AT": "6"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert "rank 2 ended (killed by SIGKILL); restarted (1 of 1), it joins the others after their next step" in said
@@ -305,7 +305,7 @@ def test_an_admission_interrupted_at_each_write_still_admits_the_rank(tmp_path, 
     process does."""
     reference = _one_process(tmp_path, epochs=3)
     proc = _run(tmp_path, str(tmp_path / "out"), "2:3:between", "3",
-                env={"STEP_S": "0.3", "EPOCH_S": "1.0", "ADMIT_DIE": write}, restarts=1)
+                env={"STEP_S": "0.3", "EPOCH_S": "1.0", "JOIN_AT": "6", "ADMIT_DIE": write}, restarts=1)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
     assert "rank 0 ended (killed by SIGKILL)" in said and "member 3 joined at a step boundary" in said, said[-3000:]
