@@ -149,7 +149,9 @@ class RankSliceBatchSampler(Sampler[list]):
         batches = iter(self.batch_sampler)
         if resuming is not None and resuming.drawn and resuming.skip == 0:  # the sampler draws at its first batch:
             batches = itertools.chain([next(batches)], batches)  # now, on the epoch's generators, as it did
-        start = 0 if resuming is None else pass_over(batches, resuming)  # indices only: no sample is loaded
+        start = 0
+        if resuming is not None:  # indices only: no sample is loaded
+            start = pass_over(batches, resuming, lambda indices, number: _mark(list(indices), number))
         for number, batch in enumerate(batches, start):
             batch = list(batch)
             lo, hi = slice_bounds(len(batch), self.rank, self.size)
@@ -191,7 +193,7 @@ class ShardedLoader(DataLoader):
         samples = len(self.dataset)  # type: ignore[arg-type]
         if elastic.current() is not None:  # the ranks left after a lost one take the abandoned batches again
             return elastic_data.epoch(self, self.batch_sampler, super().__iter__, steps, samples)
-        resuming = self.position.begin()
+        resuming = self.position.begin(samples)
         self.batch_sampler.resuming = resuming  # type: ignore[union-attr]
         batches = super().__iter__()
         epoch = self.position.epoch

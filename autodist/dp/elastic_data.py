@@ -55,14 +55,14 @@ def epoch(loader: Any, split: Any, fresh: Callable[[], Iterator[Any]], steps: in
         raise RuntimeError("elastic_data.epoch runs in an elastic job only (autodist run --elastic)")
     position, sampler = loader.position, split
     joining.settle(loader.elastic_model())  # a rank that joined: its optimizers take the members' state now
-    resuming = position.begin()
+    resuming = position.begin(samples if samples >= 0 else None)
     number, began = position.epoch, dict(position.began)
     order: ElasticOrder | None = getattr(loader, "order", None)
     if order is not None:
         if number >= KEPT_EPOCHS:
             state.store.delete_key(f"order/{loader.watch_key}/{number - KEPT_EPOCHS}")
         order.key = f"{loader.watch_key}/{number}"
-    at_commit = position.taken  # the batches every applied sync covers
+    at_commit, digest = position.taken, position.digest  # the batches every applied sync covers
     while True:
         sampler.resuming, sampler.rank, sampler.size = resuming, state.rank, state.size
         generation, seen = state.generation, state.committed
@@ -76,7 +76,7 @@ def epoch(loader: Any, split: Any, fresh: Callable[[], Iterator[Any]], steps: in
                 since.append(share.batch)
             yield batch
             if state.committed > seen and state.generation == generation:
-                at_commit = position.taken  # every batch so far is in an applied step
+                at_commit, digest = position.taken, position.digest  # every batch so far is in an applied step
                 since = []
             seen = state.committed
             if state.admitting:  # ranks wait to join: at this step boundary, with the state they need
@@ -89,7 +89,7 @@ def epoch(loader: Any, split: Any, fresh: Callable[[], Iterator[Any]], steps: in
         batches.close()
         if not regrouped:
             return
-        position.pending = {"epoch": number, "taken": at_commit, **began}
+        position.pending = {"epoch": number, "taken": at_commit, **began, "digest": digest}
         resuming = position.begin()
         if resuming is not None:
             resuming.drawn = True  # the order was drawn in this epoch already, before the generators as they are

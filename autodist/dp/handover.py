@@ -45,7 +45,7 @@ def handed_over(batches: Iterator[Any], shares: deque[BatchShare], epoch: tuple[
             provenance.register_batch(batch, share)
             provenance.announce(share, batch)
             step += 1
-            place.took()
+            place.took(share.mark)
             position.record.batch(share.batch, (number, step, steps))
             yield batch
         watchdog.data_ended(key, number, step, samples)  # raises if another rank has more steps

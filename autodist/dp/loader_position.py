@@ -9,6 +9,13 @@ are passed over (by index for a map-style dataset: no sample is loaded; a stream
 the global generator is then set back to what ``load`` restored. From there every rank takes its part of the
 batches an uninterrupted run takes next, at any number of ranks.
 
+A resume checks the data it passes over: the position holds a digest of the epoch's global batches taken (a
+CRC-32 over their marks, each a CRC-32 of a batch's sample indices or of a stream batch's tensors: the mark
+:mod:`autodist.dp.same_batch` compares) and the map-style dataset's length. Read again, the batches passed over
+must give the same digest, and the dataset have the same length: otherwise the data changed since the save (files appended or reordered, a shuffle seeded
+from the time) and the resumed run would silently go on elsewhere than the one that saved. That is an error
+naming both, or with ``AUTODIST_RESUME_ANY_DATA=1`` a warning, the run going on from the same batch number.
+
 Example:
     >>> model, loader = autodist.parallelize(model, loader)
     >>> autodist.save("ckpt.pt", model, optimizer, step=37)      # in the epoch's loop, after 37 batches
@@ -18,8 +25,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
+import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -34,6 +42,8 @@ class Resuming:
     skip: int
     then: torch.Tensor
     drawn: bool = False  # the epoch's order was drawn before ``then`` was taken: draw it before putting it back
+    digest: int | None = None  # of the batches passed over, as the saving run took them (None: unknown)
+    epoch: int = 0
 
 
 class Position:
@@ -47,23 +57,31 @@ class Position:
         self.epoch, self.taken, self.ended = -1, 0, True
         self.began: dict[str, Any] = {}
         self.pending: dict[str, Any] | None = None
+        self.digest: int | None = 0  # of the epoch's batches taken (None: a batch had no mark)
+        self.length: int | None = None  # the map-style dataset's, as the epoch began
 
-    def begin(self) -> Resuming | None:
-        """An epoch begins (the loader's ``__iter__``): its number, and what to pass over where it resumes one."""
+    def begin(self, length: int | None = None) -> Resuming | None:
+        """An epoch begins (the loader's ``__iter__``; ``length``: its dataset's, where it has one): its number,
+        and what to pass over where it resumes one."""
         saved, self.pending = self.pending, None
         if saved is None:
-            self.epoch, self.taken, self.ended = self.epoch + 1, 0, False
+            self.epoch, self.taken, self.ended, self.digest, self.length = self.epoch + 1, 0, False, 0, length
             self.began = {"rng": torch.get_rng_state(), "generators": [g.get_state() for g in self.generators]}
             return None
-        self.epoch, self.taken, self.ended = saved["epoch"], saved["taken"], False
+        self.epoch, self.taken, self.ended, self.digest = saved["epoch"], saved["taken"], False, saved.get("digest")
+        self.length = length
+        if saved.get("length") is not None and length is not None and saved["length"] != length:
+            changed(f"its dataset held {saved['length']} samples when the checkpoint was saved and holds {length} "
+                    f"now", self.epoch, self.taken)
         self.began = {"rng": saved["rng"], "generators": saved["generators"]}
         then = torch.get_rng_state()
         torch.set_rng_state(saved["rng"])
         self._set(saved["generators"])
-        return Resuming(self.taken, then)
+        return Resuming(self.taken, then, digest=self.digest, epoch=self.epoch)
 
-    def took(self) -> None:
+    def took(self, mark: int | None = None) -> None:
         self.taken += 1
+        self.digest = digest(self.digest, mark)
 
     def end(self) -> None:
         self.ended = True
@@ -75,7 +93,7 @@ class Position:
         if self.ended or self.epoch < 0:
             return {"epoch": self.epoch + 1, "taken": 0, "rng": None,
                     "generators": [g.get_state() for g in self.generators]}
-        return {"epoch": self.epoch, "taken": self.taken, **self.began}
+        return {"epoch": self.epoch, "taken": self.taken, **self.began, "digest": self.digest, "length": self.length}
 
     def load(self, state: dict[str, Any]) -> None:
         if state["rng"] is not None:  # in an epoch: its next __iter__ resumes it
@@ -93,12 +111,43 @@ class Position:
             g.set_state(state)
 
 
-def pass_over(batches: Iterator[Any], resuming: Resuming) -> int:
-    """Take the first ``resuming.skip`` items of ``batches`` (fewer where it ends), then put the global generator
-    back as ``load`` left it; the number of the next item."""
-    taken = sum(1 for _ in itertools.islice(batches, resuming.skip))
+def digest(so_far: int | None, mark: int | None) -> int | None:
+    """The epoch's digest ``so_far`` with one more batch, of ``mark`` (None, for either: unknown)."""
+    return None if so_far is None or mark is None else zlib.crc32(mark.to_bytes(4, "little"), so_far)
+
+
+def pass_over(batches: Iterator[Any], resuming: Resuming, mark: Callable[[Any, int], int | None]) -> int:
+    """Take the first ``resuming.skip`` items of ``batches``, check their digest of ``mark(item, number)`` against
+    the saving run's (see the module docstring), then put the global generator back as ``load`` left it; the
+    number of the next item."""
+    taken, now = 0, 0
+    for number, item in enumerate(itertools.islice(batches, resuming.skip)):
+        taken, now = number + 1, digest(now, mark(item, number))
+    if taken < resuming.skip:
+        changed(f"it has {taken} batches now, and the checkpoint was saved after {resuming.skip}", resuming.epoch,
+                resuming.skip)
+    elif resuming.digest is not None and now is not None and now != resuming.digest:
+        changed(f"its first {taken} batches read again are not the ones the checkpoint's run took (digests "
+                f"{now:08x} and {resuming.digest:08x}, over each batch's CRC-32 of its sample indices or of a "
+                f"stream's tensors)", resuming.epoch, resuming.skip)
     torch.set_rng_state(resuming.then)
     return taken
+
+
+def changed(what: str, epoch: int, taken: int) -> None:
+    """The data a resume passes over differs from the checkpoint's: raise, or where AUTODIST_RESUME_ANY_DATA=1
+    is set, warn."""
+    from autodist.runtime.environment import resume_any_data
+    from autodist.runtime.world import log
+
+    said = (f"resuming a loader in its epoch {epoch} after {taken} batches, as the checkpoint holds: {what}. The "
+            f"data or its order changed since the save (files added, removed or reordered, a shuffle seeded from "
+            f"the time or per run), so going on from batch {taken + 1} would not take the batches the saving run "
+            f"took next")
+    if not resume_any_data():
+        raise RuntimeError(f"{said}. Resume with the data as it was, or set AUTODIST_RESUME_ANY_DATA=1 to go on "
+                           f"from batch {taken + 1} of the data as it is now (docs/checkpoints.md)")
+    log.warning("%s; going on from there, as AUTODIST_RESUME_ANY_DATA=1 asks", said)
 
 
 def _distinct(generators: Iterable[Any]) -> list[torch.Generator]:

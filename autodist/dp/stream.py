@@ -163,12 +163,12 @@ class StreamShard(DataLoader):
             if keeping:
                 batches = self._same_again(batches, self.marks[:resuming.skip])
                 del self.marks[resuming.skip:]
-            pass_over(batches, resuming)
+            pass_over(batches, resuming, lambda batch, number: mark(batch))
         for batch in batches:
             if self.size == 1:  # one process: the batch as the loader made it, counted for the position
+                shares.append(BatchShare(1, 1, provenance.new_batch_id(), mark(batch), None))  # for a resume
                 if keeping:
-                    self.marks.append(mark(batch))
-                shares.append(BatchShare(1, 1, provenance.new_batch_id(), None, None))
+                    self.marks.append(shares[-1].mark)
                 yield batch
                 continue
             n = batch_size(batch, self.dim)

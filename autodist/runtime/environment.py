@@ -244,6 +244,22 @@ def shared_memory_allowed(env: Mapping[str, str] = os.environ) -> bool:
     return text == "1"
 
 
+def resume_any_data(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a resumed loader goes on where the data it passes over is not what the checkpoint's run took:
+    ``AUTODIST_RESUME_ANY_DATA``, 0 (the default: an error) or 1 (a warning, and the run goes on from the same
+    batch number of the data as it is now).
+
+    Example:
+        >>> resume_any_data({"AUTODIST_RESUME_ANY_DATA": "1"})
+        True
+    """
+    text = env.get("AUTODIST_RESUME_ANY_DATA", "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"AUTODIST_RESUME_ANY_DATA={text!r}: give 0 (a resume whose data changed since the save "
+                         f"is an error, the default) or 1 (it warns and goes on from the same batch number)")
+    return text == "1"
+
+
 def launch() -> Launch:
     """This process's launch, from its environment (:func:`detect_launch` of ``os.environ``)."""
     return detect_launch(os.environ)

@@ -252,3 +252,103 @@ def test_a_hugging_face_dataset_is_split_by_its_own_shard_and_stays_one(ranks):
 
     assert isinstance(autodist.parallelize(torch.nn.Linear(4, 1), _hugging_face(False))[1], datasets.Dataset)
     assert ranks(3, _ids_of_a_hugging_face_dataset) == [list(range(r, SAMPLES, 3)) for r in range(3)]  # strided
+
+
+# -- a resume checks the data it passes over ------------------------------------------------------------------
+
+class PerRunOrder(torch.utils.data.Sampler):
+    """A shuffle drawn from a generator the sampler makes itself, seeded per run (as from the time): the
+    checkpoint cannot carry it."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Shards(IterableDataset):
+    """A stream over files read in the order given: (features, target, id)."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def __iter__(self):
+        x, y = _data()
+        for shard in self.order:
+            for i in range(shard * 100, min(SAMPLES, shard * 100 + 100)):
+                yield x[i], y[i], i
+
+
+def _changed(variant: str, saving: bool) -> DataLoader:
+    """The loader of the run that saves (``saving``) and of the one that resumes, whose data ``variant`` changed."""
+    x, y = _data()
+    if variant == "appended":  # samples added at the end of a map-style dataset
+        n = SAMPLES if saving else SAMPLES + 16
+        x, y = torch.cat([x, x[:16]])[:n], torch.cat([y, y[:16]])[:n]
+        return DataLoader(TensorDataset(x, y, torch.arange(n)), batch_size=BATCH, shuffle=True)
+    if variant == "per-run-seed":
+        return DataLoader(TensorDataset(x, y, torch.arange(SAMPLES)), batch_size=BATCH,
+                          sampler=PerRunOrder(SAMPLES, 1 if saving else 2))
+    if variant == "reordered":  # a stream's files listed in another order
+        return DataLoader(Shards(list(range(11)) if saving else [1, 0, *range(2, 11)]), batch_size=BATCH)
+    if variant == "shorter":  # a stream that lost most of its files
+        return DataLoader(Shards(list(range(11)) if saving else [0]), batch_size=BATCH)
+    return DataLoader(Shards(list(range(11))), batch_size=BATCH)  # "same"
+
+
+def _resumed_on_changed_data(variant: str, path: str, saving: bool) -> str | list[list[int]]:
+    """Stopped at step STOP and saved; or resumed on the changed data: the ids of the steps it took, or the
+    error it raised."""
+    model, loader = autodist.parallelize(torch.nn.Linear(4, 1).double(), _changed(variant, saving))
+    if not saving:
+        autodist.load(path, model)
+    seen = []
+    try:
+        for step, (x, y, ids) in enumerate(loader, 1):
+            seen.append(ids.tolist())
+            if saving and step == STOP:
+                autodist.save(path, model)
+                break
+    except RuntimeError as error:
+        return str(error)
+    return seen
+
+
+@pytest.mark.parametrize("variant, said", [
+    ("appended", "its dataset held 1003 samples when the checkpoint was saved and holds 1019 now"),
+    ("per-run-seed", "its first 37 batches read again are not the ones the checkpoint's run took"),
+    ("reordered", "its first 37 batches read again are not the ones the checkpoint's run took"),
+    ("shorter", "it has 7 batches now, and the checkpoint was saved after 37")])
+def test_a_resume_on_changed_data_names_what_changed(ranks, tmp_path, variant, said):
+    """Before: the resumed run passed over 37 batches of whatever the data had become and went on silently
+    elsewhere than the run that saved. Saved at 2 ranks, resumed at 3."""
+    path = os.fspath(tmp_path / "ckpt.pt")
+    ranks(2, _resumed_on_changed_data, variant, path, True)
+    for got in ranks(3, _resumed_on_changed_data, variant, path, False):
+        assert isinstance(got, str) and said in got and "AUTODIST_RESUME_ANY_DATA=1" in got, got
+
+
+def _resumed_anyway(path: str) -> tuple[list[list[int]], list[list[int]]]:
+    os.environ["AUTODIST_RESUME_ANY_DATA"] = "1"
+    try:
+        return _resumed_on_changed_data("reordered", path, False), _resumed_on_changed_data("same", path, False)
+    finally:
+        del os.environ["AUTODIST_RESUME_ANY_DATA"]
+
+
+def test_resume_any_data_goes_on_from_the_same_batch_number_and_says_so(ranks, tmp_path, caplog):
+    path = os.fspath(tmp_path / "ckpt.pt")
+    _resumed_on_changed_data("same", path, True)  # one process saves
+    with caplog.at_level("WARNING", logger="autodist"):
+        reordered, same = _resumed_anyway(path)
+    said = [r.getMessage() for r in caplog.records if "AUTODIST_RESUME_ANY_DATA=1 asks" in r.getMessage()]
+    assert len(said) == 1 and "are not the ones the checkpoint's run took" in said[0], said  # the same: no word
+    changed_ids = [ids.tolist() for _, _, ids in _changed("reordered", False)]
+    assert reordered == changed_ids[STOP:]  # batch 38 on of the data as it is now
+    assert same == [ids.tolist() for _, _, ids in _changed("same", False)][STOP:]
+    on_ranks = ranks(2, _resumed_anyway, path)
+    assert _joined([r for r, _ in on_ranks]) == changed_ids[STOP:] and _joined([s for _, s in on_ranks]) == same
