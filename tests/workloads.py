@@ -95,6 +95,25 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def update_error(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                 initial: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor, how far ``state``'s update (its change from ``initial``) is from ``reference``'s, relative to
+    the reference's (L2 norms, in float64): 0 is the same update, 1 no update at all (an untrained tensor, or
+    one whose gradient was dropped); a tensor the reference leaves alone counts 0 if ``state`` does too."""
+    out = {}
+    for name, start in initial.items():
+        moved = (reference[name].double() - start.double()).norm().item()
+        off = (state[name].double() - reference[name].double()).norm().item()
+        out[name] = off / moved if moved else (0.0 if off == 0 else float("inf"))
+    return out
+
+
+def norm_parameters(model: nn.Module) -> set[str]:
+    """The names of the parameters held by normalization layers (LayerNorm, RMSNorm, BatchNorm1d, ...)."""
+    return {f"{m}.{p}" if m else p for m, module in model.named_modules() if "Norm" in type(module).__name__
+            for p, _ in module.named_parameters(recurse=False)}
+
+
 def loader(x: torch.Tensor, y: torch.Tensor, batch: int, shuffle: bool = True, seed: int = 3, **kw) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=shuffle,
                       generator=torch.Generator().manual_seed(seed), **kw)

@@ -1,7 +1,8 @@
 """``parallelize(..., mixed_precision="bf16")``: float32 master weights, forward and backward in a lower precision.
 
-The meaning is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` and Lightning's
-``"bf16-mixed"`` master, defined module by module so that the same option in one process is the reference:
+The meaning is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` (every op of a module in
+the compute dtype, norms included: not autocast's per-op choice, which is Lightning's ``"bf16-mixed"``), defined
+module by module so that the same option in one process is the reference:
 
 * the parameters stay as they are (float32: the master the optimizer steps, ``.grad`` float32, a checkpoint
   holds them);
