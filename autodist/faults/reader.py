@@ -53,7 +53,8 @@ class Digest:
     unfinished_count: int = 0
     first_ended: int | None = None  # the lowest rank that reached the end of its script
     lost: list[int] | None = field(default_factory=list)  # ranks not alive (None: more than NAMED)
-    left: list[int] = field(default_factory=list)  # ranks a parameter-server mode declared gone
+    left: list[int] = field(default_factory=list)  # the lowest ranks a parameter-server mode declared gone
+    left_count: int = 0  # all of them
     ended: bool = False  # every rank ended its script, failed, or fell silent for AUTODIST_TIMEOUT
 
     def dumps(self) -> str:
@@ -239,6 +240,6 @@ class Reader:
             say=self.say, gone=dict(list(gone(statuses).items())[:4]), silent=dict(list(quiet.items())[:NAMED]),
             unfinished=unfinished[:NAMED], unfinished_count=len(unfinished),
             first_ended=next((r for r, s in sorted(statuses.items()) if s is not None and s.state == "exited"), None),
-            lost=lost if len(lost) <= NAMED else None, left=sorted(self.left),
+            lost=lost if len(lost) <= NAMED else None, left=sorted(self.left)[:NAMED], left_count=len(self.left),
             ended=all(s is not None and s.state != "running" or silent.get(r, 0.0) >= self.timeout
                       for r, s in statuses.items()))

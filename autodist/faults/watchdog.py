@@ -381,7 +381,8 @@ class Watchdog:
 
     def _wait_for(self, word: str, seconds: float) -> None:
         """Until every other rank still alive (as the last digest has them) has set its key ``word`` (``seconds``
-        at most); one request a look, whatever the number of ranks."""
+        at most: where more ranks left than the digest names, for all of it); one request a look, whatever the
+        number of ranks."""
         digest = self.digest
         lost = set(digest.lost or ()) | set(digest.left) if digest is not None else set()
         keys = [f"{word}/{r}" for r in range(self.size) if r != self.rank and r not in lost]
@@ -631,24 +632,33 @@ def on_data_end(listener: Any) -> None:
 
 # -- the loader's epochs -----------------------------------------------------------------------------
 
+def _epoch_key(loader: str, epoch: int) -> str:
+    """Two keys a loader, whatever its epochs (an evaluation loader run every K steps has many): epoch E uses
+    slot E mod 2, and its value names E, so that ranks one epoch apart do not mix theirs."""
+    return f"epoch/{loader}/{epoch % 2}"
+
+
 def epoch_begins(loader: str, epoch: int, steps: int, samples: int) -> None:
     """A sharded loader starts an epoch of ``steps`` batches: tell the other ranks (once an epoch), as the
-    longest epoch any rank has: a key per epoch, raised by compare-and-set, a few requests whatever the ranks."""
+    longest epoch any rank has: a key per loader and epoch parity, raised by compare-and-set, a few requests
+    whatever the ranks."""
     dog = _watchdog
     if dog is not None:
-        dog.keep_books(lambda: _raise_to(dog.store, f"epoch/{loader}/{epoch}", steps, dog.rank, samples))
+        dog.keep_books(lambda: _raise_to(dog.store, _epoch_key(loader, epoch), epoch, steps, dog.rank, samples))
 
 
-def _raise_to(store: Any, key: str, steps: int, rank: int, samples: int) -> None:
-    """Key ``key`` holds the most steps any rank has (the lowest such rank, and its samples)."""
-    mine, seen = f"{steps} {rank} {samples}", ""
+def _raise_to(store: Any, key: str, epoch: int, steps: int, rank: int, samples: int) -> None:
+    """Key ``key`` holds the most steps any rank has in epoch ``epoch`` (the lowest such rank, and its samples);
+    a value of an earlier epoch is replaced, one of a later epoch (this rank is behind) left."""
+    mine, seen = f"{epoch} {steps} {rank} {samples}", ""
     while True:
         now = store.compare_set(key, seen, mine).decode()
-        if now == mine or not now:
+        if now == mine:
             return
-        their_steps, their_rank, _ = map(int, now.split())
-        if (their_steps, -their_rank) >= (steps, -rank):
-            return
+        if now:
+            their_epoch, their_steps, their_rank, _ = map(int, now.split())
+            if their_epoch > epoch or their_epoch == epoch and (their_steps, -their_rank) >= (steps, -rank):
+                return
         seen = now
 
 
@@ -661,11 +671,11 @@ def data_ended(loader: str, epoch: int, steps: int, samples: int) -> None:
     dog = _watchdog
     if dog is None:
         return
-    key = f"epoch/{loader}/{epoch}"
+    key = _epoch_key(loader, epoch)
     most = dog.keep_books(lambda: dog.store.get(key) if dog.store.check([key]) else b"")
     if most:
-        their_steps, rank, their_samples = map(int, most.decode().split())
-        if their_steps > steps and rank != dog.rank:
+        their_epoch, their_steps, rank, their_samples = map(int, most.decode().split())
+        if their_epoch == epoch and their_steps > steps and rank != dog.rank:
             raise ValueError(
                 f"rank {dog.rank}'s data ended after batch {steps} of epoch {epoch}, but rank {rank}'s has "
                 f"{their_steps} batches (its DataLoader's dataset holds {their_samples} samples, this rank's "

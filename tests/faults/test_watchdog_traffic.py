@@ -157,8 +157,49 @@ def test_the_longest_epoch_is_kept_in_one_key():
     ranks = _ranks(2)
     store = ranks[0].store.store
     for steps, rank in [(5, 1), (7, 3), (6, 0), (7, 2)]:
-        watchdog._raise_to(store, "epoch/x/0", steps, rank, 100 + rank)
-    assert store.get("epoch/x/0") == b"7 2 102"
+        watchdog._raise_to(store, "epoch/x/0", 4, steps, rank, 100 + rank)
+    assert store.get("epoch/x/0") == b"4 7 2 102"
+    watchdog._raise_to(store, "epoch/x/0", 2, 9, 0, 100)  # a rank behind, in epoch 2: it leaves epoch 4's
+    assert store.get("epoch/x/0") == b"4 7 2 102"
+    watchdog._raise_to(store, "epoch/x/0", 6, 3, 1, 101)  # epoch 6 replaces it, however short
+    assert store.get("epoch/x/0") == b"6 3 1 101"
+
+
+def test_a_loader_run_many_times_keeps_two_keys_and_still_finds_a_longer_rank():
+    """An evaluation loader run every K steps begins an epoch each time: before, a key per pass stayed in the
+    store for the rest of the job. Now two a loader; ranks one epoch apart do not mix theirs."""
+    ranks = _ranks(2)
+    store = ranks[0].store.store
+    watchdog._watchdog = ranks[0]
+    try:
+        watchdog.epoch_begins("eval", 0, 3, 30)
+        before = store.num_keys()
+        for epoch in range(50):
+            watchdog.epoch_begins("eval", epoch, 3, 30)
+            watchdog.data_ended("eval", epoch, 3, 30)
+        assert store.num_keys() == before + 1  # epoch 1's slot; before: a key per epoch, 49 more
+        watchdog._raise_to(store, watchdog._epoch_key("eval", 50), 50, 4, 1, 40)  # rank 1 has more in epoch 50
+        watchdog.epoch_begins("eval", 50, 3, 30)
+        with pytest.raises(ValueError, match="rank 0's data ended after batch 3 of epoch 50, but rank 1's has 4"):
+            watchdog.data_ended("eval", 50, 3, 30)
+        watchdog.data_ended("eval", 52, 3, 30)  # slot 0 holds epoch 50's: not compared with epoch 52
+    finally:
+        watchdog._watchdog = None
+
+
+def test_a_digest_names_at_most_16_ranks_that_left_and_counts_them_all():
+    ranks = _ranks(40)
+    _round(ranks)
+    watchdog._watchdog = ranks[1]
+    try:
+        for rank in range(10, 40):
+            watchdog.rank_left(rank, "its server went on without it")
+    finally:
+        watchdog._watchdog = None
+    _round(ranks, skip=tuple(range(10, 40)))
+    digest = ranks[0].digest
+    assert digest.left == list(range(10, 26)) and digest.left_count == 30
+    assert len(digest.dumps()) < 1000  # before: every rank that left, in every digest, read by every rank a tick
 
 
 def test_reading_before_every_rank_published_names_those_that_did_not():
