@@ -16,9 +16,16 @@ What it measures
     (``AUTODIST_SHARED_MEMORY=0``), as elastic mode always does: the difference to the second is what the
     agreement in the store costs each step. Medians over ``--repeats`` runs.
 
+    ``--traffic`` instead counts what the ranks ask of the launcher's store without a failure: each rank's
+    requests (its Elastic state's client wrapped by a counter: the agreement, the polls while its all-reduce
+    runs) per step at 3 and 8 ranks, plus what the heartbeat threads and the launcher add a second by their
+    schedule (one add a rank; a check and an add per member). What node 0's store thread would carry at 1,000
+    ranks is extrapolated from those counts and the per-request cost bench_watchdog.py measures.
+
 How to run
     python benchmarks/bench_elastic.py                 # about 2 minutes on 2 cores
     python benchmarks/bench_elastic.py --quick         # smoke run: a tiny model, one repeat
+    python benchmarks/bench_elastic.py --traffic       # the store's requests, at 3 and 8 ranks
 
 How to read it
     The restart's time holds torchrun noticing the death, stopping the others, starting three fresh Python
@@ -51,6 +58,7 @@ def worker(folder: str, mode: str, steps: int, kill_at: int, every: int, width: 
     model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                                 torch.nn.ReLU(), torch.nn.Linear(width, 10))
     model, loader = autodist.parallelize(model, DataLoader(data, batch_size=96, shuffle=True))
+    counted = _count_requests() if mode == "traffic" else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # counts the steps applied
     rank, attempt = autodist.rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -73,6 +81,70 @@ def worker(folder: str, mode: str, steps: int, kill_at: int, every: int, width: 
                 os.kill(os.getpid(), signal.SIGKILL)
             if schedule.last_epoch >= steps:
                 break
+    if counted is not None:
+        with open(os.path.join(folder, f"requests.{rank}"), "w") as f:
+            f.write(f"{counted.count} {counted.since} {time.time()}")
+
+
+class _Counted:
+    """A store client that counts the requests sent through it (from the first step on)."""
+
+    def __init__(self, store: object) -> None:
+        self.store, self.count, self.since = store, 0, time.time()
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self.store, name)
+        if not callable(value):
+            return value
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.count += 1
+            return value(*args, **kwargs)
+        return counted
+
+
+def _count_requests() -> _Counted:
+    from autodist.faults import elastic
+
+    state = elastic.current()
+    assert state is not None, "--traffic runs under autodist run --elastic"
+    state.store = _Counted(state.store)
+    return state.store
+
+
+def traffic(ranks: int, steps: int, width: int) -> dict[str, float]:
+    """One elastic job of ``ranks`` ranks, no failure: requests a rank sends per step and per second."""
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as folder:
+        env = os.environ | {"AUTODIST_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", "-n", str(ranks), "--show-ranks", "0",
+                        os.path.abspath(__file__), "--worker", folder, "traffic", str(steps), "-1", "0", str(width)],
+                       check=True, env=env, capture_output=True, text=True, timeout=900)
+        counts = []
+        for r in range(ranks):
+            with open(os.path.join(folder, f"requests.{r}")) as f:
+                count, since, until = map(float, f.read().split())
+            counts.append((count, until - since))
+        per_step = statistics.mean(c for c, _ in counts) / steps
+        per_second = statistics.mean(c / s for c, s in counts)
+        return {"per_step": per_step, "per_second": per_second, "step_s": statistics.mean(s for _, s in counts) / steps}
+
+
+WATCHDOG_US = 21.5  # the store thread's CPU a request, bench_watchdog.py at 1,000 ranks (4.3% of a core, 2,002/s)
+
+
+def report_traffic(steps: int, width: int) -> None:
+    print(f"elastic, no failure, MLP width {width}, {steps} steps; a rank's requests through its Elastic client")
+    print(f"{'ranks':>6}{'per step':>10}{'per second':>12}{'step time':>11}{'+ heartbeat and launcher, /s':>30}")
+    last = {}
+    for ranks in (3, 8):
+        m = traffic(ranks, steps, width)
+        extra = ranks * 1.0 + 2 * ranks + 1  # a heartbeat add a rank; the launcher's check + add a member, its check
+        print(f"{ranks:>6}{m['per_step']:>10.1f}{m['per_second']:>12.0f}{m['step_s'] * 1000:>8.1f} ms"
+              f"{extra:>30.0f}")
+        last = m
+    total = 1000 * last["per_second"] + 3 * 1000 + 1
+    print(f"1,000 ranks at the same step time (extrapolated): {total:,.0f} requests a second at node 0's store, "
+          f"about {total * WATCHDOG_US / 1e6 * 100:.0f}% of a core at {WATCHDOG_US} us a request")
 
 
 def _logs(folder: str) -> list[tuple[int, float, str]]:
@@ -129,7 +201,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--traffic", action="store_true", help="count the store's requests at 3 and 8 ranks")
     args = parser.parse_args()
+    if args.traffic:
+        report_traffic(40 if not args.quick else 8, 256 if not args.quick else 32)
+        return
     if args.quick:
         args.steps, args.kill_at, args.every, args.width, args.repeats = 8, 5, 4, 32, 1
     rows: dict[str, list[dict[str, float]]] = {}

@@ -132,121 +132,175 @@ def run_each(nproc: int, script: list[str], workdir: str, output: Output = LABEL
     Example:
         >>> run_each(3, ["train_ps.py", "--epochs", "3"], "/tmp/run")
     """
-    node = node or Node(1, 0, "127.0.0.1", _free_port())
-    store = _Store(node.addr, node.port, hosts=node.rank == 0) if elastic else None
-    first = node.rank * nproc  # this machine's first global rank
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    if elastic:
-        base |= {"AUTODIST_ELASTIC": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    relays: list[Any] = []
-    out, err = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
-    pipe = subprocess.PIPE if output.labelled else None
+    job = _Job(nproc, script, workdir, output, elastic, node or Node(1, 0, "127.0.0.1", _free_port()), restarts)
+    previous = {s: signal.signal(s, job.stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        job.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return job.outcome()
 
-    def start(rank: int, join: int | None = None) -> subprocess.Popen:
-        env = base | {"RANK": str(first + rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(node.count * nproc),
-                      "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node.rank), "MASTER_ADDR": node.addr,
-                      "MASTER_PORT": str(node.port),
-                      "TORCHELASTIC_ERROR_FILE": os.path.join(workdir, f"{first + rank}.json")}
+
+class _Job:
+    """The ranks of this machine: started (:meth:`start`), watched until every one ended (:meth:`wait`: the
+    stragglers an elastic job stops, each rank that ends badly reported, started again to join or every rank
+    started again to resume), and the job's status (:meth:`outcome`)."""
+
+    def __init__(self, nproc: int, script: list[str], workdir: str, output: Output, elastic: bool, node: Node,
+                 restarts: int) -> None:
+        self.nproc, self.script, self.workdir, self.output, self.elastic = nproc, script, workdir, output, elastic
+        self.node, self.restarts = node, restarts
+        self.first = node.rank * nproc  # this machine's first global rank
+        self.base = {k: v for k, v in os.environ.items()
+                     if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+        if elastic:
+            self.base |= {"AUTODIST_ELASTIC": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        self.store = _Store(node.addr, node.port, hosts=node.rank == 0) if elastic else None
+        self.watch = Stragglers(self.store, hang_timeout(), exit_timeout()) if self.store is not None else None
+        self.relays: list[Any] = []
+        self.out, self.err = RankLines(sys.stdout, output.shown), RankLines(sys.stderr, output.shown)
+        self.procs = [self.start(rank) for rank in range(nproc)]
+        self.member = {rank: self.first + rank for rank in range(nproc)}  # elastic: each slot's member number
+        self.restarted = 0  # elastic: restarts used, out of ``restarts``
+        self.stopped: list[int] = []  # the signals this launcher got
+        self.ended: dict[int, float] = {}
+
+    def start(self, rank: int, join: int | None = None) -> subprocess.Popen:
+        """Start the rank of slot ``rank`` (``join``: restarted into the running job as that member)."""
+        node = self.node
+        env = self.base | {"RANK": str(self.first + rank), "LOCAL_RANK": str(rank),
+                           "WORLD_SIZE": str(node.count * self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc),
+                           "GROUP_RANK": str(node.rank), "MASTER_ADDR": node.addr, "MASTER_PORT": str(node.port),
+                           "TORCHELASTIC_ERROR_FILE": os.path.join(self.workdir, f"{self.first + rank}.json")}
         if join is not None:  # restarted into the running job: it joins the others (autodist.faults.elastic)
             env["AUTODIST_ELASTIC_JOIN"] = str(join)
         # --loopback-store: sockets on 127.0.0.1, the store hosted by rank 0 as without --keep-going (here if
         # elastic); across machines gloo goes out through the interface that reaches node 0
         loopback = ["--loopback-store"] if node.count == 1 else []
-        proc = subprocess.Popen([*python_command("_rank", unbuffered=True), *loopback, *script],
+        pipe = subprocess.PIPE if self.output.labelled else None
+        proc = subprocess.Popen([*python_command("_rank", unbuffered=True), *loopback, *self.script],
                                 env=env, stdout=pipe, stderr=pipe)
-        if output.labelled:
-            relays.extend([relay(proc.stdout, first + rank, out), relay(proc.stderr, first + rank, err)])
+        if self.output.labelled:
+            self.relays += [relay(proc.stdout, self.first + rank, self.out),
+                            relay(proc.stderr, self.first + rank, self.err)]
         return proc
 
-    procs = [start(rank) for rank in range(nproc)]
-    member = {rank: first + rank for rank in range(nproc)}  # elastic: each slot's number among the members
-    restarted = 0  # elastic: restarts used, out of ``restarts``
-    stopped: list[int] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        stopped.append(signum)
-        for p in procs:
+    def stop(self, signum: int, _frame: object) -> None:
+        """A signal to the launcher: SIGTERM to the ranks, SIGKILL at the second."""
+        self.stopped.append(signum)
+        for p in self.procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM if len(stopped) == 1 else signal.SIGKILL)
+                p.send_signal(signal.SIGTERM if len(self.stopped) == 1 else signal.SIGKILL)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    ended: dict[int, float] = {}
-    left_behind: list[int] = []  # elastic: ranks still running AUTODIST_EXIT_TIMEOUT after another finished
-    watch = Stragglers(store, hang_timeout(), exit_timeout()) if store is not None else None
-    try:
-        while len(ended) < nproc:
-            for rank, why in watch.due({r: member[r] for r in range(nproc) if r not in ended}) if watch else ():
-                print(f"autodist run: rank {first + rank} stopped: {why}", file=sys.stderr, flush=True)
-                procs[rank].kill()
-                procs[rank].wait()
-            if store is not None and _past_the_end(procs, ended):
-                left_behind = [rank for rank, p in enumerate(procs) if rank not in ended]
-                for rank in left_behind:
-                    procs[rank].kill()
-                    procs[rank].wait()
-                print(f"autodist run: {', '.join(f'rank {first + r}' for r in left_behind)} still running "
-                      f"{exit_timeout():g} s after another rank finished (frozen, or left out by the others): "
-                      f"stopped (AUTODIST_EXIT_TIMEOUT)", file=sys.stderr, flush=True)
-            for rank, p in enumerate(procs):
-                if rank not in ended and p.poll() is not None:
-                    ended[rank] = time.time()
-                    if store is not None and p.returncode != 0:
-                        store.gone(member[rank])
-                        why = store.said("fallback")
-                        joinable = store.said("joinable") is not None and store.said("finished") is None
-                        if why is not None and restarted < restarts and node.count == 1:
-                            restarted += 1
-                            print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); this job cannot "
-                                  f"go on without it ({why}): every rank starts again, to resume from its last "
-                                  f"checkpoint ({restarted} of {restarts})", file=sys.stderr, flush=True)
-                            for other in procs:
-                                other.kill()
-                                other.wait()
-                            node = dataclasses.replace(node, port=_free_port())  # a fresh store: a new rendezvous
-                            store = _Store(node.addr, node.port, hosts=True)
-                            watch = Stragglers(store, hang_timeout(), exit_timeout())
-                            base["TORCHELASTIC_RESTART_COUNT"] = str(restarted)
-                            procs[:] = [start(r) for r in range(nproc)]
-                            member.update({r: first + r for r in range(nproc)})
-                            ended.clear()
-                            break
-                        if joinable and restarted < restarts:
-                            restarted += 1  # a member number no rank had: node.count * nproc and up, per node
-                            join = node.count * nproc + node.rank + node.count * (restarted - 1)
-                            member[rank] = join
-                            print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); restarted "
-                                  f"({restarted} of {restarts}), it joins the others after their next step",
-                                  file=sys.stderr, flush=True)
-                            procs[rank] = start(rank, join)
-                            del ended[rank]
-                        elif len(ended) < nproc and why is None:
-                            print(f"autodist run: rank {first + rank} ended ({_how(p.returncode)}); the other ranks go "
-                                  f"on without it (--elastic)", file=sys.stderr, flush=True)
+    def _say(self, line: str) -> None:
+        print(f"autodist run: {line}", file=sys.stderr, flush=True)
+
+    def _kill(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            self.procs[rank].kill()
+            self.procs[rank].wait()
+
+    # -- watching ----------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Until every rank ended (an elastic job: the stragglers stopped, each lost rank reported)."""
+        while len(self.ended) < self.nproc:
+            if self.watch is not None:
+                self._stop_stragglers()
+            for rank, p in enumerate(self.procs):
+                if rank not in self.ended and p.poll() is not None:
+                    self.ended[rank] = time.time()
+                    if self.store is not None and p.returncode != 0 and self._lost(rank, p):
+                        break  # every rank was started again
             time.sleep(0.05)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    read_by = time.monotonic() + 5  # a subprocess a rank left behind may hold its pipe open
-    for thread in relays:  # the ranks' last lines before this process's own
-        thread.join(timeout=max(0.0, read_by - time.monotonic()))
-    if stopped:
-        print("autodist run: interrupted; the ranks were stopped", file=sys.stderr, flush=True)
-        return 128 + stopped[0]
-    failures = [failure_of(first + rank, _ErrorFile(os.path.join(workdir, f"{first + rank}.json"), p.returncode,
-                                                    ended[rank]))
-                for rank, p in enumerate(procs) if p.returncode != 0]
-    if not failures:
-        return 0
-    finished = any(p.returncode == 0 for p in procs) if elastic else procs[0].returncode == 0
-    if finished and all(f.exitcode < 0 or f.error is not None for f in failures) and \
-            all(p.returncode == 0 for rank, p in enumerate(procs) if first + rank not in {f.rank for f in failures}):
-        for f in failures:
-            err.show_kept(f.rank)  # what a hidden rank said before it was lost
-        lost = ", ".join(f"rank {f.rank} ({f.how}{': ' + f.error if f.error else ''})" for f in failures)
-        here = " on this machine" if node.count > 1 else ""
-        print(f"autodist run: finished with {nproc - len(failures)} of {nproc} ranks{here}; lost {lost}",
-              file=sys.stderr, flush=True)
-        return 0
-    err.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary
-    print("\n".join(summary(failures, nproc)), file=sys.stderr, flush=True)
-    return root_cause(failures).status
+        read_by = time.monotonic() + 5  # a subprocess a rank left behind may hold its pipe open
+        for thread in self.relays:  # the ranks' last lines before this process's own
+            thread.join(timeout=max(0.0, read_by - time.monotonic()))
+
+    def _stop_stragglers(self) -> None:
+        """Elastic: the members frozen or stuck (:mod:`autodist.cli.stragglers`), and the ranks still running
+        ``AUTODIST_EXIT_TIMEOUT`` after another finished, stopped and named."""
+        assert self.watch is not None
+        for rank, why in self.watch.due({r: self.member[r] for r in range(self.nproc) if r not in self.ended}):
+            self._say(f"rank {self.first + rank} stopped: {why}")
+            self._kill([rank])
+        if _past_the_end(self.procs, self.ended):
+            left_behind = [rank for rank in range(self.nproc) if rank not in self.ended]
+            self._kill(left_behind)
+            self._say(f"{', '.join(f'rank {self.first + r}' for r in left_behind)} still running "
+                      f"{exit_timeout():g} s after another rank finished (frozen, or left out by the others): "
+                      f"stopped (AUTODIST_EXIT_TIMEOUT)")
+
+    def _lost(self, rank: int, p: subprocess.Popen) -> bool:
+        """Elastic: rank ``rank`` ended badly. Reported to the store; then every rank started again (the job
+        cannot go on without it: True), or it is started again to join, or the others go on without it."""
+        assert self.store is not None
+        self.store.gone(self.member[rank])
+        why = self.store.said("fallback")
+        joinable = self.store.said("joinable") is not None and self.store.said("finished") is None
+        if why is not None and self.restarted < self.restarts and self.node.count == 1:
+            self._restart_all(rank, p, why)
+            return True
+        if joinable and self.restarted < self.restarts:
+            self._rejoin(rank, p)
+        elif len(self.ended) < self.nproc and why is None:
+            self._say(f"rank {self.first + rank} ended ({_how(p.returncode)}); the other ranks go on without it "
+                      f"(--elastic)")
+        return False
+
+    def _restart_all(self, rank: int, p: subprocess.Popen, why: str) -> None:
+        self.restarted += 1
+        self._say(f"rank {self.first + rank} ended ({_how(p.returncode)}); this job cannot go on without it "
+                  f"({why}): every rank starts again, to resume from its last checkpoint ({self.restarted} of "
+                  f"{self.restarts})")
+        self._kill(list(range(self.nproc)))
+        self.fresh_store()
+        self.base["TORCHELASTIC_RESTART_COUNT"] = str(self.restarted)
+        self.procs[:] = [self.start(r) for r in range(self.nproc)]
+        self.member.update({r: self.first + r for r in range(self.nproc)})
+        self.ended.clear()
+
+    def fresh_store(self) -> None:
+        """A new rendezvous on a new port; the old store's server is shut down (the last reference to a
+        hosting TCPStore dropped)."""
+        self.store = self.watch = None  # before the new one: nothing else holds the old store
+        self.node = dataclasses.replace(self.node, port=_free_port())
+        self.store = _Store(self.node.addr, self.node.port, hosts=True)
+        self.watch = Stragglers(self.store, hang_timeout(), exit_timeout())
+
+    def _rejoin(self, rank: int, p: subprocess.Popen) -> None:
+        self.restarted += 1  # a member number no rank had: node.count * nproc and up, per node
+        node = self.node
+        join = node.count * self.nproc + node.rank + node.count * (self.restarted - 1)
+        self.member[rank] = join
+        self._say(f"rank {self.first + rank} ended ({_how(p.returncode)}); restarted ({self.restarted} of "
+                  f"{self.restarts}), it joins the others after their next step")
+        self.procs[rank] = self.start(rank, join)
+        del self.ended[rank]
+
+    # -- the outcome -------------------------------------------------------------------------------
+    def outcome(self) -> int:
+        """0 where every rank not lost finished cleanly (the lost ones named), else the first failure's
+        status, as ``autodist run`` reports it."""
+        first, procs = self.first, self.procs
+        if self.stopped:
+            self._say("interrupted; the ranks were stopped")
+            return 128 + self.stopped[0]
+        failures = [failure_of(first + rank, _ErrorFile(os.path.join(self.workdir, f"{first + rank}.json"),
+                                                        p.returncode, self.ended[rank]))
+                    for rank, p in enumerate(procs) if p.returncode != 0]
+        if not failures:
+            return 0
+        finished = any(p.returncode == 0 for p in procs) if self.elastic else procs[0].returncode == 0
+        lost_ranks = {f.rank for f in failures}
+        if finished and all(f.exitcode < 0 or f.error is not None for f in failures) and \
+                all(p.returncode == 0 for rank, p in enumerate(procs) if first + rank not in lost_ranks):
+            for f in failures:
+                self.err.show_kept(f.rank)  # what a hidden rank said before it was lost
+            lost = ", ".join(f"rank {f.rank} ({f.how}{': ' + f.error if f.error else ''})" for f in failures)
+            here = " on this machine" if self.node.count > 1 else ""
+            self._say(f"finished with {self.nproc - len(failures)} of {self.nproc} ranks{here}; lost {lost}")
+            return 0
+        self.err.show_kept(root_cause(failures).rank)  # a hidden rank's crash, before the summary
+        print("\n".join(summary(failures, self.nproc)), file=sys.stderr, flush=True)
+        return root_cause(failures).status
