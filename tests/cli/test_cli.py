@@ -89,7 +89,16 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("argv, says", BAD_INPUT, ids=[" ".join(a[:2]) for a, _ in BAD_INPUT])
+QUICK_RUN = {"no_such_script.py", "two"}  # two `run` cases in the quick tier: each starts the launcher's child
+
+
+def _bad_input_cases() -> list:
+    return [pytest.param(argv, says, id=" ".join(argv[:2]),
+                         marks=pytest.mark.slow if argv[0] == "run" and not QUICK_RUN & set(argv) else ())
+            for argv, says in BAD_INPUT]
+
+
+@pytest.mark.parametrize("argv, says", _bad_input_cases())
 def test_bad_input_is_one_line_and_status_2(argv, says, tmp_path, monkeypatch, capfd):
     """``run``'s arguments are read by its launcher child (the supervising process loads nothing of torch), so
     the line is read from the file descriptors."""

@@ -60,7 +60,7 @@ def _every_layout():
     return {(i, memory): _summed(layout, memory) for i, layout in enumerate(LAYOUTS[:4]) for memory in "10"}
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_the_ranks_gradients_are_rounded_once_whatever_the_number_of_ranks(ranks, size):
     x = _rows(size)
     exact = x.double().mean(0)

@@ -320,9 +320,10 @@ def _resumed_on_changed_data(variant: str, path: str, saving: bool) -> str | lis
 
 @pytest.mark.parametrize("variant, said", [
     ("appended", "its dataset held 1003 samples when the checkpoint was saved and holds 1019 now"),
-    ("per-run-seed", "its first 37 batches read again are not the ones the checkpoint's run took"),
+    pytest.param("per-run-seed", "its first 37 batches read again are not the ones the checkpoint's run took",
+                 marks=pytest.mark.slow),
     ("reordered", "its first 37 batches read again are not the ones the checkpoint's run took"),
-    ("shorter", "it has 7 batches now, and the checkpoint was saved after 37")])
+    pytest.param("shorter", "it has 7 batches now, and the checkpoint was saved after 37", marks=pytest.mark.slow)])
 def test_a_resume_on_changed_data_names_what_changed(ranks, tmp_path, variant, said):
     """Before: the resumed run passed over 37 batches of whatever the data had become and went on silently
     elsewhere than the run that saved. Saved at 2 ranks, resumed at 3."""

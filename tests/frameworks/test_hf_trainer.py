@@ -68,6 +68,7 @@ def test_trainer_under_autodist_run_trains_as_one_process_on_the_global_batch(ru
     assert_close(_state(runs["parallel"], case), _state(runs["single"], case), rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow  # the Trainer's runs (its module fixture) take 20 s: Lightning is the quick tier's framework
 @pytest.mark.e2e
 def test_a_short_last_global_batch_is_padded_with_repeated_samples(runs):
     """40 samples in global batches of 6 leave 4 at the end of each epoch: one process trains on those 4; on 2 ranks

@@ -233,7 +233,8 @@ def test_sharded_is_bit_for_bit_the_unsharded_run(ranks, shard):
         assert_close(sharded, unsharded, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
+@pytest.mark.parametrize("shard", [pytest.param("optimizer", marks=pytest.mark.slow),
+                                   pytest.param("gradients", marks=pytest.mark.slow), "parameters"])
 def test_with_mp2_on_four_ranks_the_state_is_sharded_over_the_data_parallel_pairs(ranks, shard):
     for ref, par in ranks(4, _outside_run, "gpt2", 2, shard):
         _assert_near(par, ref, 1e-10)
