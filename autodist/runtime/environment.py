@@ -236,12 +236,9 @@ def shared_memory_allowed(env: Mapping[str, str] = os.environ) -> bool:
         >>> shared_memory_allowed({"AUTODIST_SHARED_MEMORY": "0"})
         False
     """
-    text = env.get("AUTODIST_SHARED_MEMORY", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"AUTODIST_SHARED_MEMORY={text!r}: give 1 (ranks on one machine sum gradients and "
-                         f"model-parallel all-reduces through shared memory, the default) or 0 (always through "
-                         f"the backend's all-reduce)")
-    return text == "1"
+    return _switch(env, "AUTODIST_SHARED_MEMORY", "1", "give 1 (ranks on one machine sum gradients and "
+                   "model-parallel all-reduces through shared memory, the default) or 0 (always through the "
+                   "backend's all-reduce)")
 
 
 def resume_any_data(env: Mapping[str, str] = os.environ) -> bool:
@@ -253,10 +250,15 @@ def resume_any_data(env: Mapping[str, str] = os.environ) -> bool:
         >>> resume_any_data({"AUTODIST_RESUME_ANY_DATA": "1"})
         True
     """
-    text = env.get("AUTODIST_RESUME_ANY_DATA", "0")
+    return _switch(env, "AUTODIST_RESUME_ANY_DATA", "0", "give 0 (a resume whose data changed since the save is "
+                   "an error, the default) or 1 (it warns and goes on from the same batch number)")
+
+
+def _switch(env: Mapping[str, str], name: str, default: str, what_to_give: str) -> bool:
+    """A 0/1 variable: True for 1; any other value than 0 or 1 is an error naming it and ``what_to_give``."""
+    text = env.get(name, default)
     if text not in ("0", "1"):
-        raise ValueError(f"AUTODIST_RESUME_ANY_DATA={text!r}: give 0 (a resume whose data changed since the save "
-                         f"is an error, the default) or 1 (it warns and goes on from the same batch number)")
+        raise ValueError(f"{name}={text!r}: {what_to_give}")
     return text == "1"
 
 
