@@ -129,6 +129,45 @@ def traffic(ranks: int, steps: int, width: int) -> dict[str, float]:
         return {"per_step": per_step, "per_second": per_second, "step_s": statistics.mean(s for _, s in counts) / steps}
 
 
+def simulate(sizes: list[int], rounds: int, polls: int) -> list[dict[str, float]]:
+    """``size`` simulated ranks, each a TCPStore client of its own, replay the store requests of one sync's
+    agreement (:meth:`autodist.faults.elastic.Elastic.agree`: each rank adds its count; the last checks the join
+    list, writes ``commit`` and deletes the previous sync's keys; each rank waits for the outcome and reads it)
+    plus ``polls`` checks a rank while its all-reduce runs, ``rounds`` times, against a real store in a process
+    of its own (bench_watchdog.py's): the store's CPU seconds a round, from /proc."""
+    import datetime
+
+    import torch.distributed as dist
+    from bench_watchdog import _cpu_seconds, store_host
+
+    out = []
+    for size in sizes:
+        host, port = store_host()
+        clients = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+                   for _ in range(size)]
+        before, began = _cpu_seconds(host.pid), time.monotonic()
+        for sync in range(1, rounds + 1):
+            key = f"0/sync/{sync}"
+            for store in clients:  # the all-reduce under way: each rank looks for an abort every 50 ms
+                for _ in range(polls):
+                    store.check([f"{key}/outcome"])
+            for rank, store in enumerate(clients):
+                if store.add(f"{key}/done", 1) == size:
+                    store.check(["autodist/elastic/join"])
+                    store.compare_set(f"{key}/outcome", "", "commit")
+                    if sync > 1:
+                        store.delete_key(f"0/sync/{sync - 1}/done")
+                        store.delete_key(f"0/sync/{sync - 1}/outcome")
+            for store in clients:
+                store.wait([f"{key}/outcome"], datetime.timedelta(seconds=60))
+                store.get(f"{key}/outcome")
+        cpu, wall = _cpu_seconds(host.pid) - before, time.monotonic() - began
+        host.terminate()
+        out.append({"size": size, "cpu_per_round": cpu / rounds, "requests_per_round": size * (3 + polls) + 4,
+                    "round_s": wall / rounds})
+    return out
+
+
 WATCHDOG_US = 21.5  # the store thread's CPU a request, bench_watchdog.py at 1,000 ranks (4.3% of a core, 2,002/s)
 
 
@@ -145,6 +184,13 @@ def report_traffic(steps: int, width: int) -> None:
     total = 1000 * last["per_second"] + 3 * 1000 + 1
     print(f"1,000 ranks at the same step time (extrapolated): {total:,.0f} requests a second at node 0's store, "
           f"about {total * WATCHDOG_US / 1e6 * 100:.0f}% of a core at {WATCHDOG_US} us a request")
+    polls = max(0, round(last["per_step"] - 3))
+    print(f"simulated ranks (bench_watchdog.py's method), each sync's agreement and {polls} poll(s) a rank:")
+    header = f"store cores at a step of {last['step_s'] * 1000:.1f} ms"
+    print(f"{'ranks':>6}{'requests / sync':>17}{'store CPU / sync':>18}{header:>36}")
+    for m in simulate([100, 300, 1000], 10 if steps > 8 else 2, polls):
+        print(f"{m['size']:>6}{m['requests_per_round']:>17,}{m['cpu_per_round'] * 1000:>15.1f} ms"
+              f"{m['cpu_per_round'] / last['step_s']:>36.2f}")
 
 
 def _logs(folder: str) -> list[tuple[int, float, str]]:

@@ -23,12 +23,18 @@ def _run(tmp_path, *args: str, ranks: int = 3, env: dict | None = None, restarts
                           env=os.environ | {"AUTODIST_TIMEOUT": "6", "AUTODIST_EXIT_TIMEOUT": "10"} | (env or {}))
 
 
+_references: dict[tuple, dict] = {}
+
+
 def _one_process(folder, epochs: int = 2, env: dict | None = None) -> dict:
-    """The same script in one process, on the same global batches."""
-    out = folder / f"one{epochs}"
-    subprocess.run([sys.executable, SCRIPT, str(out), "", str(epochs)], check=True, timeout=120,
-                   env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | (env or {}))
-    return torch.load(f"{out}.0")
+    """The same script in one process, on the same global batches (run once for each epochs and env)."""
+    key = (epochs, tuple(sorted((env or {}).items())))
+    if key not in _references:
+        out = folder / f"one{epochs}"
+        subprocess.run([sys.executable, SCRIPT, str(out), "", str(epochs)], check=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | (env or {}))
+        _references[key] = torch.load(f"{out}.0")
+    return _references[key]
 
 
 @pytest.fixture(scope="module")
