@@ -3,6 +3,9 @@ with mp, with mixed_precision) and ``pp`` (GPipe and 1F1B). Each block's forward
 dynamo counts no graph break; the training is one process's (float64), in whichever order compile comes."""
 from __future__ import annotations
 
+import gc
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -198,6 +201,7 @@ def _held_after(name: str, backend: str | None) -> tuple[list[int], list[int], i
         for x, y in loader:
             gathered.clear()
             loss = run(x, y)[1]
+            gc.collect()  # a cold inductor compile (a recompile at step 3) left a block in cyclic garbage till then
             after_forward.append(sum(n for ref, n in gathered if not ref.expired()))
             loss.backward()
             optimizer.step()
@@ -211,6 +215,8 @@ def _held_after(name: str, backend: str | None) -> tuple[list[int], list[int], i
 
 @pytest.mark.parametrize("name, backend", [("gpt", "aot_eager"), ("stack", "inductor")])
 def test_a_compiled_forward_frees_each_block_as_eager_does(ranks, name, backend):
+    if backend == "inductor" and not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("inductor generates C++ on CPU: no C++ compiler on this machine")
     """docs/sharded.md: under compile the gathered blocks are freed after each block as uncompiled, and what a
     block saves for backward is gathered again there. Measured, beside eager; exact to one process in float64,
     with inductor's generated kernels too (a smaller model: inductor takes about a minute to compile here)."""
