@@ -12,9 +12,10 @@ batches an uninterrupted run takes next, at any number of ranks.
 A resume checks the data it passes over: the position holds a digest of the epoch's global batches taken (a
 CRC-32 over their marks, each a CRC-32 of a batch's sample indices or of a stream batch's tensors: the mark
 :mod:`autodist.dp.same_batch` compares) and the map-style dataset's length. Read again, the batches passed over
-must give the same digest, and the dataset have the same length: otherwise the data changed since the save (files appended or reordered, a shuffle seeded
-from the time) and the resumed run would silently go on elsewhere than the one that saved. That is an error
-naming both, or with ``AUTODIST_RESUME_ANY_DATA=1`` a warning, the run going on from the same batch number.
+must give the same digest, and the dataset have the same length: otherwise the data changed since the save
+(files appended or reordered, a shuffle seeded from the time) and the resumed run would silently go on
+elsewhere than the one that saved. That is an error naming both, or with ``AUTODIST_RESUME_ANY_DATA=1`` a
+warning, the run going on from the same batch number.
 
 Example:
     >>> model, loader = autodist.parallelize(model, loader)
