@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 
 def worker(folder: str, mode: str, steps: int, kill_at: int, every: int, width: int) -> None:
@@ -58,7 +59,7 @@ def worker(folder: str, mode: str, steps: int, kill_at: int, every: int, width: 
     model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                                 torch.nn.ReLU(), torch.nn.Linear(width, 10))
     model, loader = autodist.parallelize(model, DataLoader(data, batch_size=96, shuffle=True))
-    counted = _count_requests() if mode == "traffic" else None
+    counted, counting_since = _count_requests() if mode == "traffic" else (None, 0.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # counts the steps applied
     rank, attempt = autodist.rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -83,33 +84,19 @@ def worker(folder: str, mode: str, steps: int, kill_at: int, every: int, width: 
                 break
     if counted is not None:
         with open(os.path.join(folder, f"requests.{rank}"), "w") as f:
-            f.write(f"{counted.count} {counted.since} {time.time()}")
+            f.write(f"{counted.count} {counting_since} {time.time()}")
 
 
-class _Counted:
-    """A store client that counts the requests sent through it (from the first step on)."""
+def _count_requests() -> tuple[Any, float]:
+    """This rank's Elastic client wrapped by bench_watchdog's request counter, and when counting began."""
+    from bench_watchdog import Counted
 
-    def __init__(self, store: object) -> None:
-        self.store, self.count, self.since = store, 0, time.time()
-
-    def __getattr__(self, name: str) -> object:
-        value = getattr(self.store, name)
-        if not callable(value):
-            return value
-
-        def counted(*args: object, **kwargs: object) -> object:
-            self.count += 1
-            return value(*args, **kwargs)
-        return counted
-
-
-def _count_requests() -> _Counted:
     from autodist.faults import elastic
 
     state = elastic.current()
     assert state is not None, "--traffic runs under autodist run --elastic"
-    state.store = _Counted(state.store)
-    return state.store
+    state.store = Counted(state.store)
+    return state.store, time.time()
 
 
 def traffic(ranks: int, steps: int, width: int) -> dict[str, float]:
