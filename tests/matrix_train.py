@@ -10,9 +10,11 @@ nanoGPT's estimate_loss does; at mp=2, pp=2 and shard="parameters", where a forw
 held-out statistics of its own instead). A checkpoint is written with autodist.save after step 2 (none at the end: saving would
 settle what the end must settle by itself).
 """
+import atexit
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -22,6 +24,18 @@ from torch.utils.data import DataLoader, TensorDataset
 import autodist
 
 FAULT_STEP = 4
+LEFT_RUNNING = "a thread of autodist's still runs after autodist's end"
+
+
+def threads_left() -> None:
+    """At exit, after autodist's end (registered before autodist's, so run after it): autodist's own threads must
+    be gone. One still inside a store request when the interpreter finalizes aborts the process."""
+    left = [t.name for t in threading.enumerate() if t.name.startswith("autodist-") and t.is_alive()]
+    if left:
+        print(f"{LEFT_RUNNING}: {', '.join(left)}", flush=True)
+
+
+atexit.register(threads_left)
 
 
 def strategy(mode: str) -> dict:

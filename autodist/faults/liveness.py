@@ -74,14 +74,23 @@ class Alive:
 def beat(store: Any, rank: int, every: float = 1.0) -> None:
     """This rank's heartbeat, in a thread of its own, on a store client of its own: a count raised every
     ``every`` seconds while the process runs (a frozen process's stops)."""
+    stop = threading.Event()
+
     def beating() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(f"beat/{rank}", 1)
             except Exception:  # noqa: BLE001 - the store (the launcher) is gone: the job is ending
                 return
-            time.sleep(every)
-    threading.Thread(target=beating, name="autodist-elastic-heartbeat", daemon=True).start()
+            stop.wait(every)
+
+    thread = threading.Thread(target=beating, name="autodist-elastic-heartbeat", daemon=True)
+    thread.start()
+
+    def halt() -> None:
+        stop.set()
+        ending.join_thread(thread)
+    ending.stop_at_exit(halt)  # after the end's meeting, which reads it
 
 
 class Meeting:

@@ -490,9 +490,13 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001 - the store went away: nothing left to coordinate
             log.debug("watchdog: at exit: %s", exc)
         finally:
-            self.stop.set()
-            if self.thread.is_alive() and threading.current_thread() is not self.thread:
-                self.thread.join(timeout=5)
+            self.halt()
+
+    def halt(self) -> None:
+        """Stop the thread and wait for it to leave the store request it may be in (see
+        :func:`autodist.runtime.ending.stop_at_exit`)."""
+        self.stop.set()
+        ending.join_thread(self.thread)
 
     def _unfinished(self) -> tuple[Digest | None, dict[int, Status | None]]:
         """The digest read now, and the statuses of the lowest ranks it names as not at the end of their script."""
@@ -582,6 +586,7 @@ def start(rank: int, size: int, timeout: float, busy: float | None = None) -> Wa
     previous = sys.excepthook
     sys.excepthook = lambda *args: dog.excepthook(previous, *args)
     ending.use_meeting(dog)  # at exit the ranks meet through the watchdog, which also sees failed ranks
+    ending.stop_at_exit(dog.halt)  # a rank dying of an error meets nobody: its watchdog stops at the very end
     position.on_failure(dog.failed_wait)
     dog._observe(time.monotonic())
     dog.publish()

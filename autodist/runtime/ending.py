@@ -8,7 +8,9 @@ At exit (one ``atexit`` hook, registered by :func:`autodist.runtime.world.init`)
    communication that owners dropped before the end left in flight (:func:`wait_at_exit`) is waited for;
 2. the ranks meet: through the watchdog where one runs (:func:`use_meeting`; it also counts a rank that
    failed or fell silent as arrived), otherwise through the rendezvous store;
-3. the process group is destroyed.
+3. the process group is destroyed;
+4. autodist's own threads that call into torch (the watchdog, the elastic heartbeat) stop
+   (:func:`stop_at_exit`).
 
 Steps 1 and 2 are bounded: after ``AUTODIST_EXIT_TIMEOUT`` seconds (60 by default) the rank prints one
 line naming the ranks that did not arrive and leaves with status 1; with the watchdog, every other rank
@@ -98,6 +100,8 @@ def _ranks(ranks: list[int]) -> str:
 _settlers: list[Callable[[], Callable[[], None] | None]] = []  # each gives its settle(), or None once it is gone
 _orphans: list["InFlight"] = []  # communication in flight whose owner is gone
 _meeting: Meeting | None = None
+_stops: list[Callable[[], None]] = []  # each ends a thread of autodist's that calls into torch (stop_at_exit)
+STOP_WAIT_S = 5.0  # how long the end waits for one such thread to leave a request under way
 
 
 def settle_at_exit(settle: Callable[[], None], *, weakly: bool = False) -> None:
@@ -108,6 +112,31 @@ def settle_at_exit(settle: Callable[[], None], *, weakly: bool = False) -> None:
     server must still talk to the others at the end, so it is held strongly."""
     _settlers[:] = [s for s in _settlers if s() is not None]
     _settlers.append(weakref.WeakMethod(settle) if weakly else lambda: settle)  # type: ignore[arg-type]
+
+
+def stop_at_exit(stop: Callable[[], None]) -> None:
+    """Have ``stop()`` called at the very end of :func:`shutdown` (after the meeting and the teardown, and on a
+    rank dying of an error too): it ends a daemon thread of autodist's that calls into torch, and waits for it
+    (at most :data:`STOP_WAIT_S`). Such a thread, inside a store request when the interpreter begins to
+    finalize, is ended by the interpreter as it takes its lock back, through C++ frames that cannot be unwound:
+    the process aborts ("terminate called without an active exception"; seen in the elastic heartbeat's
+    ``store.add``: 1 elastic job in 45 at 2 ranks, here)."""
+    _stops.append(stop)
+
+
+def join_thread(thread: threading.Thread) -> None:
+    """Wait for ``thread``, told to stop, to end (at most :data:`STOP_WAIT_S`; not from within itself)."""
+    if thread.is_alive() and threading.current_thread() is not thread:
+        thread.join(timeout=STOP_WAIT_S)
+
+
+def _stop_threads() -> None:
+    stops, _stops[:] = list(_stops), []
+    for stop in stops:
+        try:
+            stop()
+        except Exception as exc:  # noqa: BLE001 - the process is ending: the other threads still stop
+            log.debug("at exit: %s", exc)
 
 
 def forget(settle: Callable[[], None]) -> None:
@@ -250,6 +279,7 @@ class _Bound:
     def cancel(self) -> None:
         self.over.set()
         self.timer.cancel()
+        join_thread(self.timer)  # it may be asking the store where the others are
 
     def _expired(self) -> None:
         waited, line = time.monotonic() - self.started, None
@@ -311,9 +341,11 @@ def shutdown(destroy: bool = True) -> None:
     gloo's worker threads release finished work objects after the caller has seen them complete, and
     releasing one can need the GIL; if the interpreter is already finalizing by then, the process aborts
     at exit ("terminate called without an active exception"). So the group is destroyed and garbage
-    collected while the interpreter is whole, with a moment for those threads to finish.
+    collected while the interpreter is whole, with a moment for those threads to finish. Last, autodist's own
+    threads that call into torch stop (:func:`stop_at_exit`), for the same reason.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):  # the script destroyed the group itself
+        _stop_threads()
         return
     fine = True
     # A rank dying of an unhandled exception neither settles nor meets: its peers may be inside a collective
@@ -335,6 +367,7 @@ def shutdown(destroy: bool = True) -> None:
             bound.cancel()
     if destroy:
         _tear_down()
+    _stop_threads()
     if not fine:
         leave(1)
 
