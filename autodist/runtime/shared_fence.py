@@ -22,8 +22,13 @@ A rank that waits spins a little (the others are usually microseconds away),
 then sleeps 50 microseconds between looks, leaving its core to the others (a
 rank it waits for may share that core, or be its hyperthread sibling; 4
 ranks on 2 cores sum 1 MB in 0.9 ms this way, 1.3 ms yielding the core
-instead, and 2 ranks on 2 cores train alike either way). It checks that the
-ranks it waits for are alive every few milliseconds and raises
+instead, and 2 ranks on 2 cores train alike either way). A longer wait looks
+less often: each sleep at most a twentieth of the wait so far, and 2 ms at
+most, so that a rank waiting for one evaluating alone or for a straggler costs
+about 3% of a core (15% at a look every 50 microseconds) and sees the
+arrival within 5% of how long it waited. It checks that the
+ranks it waits for are alive every few milliseconds (every 0.1 s in a wait of
+seconds) and raises
 :class:`PeerGone` if one is not (killed, out of memory): gloo's all-reduce
 fails at once there too; the watchdog names the rank
 (:mod:`autodist.faults.watchdog`) as for gloo's error. A rank that is alive but
@@ -51,7 +56,10 @@ WORDS = LINE // 8
 COUNT, PID, NAMESPACE = 0, 1, 2  # the words of a rank's line
 SPIN_POLLS = 256  # looks before the first sleep: a few tens of microseconds
 SLEEP_S = 0.00005  # then a sleep between looks, so that the core (or its hyperthread sibling) is the others'
-ALIVE_EVERY_S = 0.005  # how often a waiting rank checks that the ranks it waits for still live
+BACKOFF = 0.05  # a sleep is at most this part of the time waited so far: the arrival seen within 5% of the wait
+SLEEP_MAX_S = 0.002  # and at most this long
+ALIVE_EVERY_S = 0.005  # how often a waiting rank checks that the ranks it waits for still live (backing off
+ALIVE_MAX_S = 0.1  # as its looks do, up to this: a rank that died is seen within 5% of the wait, or 0.1 s)
 
 
 class PeerGone(RuntimeError):
@@ -100,10 +108,13 @@ class SharedFence:
             if polls < SPIN_POLLS:
                 continue
             if polls == SPIN_POLLS:
-                checked = time.monotonic()
-            time.sleep(SLEEP_S)
+                checked = began = time.monotonic()
+                sleep = SLEEP_S
+            time.sleep(sleep)
             now = time.monotonic()
-            if now - checked >= ALIVE_EVERY_S:
+            part = BACKOFF * (now - began)  # a twentieth of the wait so far
+            sleep = min(SLEEP_MAX_S, max(SLEEP_S, part))
+            if now - checked >= min(ALIVE_MAX_S, max(ALIVE_EVERY_S, part)):
                 checked = now
                 self._check_alive(count)
 
