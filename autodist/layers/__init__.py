@@ -9,6 +9,8 @@ and returns a full tensor, so they compose in any ``nn.Sequential``; the bias
 is added once and gradients are exact. ``ColumnParallelLinear`` and
 ``RowParallelLinear`` are Megatron's pair, which ``parallelize(mp=K)`` swaps in
 where it can; ``MPMultiheadAttention`` is ``nn.MultiheadAttention`` split by heads. Every split layer defaults to the whole world as its group.
+``context_attention`` is attention over a sequence split across ranks by a ``SequenceSplit`` (context
+parallelism, :mod:`~autodist.layers.context`), exact against one process.
 
 Example:
     TorchAD-NN's README network, by hand (run under ``autodist run -n 2``):
@@ -27,8 +29,9 @@ Note:
 """
 from autodist.layers.activation import MPTanh
 from autodist.layers.attention import MPMultiheadAttention
+from autodist.layers.context import SequenceSplit, context_attention
 from autodist.layers.linear import ColumnParallelLinear, MPBaseLinear, MPInitialLinear, RowParallelLinear
 from autodist.layers.reshape import MPBaseReshape, MPInitialReshape
 
 __all__ = ["MPInitialReshape", "MPInitialLinear", "MPBaseReshape", "MPBaseLinear", "MPTanh",
-           "ColumnParallelLinear", "RowParallelLinear", "MPMultiheadAttention"]
+           "ColumnParallelLinear", "RowParallelLinear", "MPMultiheadAttention", "SequenceSplit", "context_attention"]
