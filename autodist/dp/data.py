@@ -184,6 +184,7 @@ class ShardedLoader(DataLoader):
 
     watch_key = "loader"  # names this loader in the watchdog's store: the same on every rank (creation order)
     position: Position  # where the loop stands in the epochs, for checkpoints (set by shard_loader)
+    cut: Callable[[Any], Any] | None = None  # each batch's last change before the loop takes it (context parallel)
 
     def __iter__(self) -> Iterator[Any]:
         try:
@@ -199,7 +200,7 @@ class ShardedLoader(DataLoader):
         epoch = self.position.epoch
         watchdog.epoch_begins(self.watch_key, epoch, steps, samples)
         return handed_over(batches, self.batch_sampler.latest_shares,  # type: ignore[union-attr]
-                           (self.watch_key, epoch, steps, samples), self.position)
+                           (self.watch_key, epoch, steps, samples), self.position, self.cut)
 
 
 class EmptySafeCollate:

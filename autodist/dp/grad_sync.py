@@ -29,7 +29,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ContextManager, Iterator, Literal, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,7 @@ class GradSync:
         self.pipeline_count: float | None = None  # pp: the merged loss's tokens, set by the pipeline's forward
         self.standing_in = False  # the forward running now is a stand-in's (its rank holds no row of the batch)
         self.grads_arrived = False  # this backward brought gradients to the parameters
+        self.units_share: float | None = None  # global units (context parallel): this backward's D_r / D
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
         self.structure = Watch(model, [p for _, p in self.named])
@@ -233,6 +234,9 @@ class GradSync:
         self.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         counted = self._read_loss(counted)
+        if self.units_share is not None:  # the backward carries the global loss's gradient: every rank counts alike
+            self.units_share = (counted if counted.total is not None else self._count_globally(counted)).weight
+            counted = Counted(1.0, self._group_size(), counted.batch, mark=counted.mark)
         if self.hooks and counted.total is None and (not self.enabled or self.window.backwards):
             counted = self._count_globally(counted)  # accumulating: this micro-batch needs its own N now
         self.reached = [counted]
@@ -277,6 +281,21 @@ class GradSync:
                                           self._all_reduce)
         return self.coupled
 
+    def global_units(self) -> Callable[[], float]:
+        """Where the ranks' backwards exchange gradients with each other (context parallelism: a rank's keys and
+        values take the gradients of every rank's queries), each must carry the gradient of the *global* loss:
+        its loss's gradient multiplied by ``D_r / D`` (``D_r`` what its loss divides by, read from it or
+        counted, ``D`` their sum over the ranks; zero for a rank with nothing to divide by, whose keys still
+        pass the others' gradients on), and the sync then sums the ranks' gradients (every rank counts alike,
+        ``1 / W``, and the sum is multiplied by ``W``: a float32 part of the model, Hugging Face's RMSNorm,
+        then sees one process's numbers, not ones ``W`` times larger that round differently). Returns that
+        factor, for the backward running now: the caller multiplies the model's outputs' gradients by it."""
+        self.units_share = 0.0
+        return self.backward_weight
+
+    def _group_size(self) -> int:
+        return dist.get_world_size(self.group)
+
     def backward_weight(self) -> float:
         """The share of the global batch's gradient this rank's backward running now brings (its gradients are
         multiplied by it before they are summed): what a layer or a loss term coupling the ranks in backward
@@ -284,6 +303,8 @@ class GradSync:
         summed now, once: every rank's backward comes here alike."""
         if not self.in_backward:  # a coupled layer's backward before any output or gradient of the model's
             self._begin_backward(self._unweighted(self._fallback_count()))
+        if self.units_share is not None:
+            return self.units_share
         counted = combine(self.reached)
         if counted.total is None:
             counted = self._count_globally(counted)
@@ -500,7 +521,7 @@ class GradSync:
                 self._reset_buckets()
                 self.window.reset()
                 raise
-        correction = 1.0
+        correction = 1.0 if self.units_share is None else float(self._group_size())  # global units: a sum
         if packing is not None and packing.expected is None:
             correction = packing.previous_total / total if total > 0 else 0.0
             if total > 0:

@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from autodist.dp.loader_position import Position
 from autodist.faults import watchdog
@@ -31,17 +31,20 @@ def slice_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def handed_over(batches: Iterator[Any], shares: deque[BatchShare], epoch: tuple[str, int, int, int],
-                place: Position) -> Iterator[Any]:
+                place: Position, cut: Callable[[Any], Any] | None = None) -> Iterator[Any]:
     """``batches`` as the loop takes them, each with the next of ``shares`` (filled as each batch is made)
     announced; ``epoch``: (the loader's key, the epoch's number, its steps or -1, its samples or -1), for the
     watchdog, which raises at the end if another rank has more steps; ``place`` counts the batches taken (from
-    where a resumed epoch begins)."""
+    where a resumed epoch begins); ``cut``: what each batch becomes before the loop takes it (context
+    parallelism's: this rank's tokens of each sequence), None for the batch as it is."""
     outer = provenance.current()  # an evaluation loop inside a training loop gives the training batch back
     key, number, steps, samples = epoch
     step = place.taken
     try:
         for batch in batches:
             share = shares.popleft()
+            if cut is not None:
+                batch = cut(batch)
             provenance.register_batch(batch, share)
             provenance.announce(share, batch)
             step += 1

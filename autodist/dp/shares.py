@@ -105,13 +105,17 @@ def _unknown(why: str) -> Counted:
 class SampleCounter:
     """Counts the samples of each forward pass of one parallelized model (see the module docstring)."""
 
-    def __init__(self, batch_dim: int = 0, samples: SampleFn | None = None) -> None:
-        self.batch_dim, self.samples = batch_dim, samples
+    def __init__(self, batch_dim: int = 0, samples: SampleFn | None = None, tokens: SampleFn | None = None) -> None:
+        """``tokens``: context parallelism's count of a forward's tokens, in place of the data's rows (a loss
+        read still says what it divides by, where ``samples`` overrides even that)."""
+        self.batch_dim, self.samples, self.tokens = batch_dim, samples, tokens
         self.warned = False
 
     def __call__(self, args: tuple, kwargs: dict) -> Counted:
         if self.samples is not None:
-            return self._explicit(args, kwargs)
+            return self._explicit(self.samples, "samples=fn", args, kwargs)
+        if self.tokens is not None:
+            return self._explicit(self.tokens, "the count of this rank's tokens", args, kwargs)
         known = self._known(args, kwargs)
         if known is not None:
             return known
@@ -126,15 +130,16 @@ class SampleCounter:
         reached no counted output: a submodule called directly, a compiled forward)."""
         return Counted(share.count, share.total, share.batch, mark=share.mark)
 
-    def _explicit(self, args: tuple, kwargs: dict) -> Counted:
+    @staticmethod
+    def _explicit(fn: SampleFn, what: str, args: tuple, kwargs: dict) -> Counted:
         try:
-            count = self.samples(*args, **kwargs)  # type: ignore[misc]
+            count = fn(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - reported if a backward goes through this forward
-            return _unknown(f"samples=fn raised {type(error).__name__}: {error}")
+            return _unknown(f"{what} raised {type(error).__name__}: {error}")
         if isinstance(count, torch.Tensor) and count.numel() == 1:
             count = count.item()
         if isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0:
-            return _unknown(f"samples=fn returned {count!r}, not a count (a non-negative int)")
+            return _unknown(f"{what} returned {count!r}, not a count (a non-negative int)")
         return Counted(float(count))
 
     def _known(self, args: tuple, kwargs: dict) -> Counted | None:

@@ -25,7 +25,7 @@ import dataclasses
 import zlib
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -121,6 +121,7 @@ class StreamShard(DataLoader):
     split again, and says so."""
 
     watch_key = "stream"
+    cut: Callable[[Any], Any] | None = None  # each batch's last change before the loop takes it (context parallel)
 
     def __init__(self, source: DataLoader, rank: int, size: int, dim: int, key: str) -> None:
         super().__init__(source.dataset, batch_size=None)  # never iterated itself: ``source`` is
@@ -142,7 +143,7 @@ class StreamShard(DataLoader):
         epoch = self.position.epoch
         watchdog.epoch_begins(self.watch_key, epoch, steps, -1)
         batches = self._fresh()
-        return handed_over(batches, self.latest_shares, (self.watch_key, epoch, steps, -1), self.position)
+        return handed_over(batches, self.latest_shares, (self.watch_key, epoch, steps, -1), self.position, self.cut)
 
     def _fresh(self) -> Iterator[Any]:
         """The stream from the epoch's start as ``rank``, ``size`` and ``resuming`` are set now."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -60,3 +60,27 @@ def arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
         yield from leaves(value, f"args[{i}]")
     for key, value in kwargs.items():
         yield from leaves(value, f"kwargs[{key!r}]")
+
+
+def map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], Any], path: str = "", depth: int = 0) -> Any:
+    """``obj`` rebuilt with each tensor ``t`` at path ``p`` replaced by ``fn(p, t)``; the containers :func:`leaves`
+    walks (but torch's pytree-only ones) kept as they are around them, every other leaf as it is.
+
+    Example:
+        >>> map_tensors({"x": torch.zeros(2), "n": [1]}, lambda p, t: t + 1)
+        {'x': tensor([1., 1.]), 'n': [1]}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(path, obj)
+    if depth > _MAX_DEPTH:
+        return obj
+    if isinstance(obj, Mapping):  # a dict, Hugging Face's BatchEncoding
+        return type(obj)({k: map_tensors(v, fn, f"{path}[{k!r}]", depth + 1) for k, v in obj.items()})
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, f"{path}.{f.name}", depth + 1)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn, f"{path}.{name}", depth + 1) for name, v in zip(obj._fields, obj)))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(v, fn, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj))
+    return obj

@@ -18,7 +18,8 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.utils.checkpoint
@@ -32,16 +33,19 @@ class Recompute:
     """A block's forward whose activations are recomputed in backward: the block's instance attribute
     ``forward`` (copied and pickled with its block)."""
 
-    __slots__ = ("block",)
+    __slots__ = ("block", "again")
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
+        self.again: Callable[[], ContextManager] | None = None  # what the forward runs again inside (within())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
         if torch.is_grad_enabled():
             args, kwargs = _without_a_cache(block, args, kwargs)
-        return torch.utils.checkpoint.checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+        options = {} if self.again is None else {"context_fn": lambda: (contextlib.nullcontext(), self.again())}
+        return torch.utils.checkpoint.checkpoint(type(block).forward, block, *args, use_reentrant=False,
+                                                 **options, **kwargs)
 
 
 _said_cache = [False]
@@ -94,6 +98,15 @@ def setup(model: nn.Module, chosen: blocks_mod.Choice = None) -> list[str]:
     for _, module in found:
         module.forward = Recompute(module)
     return [name for name, _ in found]
+
+
+def within(model: nn.Module, again: Callable[[], ContextManager]) -> None:
+    """Run each recomputed block's forward, when backward runs it again, inside ``again()`` (context
+    parallelism's routing of attention, which its first run had from the model's forward)."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if is_recomputing(forward):
+            forward.again = again
 
 
 def recomputed(model: nn.Module) -> list[str]:

@@ -20,7 +20,7 @@ class _HostCounter(SampleCounter):
     weighs its ranks by their share of the host's samples, which its all-reduce sums."""
 
     def __init__(self, counter: SampleCounter) -> None:
-        super().__init__(counter.batch_dim, counter.samples)
+        super().__init__(counter.batch_dim, counter.samples, counter.tokens)
         self.inner = counter
 
     def __call__(self, args: tuple, kwargs: dict) -> Counted:
