@@ -13,6 +13,9 @@ from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 
 from autodist import sync as sync_mod
+from autodist.cp import forward as cp_forward
+from autodist.cp import options as cp_options
+from autodist.cp.batches import SequenceCut
 from autodist.dp import batch_layout, elastic_data, joining, loader_position, precision, wrappers
 from autodist.dp import batch_norm as bn_layers
 from autodist.dp import data as data_mod
@@ -162,7 +165,7 @@ def _staged(cut: pp_cut.Cut | None, pieces: int, loss_fn: Callable[..., Any] | N
     return "" if cut is None else f"{cut.stages} pipeline stages ({how}, {pieces} micro-batches a batch) x "
 
 
-def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None) -> str:
+def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None, cp: int = 1) -> str:
     """What the summary line says of ``shard``."""
     if shard is None or dp == 1:
         return ""
@@ -171,7 +174,7 @@ def _sharded(shard: str | None, dp: int, at_rest: ParameterSharding | None) -> s
     blocks = "" if at_rest is None else \
         f" (gathered in {len(at_rest.blocks)} blocks: {', '.join(b.name for b in at_rest.blocks[:3])}" \
         f"{', ...' if len(at_rest.blocks) > 3 else ''})"
-    return f", {what} sharded over the {dp} data-parallel ranks{blocks}"
+    return f", {what} sharded over the {dp} {'' if cp > 1 else 'data-parallel '}ranks{blocks}"
 
 
 def _through(sync_state: object | None) -> str:
@@ -439,6 +442,7 @@ def parallelize(
     mixed_precision: precision.Precision = None,
     batch_norm: Literal["global", "local"] = "global",
     check: Check | LossOf | None = None,
+    cp: int = 1,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -540,6 +544,12 @@ def parallelize(
             inputs cast; FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``; under
             ``shard="parameters"`` the blocks gathered in that dtype), the gradients summed in float32. Also in a world of one, which is the reference (docs/precision.md). Without it a
             model keeps its own dtypes: bfloat16 parameters train as bfloat16.
+        cp: context parallelism: each sequence split over ``cp`` ranks along its tokens (docs/context-parallel.md),
+            the world being data-parallel x ``cp``; ``data`` a DataLoader of ``(batch, seq)`` tensors (``(seq,
+            batch)`` with ``batch_dim=1``), each batch cut to this rank's tokens as the loader hands it over. The
+            model's ``F.scaled_dot_product_attention`` calls attend over the whole sequence and its
+            ``torch.arange`` of the tokens gives their global positions, exactly one process's training.
+            With every ``shard=`` level and ``checkpoint=True``; not yet with mp, pp, torch.compile, check=.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -578,15 +588,20 @@ def parallelize(
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
-                   mixed_precision=mixed_precision, batch_norm=batch_norm, check=check)
+                   mixed_precision=mixed_precision, batch_norm=batch_norm, check=check, cp=cp)
     if plan is not None and pp != 1:
         raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
+                         f"yourself")
+    if plan is not None and cp != 1:
+        raise ValueError(f"plan= chooses among layouts without context parallelism; with cp={cp} choose the rest "
                          f"yourself")
     if plan is not None and mixed_precision is not None:
         raise ValueError("plan= does not search layouts with mixed_precision yet: choose mp= and shard= yourself")
     # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
     # registries every function taking a model looks in), and the wrapper returned, compiling it as before
     given, model = model, unwrapped(model)
+    if cp != 1 and given is not model:
+        cp_options.refuse_compiled(cp)
     if plan is None:
         built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     else:
@@ -611,7 +626,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
            pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
            loss_fn: Callable[..., Any] | None = None, mixed_precision: precision.Precision = None,
-           batch_norm: str = "global", check: Check | LossOf | None = None, announce: bool = True
+           batch_norm: str = "global", check: Check | LossOf | None = None, announce: bool = True, cp: int = 1
            ) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
@@ -627,6 +642,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     _check_pipeline(pp, stages, microbatches, strategy, shard, loss_fn)
     _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
+    cp_options.check(cp, mp=mp, pp=pp, exact=isinstance(strategy, sync_mod.Exact), check=check,
+                     elastic=environment.elastic())
+    if cp > 1:
+        cp_options.loader_check(cp, data)
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
@@ -650,7 +669,15 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     groups = build_groups(dims, world.rank)
     _check_hand_placed_groups(model, dims, world)
     share = elastic_data.ElasticOrder() if elastic_job else partial(data_mod.broadcast_order, device=world.device)
-    data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp, share, dim=dim)
+    cp_group = sequence_cut = None
+    if cp > 1:  # the rows sharded over the data-parallel ranks only; each rank of a cp group keeps its tokens
+        cp_options.world_check(cp, world.size)
+        cp_dims = ParallelDims.for_world(world.size, cp)  # the cp groups: consecutive ranks, as mp's
+        cp_group = build_groups(cp_dims, world.rank).mp
+        data_shard = data_mod.shard(data, cp_dims.dp_rank(world.rank), cp_dims.dp, share, dim=dim)
+        sequence_cut = data_shard.cut = SequenceCut(cp_dims.mp_rank(world.rank), cp, 1 - dim)
+    else:
+        data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp, share, dim=dim)
     if world.backend == "nccl":
         model.to(world.device)
     _replicate(model, dims, groups, world)
@@ -689,7 +716,9 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             scatter = Scatter(groups.dp, dp_rank, dims.dp)
         dp_ranks = tuple(dims.dp_ranks(world.rank))
         sync_state = sync_mod.setup(strategy, model, sync_mod.SyncContext(
-            groups.dp, dp_ranks, dp_rank, SampleCounter(dim, samples), bucket_mb, first_bucket_mb,
+            groups.dp, dp_ranks, dp_rank,
+            SampleCounter(dim, samples, None if sequence_cut is None else sequence_cut.tokens), bucket_mb,
+            first_bucket_mb,
             sync_buffers, scatter=scatter))
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
@@ -703,11 +732,16 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                      "(docs/coupled-batches.md)", whose, under)
         if check is not None:
             sync_state.checker = Checker(model, sync_state, check, groups.dp, dp_rank)  # type: ignore[union-attr]
+    if sequence_cut is not None:  # after the sync's hooks: the routing is on the stack inside them
+        scale = sync_state.global_units()  # type: ignore[union-attr]
+        routing = cp_forward.attach(model, sequence_cut, cp_group, scale,
+                                    (cp_dims.dp_rank(world.rank), cp_dims.dp))  # type: ignore[union-attr]
+        recompute.within(model, routing.again)  # checkpoint=True: the blocks run again in backward, routed too
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if elastic_job:
         _elastic_loader(model, data_shard, sync_state)
-    if dims.dp > 1 and batch_dim is None and samples is None:
+    if dims.dp > 1 and batch_dim is None and samples is None and cp == 1:
         batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
     everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
@@ -719,9 +753,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if world.rank == 0 and announce:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %s%d model-parallel, "
                  "sync=%s%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
-                 f": {world.reason}" if world.reason else "", dims.dp, _staged(cut, microbatches or 2 * dims.pp, loss_fn),
+                 f": {world.reason}" if world.reason else "", dims.dp // cp,
+                 _staged(cut, microbatches or 2 * dims.pp, loss_fn) + (f"{cp} context-parallel x " if cp > 1 else ""),
                  dims.mp, strategy, _through(sync_state),
-                 _sharded(shard, dims.dp, at_rest),
+                 _sharded(shard, dims.dp, at_rest, cp),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "",
                  f", mixed_precision={mixed_precision!r} (float32 master weights)" if compute is not None else "",
                  _device_of(model, world))
@@ -787,7 +822,8 @@ def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | No
 
     Returns:
         This rank's shard, of the same kind as ``data``: a DataLoader yields this rank's slice of each global
-        batch; ranks of one model-parallel group get the same shard.
+        batch; ranks of one model-parallel group get the same shard; under ``cp`` each batch is cut to this
+        rank's tokens, as the training loader's are (a validation loader, say).
 
     Example:
         >>> model, _ = autodist.parallelize(model, mp=2)
@@ -806,7 +842,13 @@ def shard_data(model: nn.Module, data: data_mod.DataLike, *, batch_dim: int | No
         raise ValueError(f"{type(model).__name__} was not parallelized, so it has no data-parallel rank to shard "
                          f"for: call autodist.parallelize(model) first (or parallelize(model, data), which shards "
                          f"the data too)")
-    data_shard = data_mod.shard(data, registration.dp_rank, registration.dp,
-                                partial(data_mod.broadcast_order, device=world.device), dim=dim)
+    share = partial(data_mod.broadcast_order, device=world.device)
+    routing = cp_forward.context_of(model)
+    if routing is not None:  # context parallel: the rows over the data-parallel ranks, the tokens as training's
+        cp_options.loader_check(routing.cut.parts, data)
+        data_shard = data_mod.shard(data, *routing.rows_of_data, share, dim=dim)
+        data_shard.cut = routing.cut  # one cut for every loader: the forward reads the batch handed out last
+    else:
+        data_shard = data_mod.shard(data, registration.dp_rank, registration.dp, share, dim=dim)
     loader_position.attach(model, data_shard)
     return data_shard

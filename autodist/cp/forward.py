@@ -1,0 +1,259 @@
+"""A context-parallel model's forward: its attention over the whole sequence and its positions the global ones.
+
+Each rank runs the model on its tokens of each sequence (:mod:`autodist.cp.batches`). What in a transformer's
+forward depends on where those tokens stand in the whole sequence is met as the forward runs, by a torch
+function mode the model's forward puts on the stack (and takes off when it returns or raises):
+
+* ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` (nanoGPT's, Hugging Face's ``sdpa`` attention):
+  each rank's queries attend to the whole sequence's keys, through
+  :func:`~autodist.layers.context.context_attention` over the context-parallel group; grouped-query attention
+  (``enable_gqa=True``) has its keys' heads repeated first. A mask the model built itself (``attn_mask=``) is
+  refused, as is attention dropout in training and attention whose keys are not this rank's tokens (a cache,
+  cross-attention): each would need the whole sequence's own, which the model built from this rank's part.
+* ``torch.arange(start, start + n)`` with ``n`` this rank's tokens (nanoGPT's ``pos``, Hugging Face's
+  ``cache_position``, from which its ``position_ids`` and rotary tables come) becomes ``start`` plus the
+  global positions of this rank's tokens. An ``arange`` of that length could also number something else: it is
+  refused where the batch's rows are as many (which one it is cannot be told apart), and the first one replaced
+  is logged with the line that called it.
+* ``torch.diff`` of those positions reads them as consecutive: Hugging Face, for a batch of one sequence,
+  looks for packed documents where the positions jump, and a rank's jump once, from its first chunk to its
+  second, within one sequence.
+
+What would reach past this routing is refused (:mod:`autodist.cp.refusals`). Every other op works on each token
+alone in the transformers this is for (linear layers, norms, activations, embeddings); an op on activations
+mixing along the sequence (a convolution over time, pooling over tokens) is not detected
+(docs/context-parallel.md).
+
+Example:
+    >>> attach(model, cut, group, sync.global_units())      # parallelize(model, loader, cp=K) does this
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from autodist.cp import refusals
+from autodist.cp.batches import SequenceCut
+from autodist.layers.context import context_attention
+from autodist.runtime.tree import arguments, map_tensors
+
+log = logging.getLogger("autodist")
+
+
+class _Routes(TorchFunctionMode):
+    """The mode on the stack during a context-parallel forward."""
+
+    def __init__(self, context: "Context") -> None:
+        super().__init__()
+        self.context = context
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.context.attention(*args, **kwargs)
+        if func is torch.arange:
+            return self.context.positions(func(*args, **kwargs), args)
+        if func in (torch.diff, torch.Tensor.diff) and args and self.context.are_positions(args[0]):
+            return func(self.context.consecutive(args[0]), *args[1:], **kwargs)
+        tracked = bool(args) and id(args[0]) in self.context.inputs
+        if tracked and func in refusals.ALONG:
+            self.context.refuse_mixing(func, args, kwargs)
+        if func is F.multi_head_attention_forward:
+            raise NotImplementedError(f"cp={self.context.cut.parts}: nn.MultiheadAttention is not split along the "
+                                      f"sequence yet: write the attention with F.scaled_dot_product_attention "
+                                      f"(or use cp=1 with mp= for this model)")
+        made = func(*args, **kwargs)
+        if func in refusals.PRODUCTS:
+            self.context.refuse_local_scores(func, args, made)
+        return self.context.derived(made, args[0]) if tracked else made
+
+
+class Context:
+    """One context-parallel model's routing: the cut of its batches, the group sharing each sequence."""
+
+    def __init__(self, cut: SequenceCut, group: Any, name: str, scale: Callable[[], float]) -> None:
+        self.cut, self.group, self.name, self.scale = cut, group, name, scale
+        self.mode: _Routes | None = None
+        self.logged = False
+        self.routed = 0  # attention calls routed in the forward running now
+        self.rows = 0  # the batch's rows in the forward running now
+        self.rows_of_data = (0, 1)  # (data-parallel index, their number): how a loader's rows are sharded
+        self.inputs: dict[int, str] = {}  # the forward's inputs of this rank's tokens, by id: their paths
+        self.held_inputs: list[torch.Tensor] = []  # kept alive while the forward runs, so the ids stay theirs
+
+    # -- the forward's bounds ------------------------------------------------------------------------------------
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling() or refusals.under_dynamo():
+            refusals.refuse_compiled(self.cut.parts, self.name)
+        if self.mode is not None:  # a forward inside this model's own (a model calling itself): already routed
+            return
+        if self.cut.split is None:
+            raise RuntimeError(f"cp={self.cut.parts}: {self.name} ran before the loader parallelize returned handed "
+                               f"out a batch; a context-parallel model runs on that loader's batches, each cut to "
+                               f"this rank's tokens")
+        self.rows = self.cut.rows(*args, **kwargs)  # raises where no input holds this rank's tokens of the batch
+        held = self.cut.held
+        tensors = [(path, t) for path, t in arguments(args, kwargs) if isinstance(t, torch.Tensor)]
+        self.inputs = {id(t): path for path, t in tensors if t.ndim > self.cut.dim and t.shape[self.cut.dim] == held}
+        self.held_inputs = [t for _, t in tensors]  # alive until leave: their ids stay theirs
+        self.routed = 0
+        self.mode = _Routes(self)
+        self.mode.__enter__()
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """The mode off the stack (before the gradient sync's hook, which may put its own there), and each output
+        that carries a gradient replaced by one whose gradient is multiplied by ``scale()``: once per path from
+        the loss, even where one output is computed from another inside the model (nanoGPT's loss from its
+        logits), and asked when the sync, whose hooks are on the replacements, has weighed the backward."""
+        if torch.compiler.is_compiling():
+            refusals.refuse_compiled(self.cut.parts, self.name)
+        mode, self.mode = self.mode, None
+        if mode is None:
+            return None
+        mode.__exit__(None, None, None)
+        self.inputs, self.held_inputs = {}, []
+        if self.routed == 0:
+            raise NotImplementedError(
+                f"cp={self.cut.parts}: {self.name}'s forward ran no attention autodist could route over the whole "
+                f"sequence: its attention is not F.scaled_dot_product_attention (a kernel of its own, flash-attn, "
+                f"xformers), or the forward was compiled (torch.compile traces past the routing; cp is not built "
+                f"with it yet). Each rank would attend to its own tokens only, so nothing is trained this way")
+        if not torch.is_grad_enabled():
+            return None
+        return map_tensors(output, lambda _, t: _scaled(t, self.scale) if t.requires_grad else t)
+
+    @contextlib.contextmanager
+    def again(self) -> Iterator[None]:
+        """The routing for a block's forward run again in backward (``checkpoint=True``): the model's forward,
+        which put it on the stack the first time, has ended; the batch in hand is still the one it ran on."""
+        if self.mode is not None:  # recomputed inside a forward (nested checkpointing): already routed
+            yield
+            return
+        self.mode = _Routes(self)
+        self.mode.__enter__()
+        try:
+            yield
+        finally:
+            mode, self.mode = self.mode, None
+            mode.__exit__(None, None, None)
+
+    def refuse_mixing(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Raise where ``func`` on an input of the batch reaches along the sequence."""
+        x = args[0]
+        if refusals.along(func, x, self.cut.dim % x.ndim, args[1:], kwargs):
+            refusals.refuse_mixing(self.cut.parts, self.name, func, self.inputs[id(x)], x)
+
+    def refuse_local_scores(self, func: Any, args: tuple, made: Any) -> None:
+        """Raise where a product of activations (no parameter) is a square over this rank's tokens."""
+        held = self.cut.held
+        if isinstance(made, torch.Tensor) and made.ndim >= 2 and tuple(made.shape[-2:]) == (held, held) and \
+                held > 1 and not any(isinstance(a, nn.Parameter) for a in args):
+            refusals.refuse_local_scores(self.cut.parts, self.name, func, made)
+
+    def derived(self, made: Any, source: Any) -> Any:
+        """``made`` from the input ``source`` in its shape (``mask.bool()``, ``labels.to(device)``): an input too."""
+        if isinstance(made, torch.Tensor) and made.shape == source.shape:
+            self.inputs[id(made)] = self.inputs[id(source)]
+            self.held_inputs.append(made)
+        return made
+
+    # -- what the mode reroutes ------------------------------------------------------------------------------------
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        parts, held = self.cut.parts, self.cut.held
+        if attn_mask is not None:
+            raise NotImplementedError(
+                f"cp={parts}: {self.name}'s attention got a mask it built itself (attn_mask of shape "
+                f"{tuple(attn_mask.shape)}), from this rank's {held} tokens only; with cp the mask must come from "
+                f"the whole sequence: use is_causal=True without attn_mask (Hugging Face: attn_implementation="
+                f"'sdpa' and no attention_mask for unpadded sequences)")
+        if dropout_p:
+            raise NotImplementedError(f"cp={parts}: {self.name}'s attention has dropout_p={dropout_p} in training, "
+                                      f"which would draw a different mask than one process: set attention dropout "
+                                      f"to 0 under cp")
+        if query.shape[-2] != held or key.shape[-2] != held:
+            raise NotImplementedError(
+                f"cp={parts}: {self.name}'s attention has {query.shape[-2]} queries and {key.shape[-2]} keys, but "
+                f"this rank holds {held} tokens of the sequence: cp splits self-attention over the batch's own "
+                f"tokens only (not a key/value cache or cross-attention)")
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            repeat = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        self.routed += 1
+        return context_attention(query, key, value, split=self.cut.split, group=self.group, causal=is_causal,
+                                 scale=scale)
+
+    def are_positions(self, x: Any) -> bool:
+        """Whether ``x`` holds this rank's global positions (from ``start``), along its last dimension: what
+        the replaced ``torch.arange`` gave, or ``position_ids`` made from it."""
+        split, held = self.cut.split, self.cut.held
+        if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.ndim == 0 or x.shape[-1] != held or held < 2:
+            return False
+        mine = split.positions(self.cut.rank).to(x.device)
+        return bool((x - x[..., :1] == mine - mine[0]).all())
+
+    def consecutive(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s first position, then the ones after it: what a ``torch.diff`` of this rank's positions reads."""
+        return x[..., :1] + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+
+    def positions(self, made: torch.Tensor, args: tuple) -> torch.Tensor:
+        held, split = self.cut.held, self.cut.split
+        if made.ndim != 1 or made.numel() != held or held in (0, split.length):
+            return made
+        if not bool((made[1:] - made[:-1] == 1).all()):
+            return made  # not consecutive numbers: not positions
+        start = made[0]
+        if self.rows == held:
+            raise NotImplementedError(
+                f"cp={self.cut.parts}: torch.arange({', '.join(map(str, args))}) at {refusals.caller()} has the "
+                f"length of this rank's {held} tokens, which is also the batch's rows: it cannot be told whether it "
+                f"numbers the tokens (then it must be their global positions) or the rows; change the batch size or "
+                f"the sequence length by one")
+        if not self.logged and self.cut.rank == 0:
+            self.logged = True
+            log.info("cp=%d: torch.arange(%s) at %s read as the positions of this rank's tokens in the sequence",
+                     self.cut.parts, ", ".join(map(str, args)), refusals.caller())
+        return (split.positions(self.cut.rank).to(made.device) + start).to(made.dtype)
+
+
+_contexts: "weakref.WeakKeyDictionary[nn.Module, Context]" = weakref.WeakKeyDictionary()
+
+
+def context_of(model: nn.Module) -> Context | None:
+    """The routing :func:`attach` gave ``model`` (None: it is not context-parallel)."""
+    return _contexts.get(model)
+
+
+def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], float],
+           rows: tuple[int, int] = (0, 1)) -> Context:
+    """Route ``model``'s attention and position calls over ``group`` for each forward (see the module docstring),
+    and multiply the gradients of its outputs by ``scale()`` (the gradient sync's global units: a rank's keys and
+    values take gradients from the other ranks' losses, which must be in the same unit as its own). ``rows``:
+    (this rank's data-parallel index, their number), the rows a later loader is sharded by (``shard_data``).
+
+    Example:
+        >>> attach(model, SequenceCut(rank % 2, 2), cp_group, sync.global_units())
+    """
+    context = Context(cut, group, type(model).__name__, scale)
+    context.rows_of_data = rows
+    _contexts[model] = context
+    model.register_forward_pre_hook(context.enter, with_kwargs=True)
+    model.register_forward_hook(context.leave, always_call=True, prepend=True)  # before the sync's: see leave
+    return context
+
+
+def _scaled(tensor: torch.Tensor, scale: Callable[[], float]) -> torch.Tensor:
+    """A view of ``tensor`` whose gradient is multiplied by ``scale()`` (asked in backward) before it flows on: a
+    view, which the reading of the loss passes through (:mod:`autodist.dp.loss_reading`), and a pre-hook of its
+    node, which runs after the sync's hooks on the view itself."""
+    view = tensor.view_as(tensor)
+    view.grad_fn.register_prehook(lambda grads: tuple(g * scale() if g is not None else g for g in grads))
+    return view

@@ -1,0 +1,51 @@
+"""What ``parallelize(..., cp=K)`` is built with, checked before anything is set up: each refusal names what to
+choose instead.
+
+Example:
+    >>> check(2, mp=1, pp=1, exact=True, check=None, elastic=False)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def check(cp: Any, *, mp: int, pp: int, exact: bool, check: Any, elastic: bool) -> None:
+    """Raise where ``cp`` is not a positive int or is combined with what it is not built with yet."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp must be a positive int (the ranks sharing each sequence), got {cp!r}")
+    if cp == 1:
+        return
+    with_ = [name for name, on in (("mp > 1", mp > 1), ("pp > 1", pp > 1), ("check=", check is not None),
+                                   ("autodist run --elastic", elastic)) if on]
+    if with_:
+        raise NotImplementedError(f"cp={cp} is not built with {', '.join(with_)} yet: use cp alone (with data "
+                                  f"parallelism over the other ranks), or leave cp=1")
+    if not exact:
+        raise ValueError(f"cp={cp} trains as one process does, with sync='backward' or 'manual'; a low-"
+                         f"communication strategy is not built with it")
+
+
+def world_check(cp: int, world_size: int) -> None:
+    """Raise where ``cp`` does not divide the world."""
+    if world_size % cp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"cp={cp} does not divide the {world_size} ranks (each sequence is split over cp ranks, "
+                         f"the world being data-parallel x cp); choose cp from {divisors}")
+
+
+def loader_check(cp: int, data: Any) -> None:
+    """Raise where ``data`` is not a DataLoader (a context-parallel model's batches are cut as they are handed
+    over, by the loader ``parallelize`` returns)."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(data, DataLoader):
+        raise NotImplementedError(f"cp={cp} cuts each batch of a DataLoader into this rank's tokens as the loader "
+                                  f"hands it over; got {type(data).__name__}: wrap the data in a DataLoader (a "
+                                  f"TensorDataset of (batch, seq) tensors, say)")
+
+
+def refuse_compiled(cp: int) -> None:
+    """Raise: a model compiled before ``parallelize`` (torch.compile traces past the routing of its attention)."""
+    raise NotImplementedError(f"cp={cp} is not built with torch.compile yet (dynamo traces the forward past the "
+                              f"routing of its attention to the whole sequence): parallelize the model itself, "
+                              f"without compiling it")

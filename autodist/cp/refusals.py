@@ -1,0 +1,114 @@
+"""What a context-parallel forward refuses, found as it runs: each check, and the words of each refusal.
+
+A rank holds its own parts of each sequence, so what reaches from one token to others must go through the
+routing of :mod:`autodist.cp.forward`; these are the ways a model can reach past it, each refused with the line
+that did it and the fix: an op along the sequence of an input of the batch (:func:`along`: a shift of the
+labels, a padding mask indexed by position), attention scores written out by hand (:data:`PRODUCTS`: a square
+product of two activations over this rank's tokens), and a forward run by torch.compile (:func:`under_dynamo`).
+
+Example:
+    >>> along(F.pad, labels, 1, ((0, 1),), {})      # Hugging Face's shift of labels=: along the sequence
+    True
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Products of two activations: attention written out by hand (Hugging Face's "eager" attention, q @ k^T) makes a
+# square of scores over this rank's tokens only, which would silently attend to them alone.
+PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
+                       torch.baddbmm, torch.einsum})
+# Ops that, on a tensor of the batch, can take tokens from elsewhere in the sequence (a shift, a slice, a
+# running sum): with the sequence split, the neighbour of a rank's last token is on another rank.
+ALONG = frozenset({F.pad, torch.Tensor.__getitem__, torch.roll, torch.Tensor.roll, torch.narrow,
+                    torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum})
+
+
+def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bool:
+    """Whether ``func(x, *rest, **kwargs)`` reaches along dimension ``dim`` of ``x`` (one of ``ALONG``)."""
+    if func is F.pad:
+        pad = rest[0] if rest else kwargs["pad"]
+        at = x.ndim - 1 - dim  # pad lists the last dimension first
+        return 2 * at + 1 < len(pad) and (pad[2 * at] != 0 or pad[2 * at + 1] != 0)
+    if func in (torch.roll, torch.Tensor.roll):
+        dims = rest[1] if len(rest) > 1 else kwargs.get("dims")
+        return dims is None or dim in [d % x.ndim for d in ((dims,) if isinstance(dims, int) else dims)]
+    if func in (torch.narrow, torch.Tensor.narrow):
+        along = rest[0] if rest else kwargs["dim"]
+        length = rest[2] if len(rest) > 2 else kwargs["length"]
+        return along % x.ndim == dim and length != x.shape[dim]
+    if func in (torch.cumsum, torch.Tensor.cumsum):
+        return (rest[0] if rest else kwargs["dim"]) % x.ndim == dim
+    return _indexes(rest[0], x.ndim, dim)
+
+
+def _indexes(index: Any, ndim: int, dim: int) -> bool:
+    """Whether ``x[index]`` picks or slices positions of dimension ``dim`` (anything but ``:`` there)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(item is Ellipsis for item in items):
+        at = next(i for i, item in enumerate(items) if item is Ellipsis)
+        used = sum(1 for item in items if item is not None and item is not Ellipsis)
+        items[at:at + 1] = [slice(None)] * (ndim - used)
+    items = [item for item in items if item is not None]  # a new axis indexes nothing
+    if dim >= len(items):
+        return False
+    item = items[dim]
+    return not (isinstance(item, slice) and item == slice(None))
+
+
+def under_dynamo() -> bool:
+    """Whether this call comes through torch.compile's frame evaluation (a model compiled after parallelize:
+    its hooks may run eagerly while the forward between them runs as a traced graph)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "_dynamo" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def refuse_compiled(parts: int, name: str) -> None:
+    raise NotImplementedError(f"cp={parts}: {name} runs compiled (torch.compile): cp is not built with it yet "
+                              f"(dynamo traces the forward past the routing of its attention to the whole "
+                              f"sequence); run the model without torch.compile")
+
+
+def caller() -> str:
+    """The first frame outside torch and autodist: the model's line that called."""
+    frame = sys._getframe(1)
+    while frame is not None and any(part in frame.f_code.co_filename for part in ("/torch/", "/autodist/")):
+        frame = frame.f_back
+    return "an unknown line" if frame is None else f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+
+
+
+
+def refuse_mixing(parts: int, name: str, func: Any, path: str, x: torch.Tensor) -> None:
+    """Raise: ``func`` reaches along the sequence of the input at ``path`` (see :func:`along`)."""
+    if "label" in path:
+        fix = ("a shift of the labels (Hugging Face's causal-LM loss pads and slices labels=) belongs in the data: "
+               "shift them there and pass them as shift_labels= (Hugging Face), or compute the loss outside the "
+               "model")
+    elif "mask" in path:
+        fix = ("a padding mask is not taken under cp yet: give batches without padding (pack the documents, or "
+               "leave attention_mask out where no token is padding)")
+    else:
+        fix = "compute what needs the whole sequence outside the model, or train this model with cp=1"
+    raise NotImplementedError(
+        f"cp={parts}: {name}'s forward calls {getattr(func, '__name__', func)} on its input {path} (or a tensor of "
+        f"its shape made from it; shape {list(x.shape)}) along the sequence, at {caller()}: each rank holds its own "
+        f"parts of the sequence, so a token's neighbours may be on another rank; {fix}")
+
+
+def refuse_local_scores(parts: int, name: str, func: Any, made: torch.Tensor) -> None:
+    """Raise: ``made``, a product of two activations, is a square over this rank's tokens (see :data:`PRODUCTS`)."""
+    held = made.shape[-1]
+    raise NotImplementedError(
+        f"cp={parts}: {name}'s forward computes a {held} x {held} product ({getattr(func, '__name__', func)}, shape "
+        f"{list(made.shape)}) at {caller()}: attention scores written out by hand over this rank's {held} tokens, "
+        f"which would attend to them alone. Under cp attention must go through F.scaled_dot_product_attention "
+        f"(Hugging Face: attn_implementation='sdpa')")
