@@ -1,0 +1,180 @@
+"""One long sequence through a Hugging Face model: cp=2 against one process, mp=2 and pp=2 (step time, peak memory).
+
+What it measures
+    Qwen2 built from a config (4 layers, hidden 128, 8 heads, ``attn_implementation="sdpa"``, float32), one
+    sequence of each length a step (global batch 1), SGD, the loss written in the loop on labels shifted in the
+    data; a step is the forward, the loss, backward and the optimizer step. Each layout runs in processes of
+    its own, one after another (fresh ones for each length): one process (no launcher), then 2 ranks (gloo, 1
+    thread each) with ``parallelize(..., cp=2)``, ``mp=2`` and ``pp=2``. Per layout: the median of the timed
+    steps (its slowest
+    rank's), and the peak resident memory of its largest process from just before ``parallelize`` to the last
+    step (``VmHWM``: everything the process holds, autodist's buffers and the planning of mp and pp included),
+    also as what it grew above the process before the model was built (torch and transformers imported: about
+    400 MB that every process pays whatever it trains).
+    The cp=2 run's loss is checked against one process's (the sum of the ranks' token-weighted losses).
+
+How to run
+    python benchmarks/bench_context_model.py                     # 2048 and 4096 tokens, a few minutes
+    python benchmarks/bench_context_model.py --lengths 8192 --layouts one,cp2
+    python benchmarks/bench_context_model.py --quick             # smoke run of seconds, timing nothing
+
+How to read it
+    One row per length and layout: milliseconds a step, its ratio to one process's (lower is better), peak MB
+    and its ratio to one process's. cp holds each rank's tokens' activations (half of one process's at 2 ranks)
+    plus the whole sequence's keys and values of one layer at a time; mp=2 and pp=2 plan from runs of the whole
+    model on one rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import harness  # benchmarks/harness.py, next to this file
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from live_bytes import reset_peak, resident
+from torch.utils.data import DataLoader, TensorDataset
+
+LAYOUTS = ["one", "cp2", "mp2", "pp2"]
+VOCAB = 1024
+
+
+def model() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=16384,
+                                      attn_implementation="sdpa", use_cache=False)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def data(length: int, steps: int) -> TensorDataset:
+    ids = torch.randint(0, VOCAB, (steps, length + 1), generator=torch.Generator().manual_seed(length))
+    return TensorDataset(ids[:, :-1], ids[:, 1:].clone())
+
+
+def run_layout(layout: str, length: int, steps: int, warmup: int) -> dict:
+    """This process's part of one layout: step seconds, peak bytes, losses."""
+    import autodist
+
+    options = {"one": {}, "cp2": {"cp": 2}, "mp2": {"mp": 2}, "pp2": {"pp": 2}}[layout]
+    import transformers  # noqa: F401 - imported before the idle process is measured
+
+    idle = resident()  # torch and transformers imported (the process group joined), nothing of the model yet
+    built = model()
+    reset_peak()
+    net, loader = autodist.parallelize(built, DataLoader(data(length, steps + warmup), batch_size=1), **options)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    seconds, losses = [], []
+    for step, (x, y) in enumerate(loader):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        logits = net(input_ids=x).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        if step >= warmup:
+            seconds.append(time.perf_counter() - start)
+        losses.append((loss.item(), y.numel()))
+    return {"seconds": statistics.median(seconds), "peak": resident("VmHWM"), "idle": idle, "losses": losses}
+
+
+def run_part(args) -> None:
+    """One layout (the worker on the ranks, or one process with --solo); its row written to ``--out``."""
+    autodist_world = dist.is_initialized() or "RANK" in os.environ
+    if autodist_world:
+        import autodist
+
+        autodist.init(backend="gloo")
+    rows = []
+    for length in args.lengths:
+        mine = run_layout(args.layout, length, args.steps, args.warmup)
+        if dist.is_initialized():
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        rows.append({"length": length, "seconds": max(g["seconds"] for g in gathered),
+                     "peak": max(g["peak"] for g in gathered), "grown": max(g["peak"] - g["idle"] for g in gathered),
+                     "loss": _whole_loss([g["losses"] for g in gathered], args.layout)})
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"layout": args.layout, "rows": rows}) + "\n")
+
+
+def _whole_loss(per_rank: list[list[tuple[float, int]]], layout: str) -> list[float]:
+    """Each step's loss over the whole sequence: under cp the ranks' token-weighted means added up, else any
+    rank's (every rank of mp and pp returns the whole batch's)."""
+    if layout != "cp2":
+        return [loss for loss, _ in per_rank[0]]
+    return [sum(loss * n for loss, n in step) / sum(n for _, n in step) for step in zip(*per_rank)]
+
+
+def launch(parser: harness.Parser, args) -> int:
+    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+    forwarded = [word for word in parser.forwarded(args) if not word.startswith("--lengths=")]
+    for length in args.lengths:  # fresh processes for each: a peak holds nothing of another length
+        for layout in args.layouts:
+            argv = [*forwarded, f"--lengths={length}", f"--layout={layout}", f"--out={out}"]
+            code = harness.solo(parser.script, argv) if layout == "one" else harness.torchrun(parser.script, 2, argv)
+            if code != 0:
+                return code
+    results: dict[str, list] = {}
+    with open(out) as f:
+        for record in map(json.loads, f):
+            results.setdefault(record["layout"], []).extend(record["rows"])
+    os.unlink(out)
+    print(f"Qwen2 (4 layers, hidden 128, 8 heads, sdpa), one sequence a step, float32, SGD; 2 ranks, gloo, 1 "
+          f"thread each; median of {args.steps} steps\n")
+    print("| tokens | layout | step ms | vs one process | peak MB (largest process) | vs one process | above the "
+          "idle process MB | vs one process |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, length in enumerate(args.lengths):
+        base = results.get("one", [None] * len(args.lengths))[i]
+        for layout in args.layouts:
+            row = results[layout][i]
+            speed = f"{row['seconds'] / base['seconds']:.2f}" if base else "-"
+            memory = f"{row['peak'] / base['peak']:.2f}" if base else "-"
+            grown = f"{row['grown'] / base['grown']:.2f}" if base else "-"
+            print(f"| {length} | {layout} | {1e3 * row['seconds']:.0f} | {speed} | {row['peak'] / 2**20:.0f} | "
+                  f"{memory} | {row['grown'] / 2**20:.0f} | {grown} |")
+        if base and "cp2" in results:
+            gap = max(abs(a - b) for a, b in zip(results["cp2"][i]["loss"], base["loss"]))
+            assert gap < 1e-4, f"{length} tokens: cp=2's loss differs from one process's by {gap:.1e}"
+    return 0
+
+
+def main() -> int:
+    parser = harness.Parser(__file__, __doc__, ranks=2, solo=True)
+    parser.add_argument("--lengths", type=lambda t: [int(v) for v in t.split(",")], default=[2048, 4096],
+                        help="comma-separated sequence lengths in tokens (default 2048,4096)")
+    parser.add_argument("--layouts", type=harness.some_of(LAYOUTS), default=LAYOUTS,
+                        help=f"which of {','.join(LAYOUTS)} (default all)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--layout", choices=LAYOUTS, help=argparse_suppress())
+    parser.add_argument("--out", help=argparse_suppress())
+    args = parser.parse(quick={"lengths": [64], "steps": 2, "warmup": 1})
+    if args.worker or args.solo:
+        torch.set_num_threads(1)
+        run_part(args)
+        return 0
+    return launch(parser, args)
+
+
+def argparse_suppress() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
