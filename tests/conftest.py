@@ -1,4 +1,4 @@
-"""Shared fixtures: a pool of real gloo ranks per world size, kept for the whole session.
+"""Shared fixtures: a pool of real gloo ranks per world size, kept for the whole session (Pools).
 
 The tests are grouped like the package (tests/dp, tests/mp, ...); the shared helpers (workloads, alike, ranks,
 the scripts the launch tests run) stay here in tests/. Every folder goes on sys.path before any rank pool is
@@ -21,27 +21,36 @@ sys.path[:0] = [_HERE] + sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE
 
 from ranks import RankPool  # noqa: E402
 
-_pools: dict[int, RankPool] = {}
 
+class Pools:
+    """Rank pools by world size, started when first asked for and reused: ``pools(size, fn, *args)`` runs
+    ``fn(*args)`` on ``size`` ranks; a broken pool is replaced."""
 
-def run_on_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
-    """fn(*args) on ``size`` ranks of a reused pool; a broken pool is replaced."""
-    pool = _pools.get(size)
-    if pool is None or not pool.alive:
-        pool = _pools[size] = RankPool(size)
-    try:
-        return pool.run(fn, *args, timeout=timeout)
-    finally:
-        if not pool.alive:
-            _pools.pop(size, None)
+    def __init__(self) -> None:
+        self.pools: dict[int, RankPool] = {}
+
+    def __call__(self, size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+        pool = self.pools.get(size)
+        if pool is None or not pool.alive:
+            pool = self.pools[size] = RankPool(size)
+        try:
+            return pool.run(fn, *args, timeout=timeout)
+        finally:
+            if not pool.alive:
+                self.pools.pop(size, None)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
 
 
 @pytest.fixture(scope="session")
 def ranks() -> Callable[..., list[Any]]:
-    yield run_on_ranks
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
+    """The session's rank pools: ``ranks(2, fn, arg)`` runs ``fn(arg)`` on 2 ranks and returns their results."""
+    pools = Pools()
+    yield pools
+    pools.close()
 
 
 def _runs_a_page(item: pytest.Item) -> bool:
