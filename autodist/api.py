@@ -13,6 +13,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 
 from autodist import sync as sync_mod
+from autodist.cp import explain as cp_explain
 from autodist.cp import forward as cp_forward
 from autodist.cp import options as cp_options
 from autodist.cp.batches import SequenceCut
@@ -770,8 +771,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
 
 def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", batch_size: int | None = None,
             example: observe.Example | None = None, *, pp: int = 1, stages: pp_cut.Stages = None,
-            blocks: sharded_blocks.Choice = None) -> rewrite.SplitPlan | pp_cut.Cut:
-    """What ``parallelize(model, mp=mp, pp=pp)`` would do, without running anything or needing a process group.
+            blocks: sharded_blocks.Choice = None,
+            cp: int = 1) -> rewrite.SplitPlan | pp_cut.Cut | cp_explain.ContextPlan:
+    """What ``parallelize(model, mp=mp, pp=pp)`` or ``parallelize(model, loader, cp=cp)`` would do, without needing a
+    process group (``cp``: the example's forward runs once, here).
 
     Args:
         model: the single-process model.
@@ -783,17 +786,32 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
             tensor): for a model torch.fx cannot trace, the plan is read from that forward; with ``pp > 1``
             the blocks are timed on it (without it, the stages are balanced by parameters).
         pp / stages / blocks: the pipeline stages, as for ``parallelize``.
+        cp: the context-parallel degree: with ``example`` (one global batch's whole sequences), the plan shows
+            which positions each rank holds, the attention work per rank, and the bytes each rank sends for each
+            attention call of the forward (:mod:`autodist.cp.explain`).
 
     Returns:
-        The model-parallel :class:`SplitPlan` (``pp=1``), or the cut into stages (``pp > 1``; with ``mp > 1`` it holds
-        the plan too); ``print`` it for the table.
+        The model-parallel :class:`SplitPlan` (``pp=1``), the cut into stages (``pp > 1``; with ``mp > 1`` it holds
+        the plan too), or the context-parallel plan (``cp > 1``); ``print`` it for the table.
 
     Example:
         >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
         >>> print(autodist.explain(net, mp=2, batch_size=128))
         >>> print(autodist.explain(gpt, pp=2, example=(idx,)))   # the blocks of each stage, and their share
+        >>> print(autodist.explain(gpt, cp=2, example=(idx,)))   # the cut of the sequence, the bytes per call
     """
     _check_positive("pp", pp, "the number of pipeline stages")
+    _check_positive("cp", cp, "the number of ranks a sequence is split over")
+    if cp > 1:
+        if mp > 1 or pp > 1:
+            raise NotImplementedError(f"cp={cp} with mp={mp}, pp={pp}: context parallelism does not compose with "
+                                      f"model or pipeline parallelism yet; explain them one at a time")
+        if example is None:
+            raise ValueError(f"explain(model, cp={cp}) runs one forward to find the model's attention calls: pass "
+                             f"example=, one global batch's arguments with whole sequences (e.g. example=(idx,))")
+        observe.check_example(example)
+        _check_model(model)
+        return cp_explain.explain(model, cp, example)
     if pp == 1:
         if stages is not None:
             raise ValueError("stages= cuts the model into pipeline stages: it needs pp > 1")

@@ -85,8 +85,6 @@ def caller() -> str:
     return "an unknown line" if frame is None else f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
-
-
 def refuse_mixing(parts: int, name: str, func: Any, path: str, x: torch.Tensor) -> None:
     """Raise: ``func`` reaches along the sequence of the input at ``path`` (see :func:`along`)."""
     if "label" in path:

@@ -241,7 +241,7 @@ def _gathered(k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, group: Any
     return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
 
 
-def _fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def fast_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the chunks can run torch's CPU flash kernel unmasked (:class:`_CausalSplit`)."""
     return (q.device.type == "cpu" and q.ndim == 4 and q.dtype in (torch.float64, torch.float32, torch.bfloat16)
             and q.shape[-1] == v.shape[-1] and q.dtype == k.dtype == v.dtype)
@@ -279,7 +279,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spli
                          f"q has {q.shape[-2]} in dimension -2 (shape {tuple(q.shape)}): pass "
                          f"split.split(q, rank, dim=-2)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if causal and window is None and documents is None and key_padding is None and _fast(q, k, v):
+    if causal and window is None and documents is None and key_padding is None and fast_path(q, k, v):
         return _CausalSplit.apply(q, k, v, split, group, rank, scale)
     both = split.gather(torch.cat([k, v], dim=-1), group, dim=-2)  # one collective each way, in one order
     keys, values = both[..., :k.shape[-1]], both[..., k.shape[-1]:]

@@ -1,0 +1,168 @@
+"""What ``parallelize(model, loader, cp=K)`` would do to a model, read from one forward in this process: the cut
+of the sequence (which positions each rank holds, the attention work each does) and, for every attention call
+the forward makes, the bytes each rank exchanges for it in a training step.
+
+The forward runs once on the example, whole, in this process, with ``F.scaled_dot_product_attention`` watched:
+each call's queries, keys and values give its shape, and :func:`~autodist.layers.context.context_attention`
+fixes the exchange. Forward, one all-gather of the keys and values (a rank puts in its tokens, padded to the
+most any rank holds: gloo's all-gather takes equal shapes); backward, the gradient of the whole sequence's keys
+and values summed over the ranks (one all-reduce), and, on the causal path that keeps no gathered keys
+(a causal call on CPU, no mask), the same all-gather again. Grouped-query attention's keys and values are
+exchanged with their heads repeated, as the routing repeats them. "Sent" is what a ring moves out of each rank:
+``K - 1`` contributions for an all-gather, ``2 (K - 1) / K`` of the tensor for an all-reduce. The gradient
+sync of the parameters (over every rank, as data parallelism's) comes on top.
+
+Example:
+    >>> print(autodist.explain(gpt, cp=2, example=(idx,)))    # idx: (batch, tokens), one global batch's
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from autodist.cp import refusals
+from autodist.layers.context import SequenceSplit, fast_path
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One ``F.scaled_dot_product_attention`` call of the forward: where, its query shape ``(..., tokens,
+    head_dim)``, the heads its keys and values are exchanged with, their widths, the element size, and whether
+    it is causal and runs the path that gathers the keys again in backward."""
+
+    line: str
+    query: tuple[int, ...]
+    heads: int
+    key_width: int
+    value_width: int
+    element: int
+    causal: bool
+    again: bool
+
+    def contribution(self, split: SequenceSplit) -> int:
+        """Bytes each rank puts into one all-gather of the keys and values: its tokens, padded to the widest."""
+        lead = 1
+        for n in self.query[:-3]:
+            lead *= n
+        return lead * self.heads * max(split.sizes) * (self.key_width + self.value_width) * self.element
+
+    def whole(self, split: SequenceSplit) -> int:
+        """Bytes of the whole sequence's keys' and values' gradient, summed over the ranks in backward."""
+        return self.contribution(split) // max(split.sizes) * split.length if max(split.sizes) else 0
+
+    def sent(self, split: SequenceSplit) -> tuple[float, float]:
+        """Bytes a rank sends for this call in forward and in backward, as a ring moves them."""
+        parts = split.parts
+        gather = (parts - 1) * self.contribution(split)
+        reduce = 2 * (parts - 1) / parts * self.whole(split)
+        return float(gather), gather * self.again + reduce
+
+
+@dataclass
+class ContextPlan:
+    """The cut of one sequence over ``parts`` ranks and the attention calls of one forward; ``print`` it for the
+    table. ``sent()`` gives the bytes each rank sends in a step (forward, backward)."""
+
+    parts: int
+    length: int
+    calls: list[AttentionCall] = field(default_factory=list)
+
+    @property
+    def split(self) -> SequenceSplit:
+        return SequenceSplit(self.length, self.parts)
+
+    def work_balance(self) -> float:
+        """The most attention work (query-key pairs) a rank does over the mean (1.0: even), for the calls'
+        masks (causal, or not where no call is)."""
+        causal = any(c.causal for c in self.calls) or not self.calls
+        work = [self.split.work(r, causal) for r in range(self.parts)]
+        return max(work) / (sum(work) / len(work)) if sum(work) else 1.0
+
+    def sent(self) -> tuple[float, float]:
+        """Bytes each rank sends for attention in a training step: (forward, backward)."""
+        each = [c.sent(self.split) for c in self.calls]
+        return sum(f for f, _ in each), sum(b for _, b in each)
+
+    def __str__(self) -> str:
+        split = self.split
+        held = "; ".join(f"rank {r}: {_spans(split.held(r))} ({split.sizes[r]} tokens)" for r in range(self.parts))
+        lines = [f"cp={self.parts}: each sequence of {self.length} tokens cut into {2 * self.parts} chunks, rank r "
+                 f"holding chunks r and {2 * self.parts - 1}-r (zigzag)",
+                 f"  {held}",
+                 f"  attention work (query-key pairs) per rank: max/mean {self.work_balance():.3f}"]
+        if not self.calls:
+            lines.append("  no F.scaled_dot_product_attention call in the forward: parallelize(cp=...) refuses this "
+                         "model (its attention is written by hand, or it has none)")
+            return "\n".join(lines)
+        lines += ["  bytes each rank sends per step for attention (ring), by call:",
+                  "  | call | query (whole sequence) | keys/values exchanged | forward | backward |", "  |---|---|---|---|---|"]
+        for call, group in itertools.groupby(self.calls):
+            count = len(list(group))
+            forward, backward = call.sent(split)
+            times = f" x {count}" if count > 1 else ""
+            lines.append(f"  | {call.line}{times} | {tuple(call.query)} | {call.heads} heads x "
+                         f"{call.key_width}+{call.value_width}, {call.element}-byte | {_mb(forward)} | "
+                         f"{_mb(backward)}{' (gathered again)' if call.again else ''} |")
+        forward, backward = self.sent()
+        lines.append(f"  total: {_mb(forward)} forward, {_mb(backward)} backward, per rank and step (the parameters' "
+                     f"gradient sync comes on top)")
+        return "\n".join(lines)
+
+
+def _spans(chunks: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in chunks)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.3f} MB" if n < 1e7 else f"{n / 1e6:.0f} MB"
+
+
+class _Watch(TorchFunctionMode):
+    """Records every ``F.scaled_dot_product_attention`` call of a forward, and runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[AttentionCall] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.record(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> None:
+        heads = query.shape[-3] if enable_gqa and query.ndim >= 3 else key.shape[-3] if key.ndim >= 3 else 1
+        self.calls.append(AttentionCall(
+            refusals.caller(), tuple(query.shape), heads, key.shape[-1], value.shape[-1], key.element_size(),
+            bool(is_causal), bool(is_causal) and attn_mask is None and fast_path(query, key, value)))
+
+
+def explain(model: nn.Module, parts: int, example: Any) -> ContextPlan:
+    """The plan of ``parallelize(model, loader, cp=parts)`` for ``example`` (one forward's arguments, the whole
+    sequence: a tuple of positional ones, a dict of keyword ones, or one tensor), read by running that forward
+    once here, without gradients (no process group needed). The length is the first attention call's.
+
+    Example:
+        >>> plan = explain(gpt, 2, (idx,))
+        >>> plan.sent()                          # bytes a rank sends for attention per step: (forward, backward)
+    """
+    args, kwargs = (example, {}) if isinstance(example, tuple) else ((), dict(example)) \
+        if isinstance(example, Mapping) else ((example,), {})
+    watch = _Watch()
+    with torch.no_grad(), watch:
+        model(*args, **kwargs)
+    if watch.calls:
+        length = watch.calls[0].query[-2]
+    else:  # nothing to cut by: the first token tensor's dimension 1
+        length = next((x.shape[1] for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor) and x.ndim >= 2),
+                      0)
+    return ContextPlan(parts, length, watch.calls)
