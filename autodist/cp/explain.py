@@ -8,7 +8,7 @@ fixes the exchange. Forward, one all-gather of the keys and values (a rank puts 
 most any rank holds: gloo's all-gather takes equal shapes); backward, the gradient of the whole sequence's keys
 and values summed over the ranks (one all-reduce), and, on the causal path that keeps no gathered keys
 (a causal call on CPU, no mask), the same all-gather again. Grouped-query attention's keys and values are
-exchanged with their heads repeated, as the routing repeats them. "Sent" is what a ring moves out of each rank:
+exchanged with their own heads (repeated for the query heads after). "Sent" is what a ring moves out of each rank:
 ``K - 1`` contributions for an all-gather, ``2 (K - 1) / K`` of the tensor for an all-reduce. The gradient
 sync of the parameters (over every rank, as data parallelism's) comes on top.
 
@@ -140,7 +140,7 @@ class _Watch(TorchFunctionMode):
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> None:
-        heads = query.shape[-3] if enable_gqa and query.ndim >= 3 else key.shape[-3] if key.ndim >= 3 else 1
+        heads = key.shape[-3] if key.ndim >= 3 else 1  # grouped-query attention: the key heads are exchanged
         self.calls.append(AttentionCall(
             refusals.caller(), tuple(query.shape), heads, key.shape[-1], value.shape[-1], key.element_size(),
             bool(is_causal), bool(is_causal) and attn_mask is None and fast_path(query, key, value)))

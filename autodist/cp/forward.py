@@ -7,7 +7,7 @@ function mode the model's forward puts on the stack (and takes off when it retur
 * ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` (nanoGPT's, Hugging Face's ``sdpa`` attention):
   each rank's queries attend to the whole sequence's keys, through
   :func:`~autodist.layers.context.context_attention` over the context-parallel group; grouped-query attention
-  (``enable_gqa=True``) has its keys' heads repeated first. A mask the model built itself (``attn_mask=``) is
+  (``enable_gqa=True``) exchanges the keys and values with their own heads, repeated after. A mask the model built itself (``attn_mask=``) is
   refused, as is attention dropout in training and attention whose keys are not this rank's tokens (a cache,
   cross-attention): each would need the whole sequence's own, which the model built from this rank's part.
 * ``torch.arange(start, start + n)`` with ``n`` this rank's tokens (nanoGPT's ``pos``, Hugging Face's
@@ -184,12 +184,9 @@ class Context:
                 f"cp={parts}: {self.name}'s attention has {query.shape[-2]} queries and {key.shape[-2]} keys, but "
                 f"this rank holds {held} tokens of the sequence: cp splits self-attention over the batch's own "
                 f"tokens only (not a key/value cache or cross-attention)")
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            repeat = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
         self.routed += 1
         return context_attention(query, key, value, split=self.cut.split, group=self.group, causal=is_causal,
-                                 scale=scale)
+                                 scale=scale, enable_gqa=enable_gqa)
 
     def are_positions(self, x: Any) -> bool:
         """Whether ``x`` holds this rank's global positions (from ``start``), along its last dimension: what

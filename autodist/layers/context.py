@@ -196,9 +196,10 @@ class _CausalSplit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, group: Any,
-                rank: int, scale: float) -> torch.Tensor:
+                rank: int, scale: float, groups: int) -> torch.Tensor:
         ctx.split, ctx.group, ctx.rank, ctx.scale, ctx.width = split, group, rank, scale, k.shape[-1]
-        keys, values = _gathered(k, v, split, group)
+        ctx.groups = groups
+        keys, values = _gathered(k, v, split, group, groups)
         outs, lses, start = [], [], 0
         for lo, hi in split.held(ctx.rank):
             if hi > lo:
@@ -215,7 +216,7 @@ class _CausalSplit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         split, width, grad = ctx.split, ctx.width, grad.contiguous()
-        keys, values = _gathered(k, v, split, ctx.group)
+        keys, values = _gathered(k, v, split, ctx.group, ctx.groups)
         dq = torch.zeros_like(q)
         dkv = torch.zeros(*keys.shape[:-1], width + values.shape[-1], dtype=keys.dtype, device=keys.device)
         start = 0
@@ -229,16 +230,34 @@ class _CausalSplit(torch.autograd.Function):
                                                        lo, ctx.scale)
             dkv[..., :hi, :width] += dk
             dkv[..., :hi, width:] += dv
+        if ctx.groups > 1:  # each key head served `groups` query heads: its gradient is their sum
+            dkv = dkv.unflatten(-3, (dkv.shape[-3] // ctx.groups, ctx.groups)).sum(-3)
         if split.parts > 1:
             dist.all_reduce(dkv, group=ctx.group)  # each rank's rows used every key before them
         mine = dkv.index_select(-2, split.positions(ctx.rank).to(dkv.device))
-        return dq, mine[..., :width], mine[..., width:], None, None, None, None
+        return dq, mine[..., :width], mine[..., width:], None, None, None, None, None
 
 
-def _gathered(k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole sequence's keys and values, in position order (one all-gather for both; no autograd)."""
+def _gathered(k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, group: Any,
+              groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence's keys and values, in position order (one all-gather for both; no autograd), each key
+    head repeated for the ``groups`` query heads it serves after the exchange, not before."""
     both = _whole(torch.cat([k, v], dim=-1).detach(), split, group, -2)
+    if groups > 1:
+        both = both.repeat_interleave(groups, -3)
     return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
+
+
+def _groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> int:
+    """How many query heads each key head serves (1 without grouped-query attention; a single key head, which
+    broadcasts, serves them all)."""
+    if q.ndim < 3 or k.shape[-3] == q.shape[-3]:
+        return 1
+    if (not enable_gqa and k.shape[-3] != 1) or q.shape[-3] % k.shape[-3] or v.shape[-3] != k.shape[-3]:
+        raise ValueError(f"q has {q.shape[-3]} heads and k, v have {k.shape[-3]} and {v.shape[-3]}: pass "
+                         f"enable_gqa=True for grouped-query attention (the query heads a multiple of the key "
+                         f"heads, k and v alike), as F.scaled_dot_product_attention takes it")
+    return q.shape[-3] // k.shape[-3]
 
 
 def fast_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -250,7 +269,7 @@ def fast_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, split: SequenceSplit, group: Any = None,
                       causal: bool = True, key_padding: torch.Tensor | None = None,
                       documents: torch.Tensor | None = None, window: int | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """Scaled dot-product attention of this rank's tokens over the whole sequence split by ``split``.
 
     Args:
@@ -265,6 +284,10 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spli
             attends only within its own.
         window: a sliding window: each token attends to the ``window`` latest positions up to itself.
         scale: the scores' scale (None: ``1/sqrt(head_dim)``).
+        enable_gqa: grouped-query attention, as ``F.scaled_dot_product_attention`` takes it: ``k`` and ``v``
+            have fewer heads than ``q`` (a divisor of them), each serving that many query heads in turn. They are
+            exchanged with their own heads and repeated after (the bytes sent: the key heads', not the query
+            heads').
 
     Returns:
         This rank's rows of the attention output, ``(..., tokens, head_dim)``; a row with no key allowed is NaN,
@@ -279,9 +302,12 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spli
                          f"q has {q.shape[-2]} in dimension -2 (shape {tuple(q.shape)}): pass "
                          f"split.split(q, rank, dim=-2)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    groups = _groups(q, k, v, enable_gqa)
     if causal and window is None and documents is None and key_padding is None and fast_path(q, k, v):
-        return _CausalSplit.apply(q, k, v, split, group, rank, scale)
+        return _CausalSplit.apply(q, k, v, split, group, rank, scale, groups)
     both = split.gather(torch.cat([k, v], dim=-1), group, dim=-2)  # one collective each way, in one order
+    if groups > 1:
+        both = both.repeat_interleave(groups, -3)
     keys, values = both[..., :k.shape[-1]], both[..., k.shape[-1]:]
     outs, start = [], 0
     for lo, hi in split.held(rank):

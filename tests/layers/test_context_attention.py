@@ -46,20 +46,25 @@ def _options(mask: str, padding: torch.Tensor, documents: torch.Tensor) -> dict:
             "documents": documents if mask == "documents" else None, "window": 4 if mask == "window" else None}
 
 
-def _compare(length: int, mask: str) -> dict[str, float]:
-    """On each rank: this rank's rows and gradients against one process's, as the largest differences."""
+def _compare(length: int, mask: str, groups: int = 1) -> dict[str, float]:
+    """On each rank: this rank's rows and gradients against one process's, as the largest differences; with
+    ``groups`` query heads to each key head (grouped-query attention)."""
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
     q, k, v, grad, padding, documents = _inputs(length)
+    if groups > 1:  # the query heads (and the output's) groups times the keys'
+        g = torch.Generator().manual_seed(groups)
+        q, grad = (torch.randn(B, H * groups, length, D, generator=g, dtype=torch.float64) for _ in range(2))
     split = SequenceSplit(length, size)
 
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*whole, attn_mask=_reference_mask(length, mask, padding, documents))
+    expected = F.scaled_dot_product_attention(*whole, attn_mask=_reference_mask(length, mask, padding, documents),
+                                              enable_gqa=groups > 1)
     (expected * grad).sum().backward()
 
     mine = [split.split(t, rank, dim=-2).requires_grad_() for t in (q, k, v)]
-    out = context_attention(*mine, split=split, **_options(mask, padding, documents))
+    out = context_attention(*mine, split=split, enable_gqa=groups > 1, **_options(mask, padding, documents))
     (out * split.split(grad, rank, dim=-2)).sum().backward()
 
     def gap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,7 +85,17 @@ def _compare(length: int, mask: str) -> dict[str, float]:
     (2, 1, "causal"),  # rank 1 holds no token
 ])
 def test_each_rank_computes_one_process_attention_for_its_tokens(ranks, size, length, mask):
-    results = ranks(size, _compare, length, mask)
+    _each_rank_as_one_process(ranks(size, _compare, length, mask), size, length)
+
+
+@pytest.mark.parametrize("size, length, mask", [(2, 13, "causal"), (3, 17, "padding"), (2, 5, "documents")])
+def test_grouped_query_attention_exchanges_the_key_heads_and_computes_one_process_attention(ranks, size, length,
+                                                                                            mask):
+    """Two query heads to each key head (enable_gqa=True), on the mask-free causal path and the masked one."""
+    _each_rank_as_one_process(ranks(size, _compare, length, mask, 2), size, length)
+
+
+def _each_rank_as_one_process(results: list[dict], size: int, length: int) -> None:
     split = SequenceSplit(length, size)
     assert [r["tokens"] for r in results] == split.sizes
     for rank, errors in enumerate(results):
