@@ -17,12 +17,17 @@ How to run
     python benchmarks/bench_context_model.py                     # 2048 and 4096 tokens, a few minutes
     python benchmarks/bench_context_model.py --lengths 8192 --layouts one,cp2
     python benchmarks/bench_context_model.py --quick             # smoke run of seconds, timing nothing
+    python benchmarks/bench_context_model.py --budget 512 --layouts one,cp2   # the longest sequence in 512 MB
 
 How to read it
     One row per length and layout: milliseconds a step, its ratio to one process's (lower is better), peak MB
     and its ratio to one process's. cp holds each rank's tokens' activations (half of one process's at 2 ranks)
     plus the whole sequence's keys and values of one layer at a time; mp=2 and pp=2 plan from runs of the whole
     model on one rank.
+
+    With ``--budget MB``: for each layout, the longest sequence (to 256 tokens) whose training step grows its
+    largest process by at most MB above the idle process (found by doubling, then halving the gap: one step, in
+    fresh processes each try), and its ratio to one process's (``--quick``: one try of 64 tokens each).
 """
 from __future__ import annotations
 
@@ -118,7 +123,48 @@ def _whole_loss(per_rank: list[list[tuple[float, int]]], layout: str) -> list[fl
     return [sum(loss * n for loss, n in step) / sum(n for _, n in step) for step in zip(*per_rank)]
 
 
+def _trial(parser: harness.Parser, args, layout: str, length: int, steps: int, warmup: int) -> dict:
+    """One layout at one length in fresh processes: its row (seconds, peak, grown, loss)."""
+    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+    forwarded = [word for word in parser.forwarded(args) if not word.startswith(("--lengths=", "--budget="))]
+    argv = [*forwarded, f"--lengths={length}", f"--layout={layout}", f"--out={out}", f"--steps={steps}",
+            f"--warmup={warmup}"]
+    code = harness.solo(parser.script, argv) if layout == "one" else harness.torchrun(parser.script, 2, argv)
+    if code != 0:
+        raise SystemExit(f"{layout} at {length} tokens failed (exit status {code})")
+    with open(out) as f:
+        row = json.loads(f.read().splitlines()[-1])["rows"][0]
+    os.unlink(out)
+    return row
+
+
+def longest(parser: harness.Parser, args) -> int:
+    """The longest sequence each layout trains within ``--budget`` MB above its idle process."""
+    budget, found = args.budget * 2**20, {}
+    for layout in args.layouts:
+        fits, over, length = 0, None, 64 if args.quick else 1024
+        while over is None or over - fits > 256:
+            grown = _trial(parser, args, layout, length, 1, 0)["grown"]
+            print(f"{layout}: {length} tokens grow the process by {grown / 2**20:.0f} MB", flush=True)
+            if grown <= budget:
+                fits = length
+            else:
+                over = length
+            if args.quick:  # a smoke run: one try each
+                break
+            length = 2 * length if over is None else (fits + over) // 512 * 256
+        found[layout] = fits
+    print(f"\nthe longest sequence within {args.budget} MB above the idle process (Qwen2 as above, one step, to "
+          f"256 tokens)\n\n| layout | tokens | vs one process |\n|---|---|---|")
+    for layout, tokens in found.items():
+        ratio = f"{tokens / found['one']:.2f}" if found.get("one") else "-"
+        print(f"| {layout} | {tokens} | {ratio} |")
+    return 0
+
+
 def launch(parser: harness.Parser, args) -> int:
+    if args.budget is not None:
+        return longest(parser, args)
     out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
     forwarded = [word for word in parser.forwarded(args) if not word.startswith("--lengths=")]
     for length in args.lengths:  # fresh processes for each: a peak holds nothing of another length
@@ -160,6 +206,8 @@ def main() -> int:
                         help=f"which of {','.join(LAYOUTS)} (default all)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="MB above the idle process: find each layout's longest sequence within it")
     parser.add_argument("--layout", choices=LAYOUTS, help=argparse_suppress())
     parser.add_argument("--out", help=argparse_suppress())
     args = parser.parse(quick={"lengths": [64], "steps": 2, "warmup": 1})

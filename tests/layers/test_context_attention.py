@@ -88,7 +88,9 @@ def test_each_rank_computes_one_process_attention_for_its_tokens(ranks, size, le
     _each_rank_as_one_process(ranks(size, _compare, length, mask), size, length)
 
 
-@pytest.mark.parametrize("size, length, mask", [(2, 13, "causal"), (3, 17, "padding"), (2, 5, "documents")])
+@pytest.mark.parametrize("size, length, mask", [
+    (2, 13, "causal"), pytest.param(3, 17, "padding", marks=pytest.mark.slow),
+    pytest.param(2, 5, "documents", marks=pytest.mark.slow)])
 def test_grouped_query_attention_exchanges_the_key_heads_and_computes_one_process_attention(ranks, size, length,
                                                                                             mask):
     """Two query heads to each key head (enable_gqa=True), on the mask-free causal path and the masked one."""
