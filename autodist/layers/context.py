@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autodist.layers.comm import all_gather_cat, group_rank_size, shard_sizes
+from autodist.layers.comm import group_rank_size, shard_sizes
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,27 @@ def _rank_in(split: SequenceSplit, group: Any) -> int:
 
 
 def _whole(x: torch.Tensor, split: SequenceSplit, group: Any, dim: int) -> torch.Tensor:
-    """The whole sequence from every rank's tokens of ``x``, in position order (one all-gather; no autograd)."""
-    return all_gather_cat(x, group, split.sizes, dim=dim).index_select(dim, split.order.to(x.device))
+    """The whole sequence from every rank's tokens of ``x``, in position order (one all-gather; no autograd).
+
+    The ranks' parts land in one buffer (gloo's all-gather takes equal shapes: each padded to the most any rank
+    holds) and each chunk is copied straight to its place: two copies of the whole sequence at most, for a
+    moment (concatenating, then ordering, held three)."""
+    x, dim = x.detach(), dim % x.ndim
+    if split.parts == 1:
+        return x.clone()
+    widest, held = max(split.sizes), x.shape[dim]
+    shape = (*x.shape[:dim], widest, *x.shape[dim + 1:])
+    mine = x.contiguous() if held == widest else torch.cat([x, x.new_zeros(*shape[:dim], widest - held,
+                                                                               *shape[dim + 1:])], dim=dim)
+    parts = x.new_empty(split.parts, *shape)
+    dist.all_gather(list(parts.unbind(0)), mine, group=group)
+    whole = x.new_empty(*shape[:dim], split.length, *shape[dim + 1:])
+    for rank in range(split.parts):
+        start = 0
+        for lo, hi in split.held(rank):
+            whole.narrow(dim, lo, hi - lo).copy_(parts[rank].narrow(dim, start, hi - lo))
+            start += hi - lo
+    return whole
 
 
 def attention_mask(rows: torch.Tensor, keys: torch.Tensor, *, causal: bool, window: int | None,

@@ -65,22 +65,21 @@ def _counted_step(name: str, length: int, rows: int) -> tuple[list[int], list[in
     plan = autodist.explain(_model(name, length), cp=2, example=(x,) if name == "gpt" else {"input_ids": x})
     model, loader = autodist.parallelize(_model(name, length), DataLoader(data, batch_size=rows), cp=2)
     gathered, reduced = [], []
-    gather, real_dist = context.all_gather_cat, context.dist
+    real_dist = context.dist
 
-    def counted_gather(t: torch.Tensor, group, sizes, dim: int = -1) -> torch.Tensor:
-        gathered.append(t.numel() // t.shape[dim] * max(sizes) * t.element_size())
-        return gather(t, group, sizes, dim)
+    def counted_gather(parts: list, t: torch.Tensor, *args, **kwargs):
+        gathered.append(t.numel() * t.element_size())
+        return real_dist.all_gather(parts, t, *args, **kwargs)
 
     def counted_reduce(t: torch.Tensor, *args, **kwargs):
         reduced.append(t.numel() * t.element_size())
         return real_dist.all_reduce(t, *args, **kwargs)
-    context.all_gather_cat = counted_gather
-    context.dist = types.SimpleNamespace(all_reduce=counted_reduce)
+    context.dist = types.SimpleNamespace(all_gather=counted_gather, all_reduce=counted_reduce)
     try:
         batch = next(iter(loader))
         _loss(name, model, *batch).backward()
     finally:
-        context.all_gather_cat, context.dist = gather, real_dist
+        context.dist = real_dist
     split = plan.split
     expected_gathers = [c.contribution(split) for c in plan.calls] + \
         [c.contribution(split) for c in reversed(plan.calls) if c.again]
