@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,10 +49,7 @@ class AttentionCall:
 
     def contribution(self, split: SequenceSplit) -> int:
         """Bytes each rank puts into one all-gather of the keys and values: its tokens, padded to the widest."""
-        lead = 1
-        for n in self.query[:-3]:
-            lead *= n
-        return lead * self.heads * max(split.sizes) * (self.key_width + self.value_width) * self.element
+        return math.prod(self.query[:-3]) * self.heads * max(split.sizes) * (self.key_width + self.value_width) * self.element
 
     def whole(self, split: SequenceSplit) -> int:
         """Bytes of the whole sequence's keys' and values' gradient, summed over the ranks in backward."""
