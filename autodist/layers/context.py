@@ -79,11 +79,6 @@ class SequenceSplit:
         """Tokens held by each rank."""
         return [sum(hi - lo for lo, hi in self.held(r)) for r in range(self.parts)]
 
-    @cached_property
-    def order(self) -> torch.Tensor:
-        """For each position of the whole sequence, its index in the ranks' tokens concatenated in rank order."""
-        return torch.argsort(torch.cat([self.positions(r) for r in range(self.parts)]))
-
     def split(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """Rank ``rank``'s tokens of ``x``, whose dimension ``dim`` is the whole sequence (no communication)."""
         if x.shape[dim] != self.length:
