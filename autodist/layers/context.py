@@ -256,10 +256,15 @@ def _gathered(k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, group: Any
               groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole sequence's keys and values, in position order (one all-gather for both; no autograd), each key
     head repeated for the ``groups`` query heads it serves after the exchange, not before."""
-    both = _whole(torch.cat([k, v], dim=-1).detach(), split, group, -2)
+    return _keys_values(_whole(torch.cat([k, v], dim=-1).detach(), split, group, -2), k.shape[-1], groups)
+
+
+def _keys_values(both: torch.Tensor, width: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (the first ``width`` features) and the values of the whole sequence's ``both``, each key head
+    repeated for the ``groups`` query heads it serves."""
     if groups > 1:
         both = both.repeat_interleave(groups, -3)
-    return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
+    return both[..., :width], both[..., width:]
 
 
 def _groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> int:
@@ -320,9 +325,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spli
     if causal and window is None and documents is None and key_padding is None and fast_path(q, k, v):
         return _CausalSplit.apply(q, k, v, split, group, rank, scale, groups)
     both = split.gather(torch.cat([k, v], dim=-1), group, dim=-2)  # one collective each way, in one order
-    if groups > 1:
-        both = both.repeat_interleave(groups, -3)
-    keys, values = both[..., :k.shape[-1]], both[..., k.shape[-1]:]
+    keys, values = _keys_values(both, k.shape[-1], groups)
     outs, start = [], 0
     for lo, hi in split.held(rank):
         rows = q[..., start:start + hi - lo, :]
