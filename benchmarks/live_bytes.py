@@ -74,13 +74,20 @@ def _storages(roots: list[Any]) -> dict[int, int]:
     return found
 
 
-def live_tensor_bytes(sharers: int = 1) -> float:
-    """Bytes of every tensor storage alive in this process (see the module docstring); bytes
-    inside a shared mapping count 1/``sharers``."""
+def live_storages() -> dict[int, int]:
+    """{first byte: bytes} of every tensor storage alive in this process, after a collection."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
         warnings.simplefilter("ignore")
-        spans = sorted((start, start + size) for start, size in _storages(gc.get_objects()).items())
+        return _storages(gc.get_objects())
+
+
+def live_tensor_bytes(sharers: int = 1) -> float:
+    """Bytes of every tensor storage alive in this process (see the module docstring); bytes
+    inside a shared mapping count 1/``sharers``."""
+    spans = sorted((start, start + size) for start, size in live_storages().items())
+    with warnings.catch_warnings():  # as in live_storages: every object is looked at
+        warnings.simplefilter("ignore")
         mappings = _mappings()
     merged: list[list[int]] = []
     for start, end in spans:  # storages that overlap (views of one mapping) count once

@@ -23,7 +23,7 @@ from autodist.sharded import parameters as sharded_parameters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from conftest import Pools  # noqa: E402
-from live_bytes import _storages, live_tensor_bytes  # noqa: E402
+from live_bytes import live_storages, live_tensor_bytes  # noqa: E402
 
 pytestmark = pytest.mark.slow  # rounds of training counted through the garbage collector: the full tier
 
@@ -170,12 +170,6 @@ def _counted(build, options: dict) -> tuple[dict, float, float, float, nn.Module
         gone = sorted((n for start, n in storages.items() if start not in now), reverse=True)
         counted["(alive before, gone since)"] = gone[:8]
     return counted, held.total, live, params, model
-
-
-def live_storages() -> dict[int, int]:
-    """{first byte: bytes} of every tensor storage alive in this process."""
-    gc.collect()
-    return _storages(gc.get_objects())
 
 
 def _levels(mp: int = 1) -> dict:
