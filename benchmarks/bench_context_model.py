@@ -124,7 +124,8 @@ def _whole_loss(per_rank: list[list[tuple[float, int]]], layout: str) -> list[fl
 
 
 def _trial(parser: harness.Parser, args, layout: str, length: int, steps: int, warmup: int) -> dict:
-    """One layout at one length in fresh processes: its row (seconds, peak, grown, loss)."""
+    """One layout at one length in fresh processes (``steps`` timed after ``warmup``): its row (seconds, peak,
+    grown, loss)."""
     out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
     forwarded = [word for word in parser.forwarded(args) if not word.startswith(("--lengths=", "--budget="))]
     argv = [*forwarded, f"--lengths={length}", f"--layout={layout}", f"--out={out}", f"--steps={steps}",
@@ -165,19 +166,10 @@ def longest(parser: harness.Parser, args) -> int:
 def launch(parser: harness.Parser, args) -> int:
     if args.budget is not None:
         return longest(parser, args)
-    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
-    forwarded = [word for word in parser.forwarded(args) if not word.startswith("--lengths=")]
+    results: dict[str, list] = {}
     for length in args.lengths:  # fresh processes for each: a peak holds nothing of another length
         for layout in args.layouts:
-            argv = [*forwarded, f"--lengths={length}", f"--layout={layout}", f"--out={out}"]
-            code = harness.solo(parser.script, argv) if layout == "one" else harness.torchrun(parser.script, 2, argv)
-            if code != 0:
-                return code
-    results: dict[str, list] = {}
-    with open(out) as f:
-        for record in map(json.loads, f):
-            results.setdefault(record["layout"], []).extend(record["rows"])
-    os.unlink(out)
+            results.setdefault(layout, []).append(_trial(parser, args, layout, length, args.steps, args.warmup))
     print(f"Qwen2 (4 layers, hidden 128, 8 heads, sdpa), one sequence a step, float32, SGD; 2 ranks, gloo, 1 "
           f"thread each; median of {args.steps} steps\n")
     print("| tokens | layout | step ms | vs one process | peak MB (largest process) | vs one process | above the "
