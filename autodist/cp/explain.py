@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from autodist.cp import refusals
 from autodist.layers.context import SequenceSplit, fast_path
+from autodist.runtime import tree
 
 
 @dataclass(frozen=True)
@@ -153,14 +153,11 @@ def explain(model: nn.Module, parts: int, example: Any) -> ContextPlan:
         >>> plan = explain(gpt, 2, (idx,))
         >>> plan.sent()                          # bytes a rank sends for attention per step: (forward, backward)
     """
-    args, kwargs = (example, {}) if isinstance(example, tuple) else ((), dict(example)) \
-        if isinstance(example, Mapping) else ((example,), {})
     watch = _Watch()
     with torch.no_grad(), watch:
-        model(*args, **kwargs)
+        tree.call(model, example)
     if watch.calls:
         length = watch.calls[0].query[-2]
     else:  # nothing to cut by: the first token tensor's dimension 1
-        length = next((x.shape[1] for x in [*args, *kwargs.values()] if isinstance(x, torch.Tensor) and x.ndim >= 2),
-                      0)
+        length = next((x.shape[1] for _, x in tree.tensor_leaves(example, "example") if x.ndim >= 2), 0)
     return ContextPlan(parts, length, watch.calls)

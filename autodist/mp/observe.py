@@ -176,15 +176,6 @@ def check_example(example: Example | None) -> None:
                         f"keyword ones, or one tensor; got {type(example).__name__}")
 
 
-def call(model: nn.Module, example: Example) -> Any:
-    """Run ``model`` on an example the way a training loop would: ``model(*t)``, ``model(**d)`` or ``model(x)``."""
-    if isinstance(example, tuple):
-        return model(*example)
-    if isinstance(example, collections.abc.Mapping):
-        return model(**example)
-    return model(example)
-
-
 def model_example(model: nn.Module) -> Example | None:
     """The sample inputs a model carries itself, as keyword arguments: a Hugging Face model's
     ``dummy_inputs`` for its ``main_input_name`` (token ids), or, for one that takes images

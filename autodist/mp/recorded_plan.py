@@ -11,6 +11,7 @@ from torch import nn
 from autodist.mp import observe, regions, torch_layers
 from autodist.mp.fx_plan import where_tracing_stopped
 from autodist.mp.plans import HOOKED, LayerPlan, Rewrite, SplitPlan, count_params, hooked, linear_row
+from autodist.runtime import tree
 
 
 def plan_recorded(model: nn.Module, mp: int, selected: Callable[[str, nn.Module], bool], err: BaseException | None,
@@ -36,7 +37,7 @@ def plan_recorded(model: nn.Module, mp: int, selected: Callable[[str, nn.Module]
                          f"then plans model parallelism from one forward on a sample batch: pass data to "
                          f"parallelize (a DataLoader, Dataset or tensors) or example=(args...) / example={{kwargs}}")
     try:
-        seen = observe.observe(model, lambda: observe.call(model, example))
+        seen = observe.observe(model, lambda: tree.call(model, example))
     except Exception as run_err:  # noqa: BLE001 - the user must learn how to call the model instead
         raise ValueError(f"torch.fx cannot trace {type(model).__name__}, and its forward on a sample batch failed "
                          f"({type(run_err).__name__}: {run_err}); the sample was called as "
@@ -67,7 +68,7 @@ def plan_recorded(model: nn.Module, mp: int, selected: Callable[[str, nn.Module]
             kept[name] = f"the model reads its parameters outside the layer ({outside}), which would see a shard"
     candidates = {name: module for name, module in linears.items() if name not in kept}
     with observe.isolated(model):
-        found = regions.find_regions(model, lambda: observe.call(model, example), candidates, mp)
+        found = regions.find_regions(model, lambda: tree.call(model, example), candidates, mp)
     kept.update(found.not_affine)
     linears = {name: m for name, m in linears.items() if name in found.orientation or name in kept}
     roles = {name: "column" for r in found.regions for name in r.columns} | \

@@ -25,9 +25,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autodist.dp.buckets import sum_dtype
-from autodist.mp import observe, rewrite
+from autodist.mp import rewrite
 from autodist.planner.live import LiveBytes
 from autodist.planner.step import loss_of, make_optimizer, untouched
+from autodist.runtime import tree
 from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import recompute
 
@@ -184,7 +185,7 @@ def _rows(example: Any, n: int, dim: int) -> Any:
 def _pass(model: nn.Module, example: Any) -> tuple[float, float]:
     """One forward and backward: their seconds."""
     start = time.perf_counter()
-    loss = loss_of(observe.call(model, example))
+    loss = loss_of(tree.call(model, example))
     middle = time.perf_counter()
     loss.backward()
     return middle - start, time.perf_counter() - middle
@@ -208,7 +209,7 @@ def _peaks(model: nn.Module, example: Any, dropped: list[LiveBytes]) -> tuple[fl
     with LiveBytes() as live:
         dropped.append(live)
         try:
-            loss_of(observe.call(model, example)).backward()
+            loss_of(tree.call(model, example)).backward()
         finally:
             dropped.remove(live)
     return float(live.peak), float(live.peak_held)

@@ -23,11 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autodist.mp import observe
 from autodist.planner.live import LiveBytes
 from autodist.planner.plan import Layout
 from autodist.planner.step import loss_of, make_optimizer, rng_state, set_rng_state
-from autodist.runtime import plain
+from autodist.runtime import plain, tree
 from autodist.train.memory import memory
 
 Setup = Callable[..., tuple[nn.Module, Any]]  # parallelize without its log line
@@ -78,7 +77,7 @@ class Trial:
 
     def _step(self) -> None:
         self.optimizer.zero_grad()
-        loss_of(observe.call(self.model, self.x)).backward()
+        loss_of(tree.call(self.model, self.x)).backward()
         self.optimizer.step()
 
     def step(self) -> None:

@@ -84,3 +84,17 @@ def map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], Any], path: str = ""
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(v, fn, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj))
     return obj
+
+
+def call(model: Callable[..., Any], example: Any) -> Any:
+    """Run ``model`` on an example the way a training loop would: ``model(*t)`` for a tuple of positional
+    arguments, ``model(**d)`` for a mapping of keyword ones, ``model(x)`` for anything else (one tensor).
+
+    Example:
+        >>> call(gpt, (idx, targets))      # gpt(idx, targets)
+    """
+    if isinstance(example, tuple):
+        return model(*example)
+    if isinstance(example, Mapping):
+        return model(**example)
+    return model(example)
