@@ -20,6 +20,7 @@ Example:
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class SequenceCut:
     def __init__(self, rank: int, parts: int, dim: int = 1) -> None:
         self.rank, self.parts, self.dim = rank, parts, dim
         self.split: SequenceSplit | None = None
+        self.pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # the latest batch: (path, cut, whole)
 
     @property
     def batch_dim(self) -> int:
@@ -59,8 +61,30 @@ class SequenceCut:
                              f"by one split, but their lengths there differ: "
                              f"{_named([(p, tuple(t.shape)) for p, t in tensors])}; pad them to one length")
         self.split = SequenceSplit(lengths.pop(), self.parts)
-        split = self.split
-        return map_tensors(batch, lambda _, t: split.split(t, self.rank, self.dim))
+        split, pieces = self.split, []
+
+        def cut(path: str, t: torch.Tensor) -> torch.Tensor:
+            piece = split.split(t, self.rank, self.dim)
+            pieces.append((path, piece, t))
+            return piece
+
+        cut_batch = map_tensors(batch, cut, "batch")
+        self.pieces = pieces
+        return cut_batch
+
+    def whole(self, x: torch.Tensor, path: str) -> torch.Tensor | None:
+        """The whole batch's tensor that ``x`` (a forward's input at ``path``) is this rank's cut of: the cut itself
+        or a copy of it (moved to a device); one whose values several tensors of the batch share is told apart by
+        its name (``path``'s last key), else None."""
+        for _, piece, whole in self.pieces:
+            if piece is x:
+                return whole
+        alike = [(p, whole) for p, piece, whole in self.pieces if piece.shape == x.shape and piece.dtype == x.dtype
+                 and torch.equal(piece, x.to(piece.device))]
+        named = [whole for p, whole in alike if _key(p) == _key(path)]
+        if len(named) == 1:
+            return named[0].to(x.device)
+        return alike[0][1].to(x.device) if len(alike) == 1 else None
 
     @property
     def held(self) -> int:
@@ -84,6 +108,12 @@ class SequenceCut:
         raise ValueError(f"cp={self.parts}: this forward's inputs hold no tensor of this rank's {held} tokens of "
                          f"the batch in hand ({_named(shapes) or 'no tensor'}); a context-parallel model runs on "
                          f"the batches of the loader parallelize returned")
+
+
+def _key(path: str) -> str:
+    """A path's last key: ``attention_mask`` of ``kwargs['attention_mask']`` or ``batch['attention_mask']``."""
+    words = re.findall(r"\w+", path)
+    return words[-1] if words else path
 
 
 def _named(shapes: list[tuple[str, tuple[int, ...]]], limit: int = 6) -> str:

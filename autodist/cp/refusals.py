@@ -43,11 +43,12 @@ def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bo
         return along % x.ndim == dim and length != x.shape[dim]
     if func in (torch.cumsum, torch.Tensor.cumsum):
         return (rest[0] if rest else kwargs["dim"]) % x.ndim == dim
-    return _indexes(rest[0], x.ndim, dim)
+    return _indexes(rest[0], x.ndim, dim, x.shape[dim])
 
 
-def _indexes(index: Any, ndim: int, dim: int) -> bool:
-    """Whether ``x[index]`` picks or slices positions of dimension ``dim`` (anything but ``:`` there)."""
+def _indexes(index: Any, ndim: int, dim: int, size: int) -> bool:
+    """Whether ``x[index]`` picks or slices positions of dimension ``dim`` (of ``size``): anything but a slice
+    of all of them there (``:``, or Hugging Face's ``[:, :q_length]`` with this rank's length)."""
     items = list(index) if isinstance(index, tuple) else [index]
     if any(item is Ellipsis for item in items):
         at = next(i for i, item in enumerate(items) if item is Ellipsis)
@@ -57,7 +58,7 @@ def _indexes(index: Any, ndim: int, dim: int) -> bool:
     if dim >= len(items):
         return False
     item = items[dim]
-    return not (isinstance(item, slice) and item == slice(None))
+    return not (isinstance(item, slice) and item.indices(size) == (0, size, 1))
 
 
 def under_dynamo() -> bool:
@@ -92,8 +93,9 @@ def refuse_mixing(parts: int, name: str, func: Any, path: str, x: torch.Tensor) 
                "shift them there and pass them as shift_labels= (Hugging Face), or compute the loss outside the "
                "model")
     elif "mask" in path:
-        fix = ("a padding mask is not taken under cp yet: give batches without padding (pack the documents, or "
-               "leave attention_mask out where no token is padding)")
+        fix = ("a padding mask is read under cp where the model reads it at its tokens' own positions (Hugging "
+               "Face's mask functions do); read otherwise (shifted, sliced, summed along), it would be this rank's "
+               "part only: compute what needs the whole mask outside the model")
     else:
         fix = "compute what needs the whole sequence outside the model, or train this model with cp=1"
     raise NotImplementedError(

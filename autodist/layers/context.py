@@ -309,8 +309,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, spli
             heads').
 
     Returns:
-        This rank's rows of the attention output, ``(..., tokens, head_dim)``; a row with no key allowed is NaN,
-        as one process's is.
+        This rank's rows of the attention output, ``(..., tokens, head_dim)``; a row with no key allowed is what
+        one process's ``F.scaled_dot_product_attention`` gives it (zeros in torch 2.13).
 
     Example:
         >>> out = context_attention(q_mine, k_mine, v_mine, split=SequenceSplit(4096, 2), group=cp_group)

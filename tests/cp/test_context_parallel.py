@@ -4,8 +4,8 @@ Llama and Qwen2 (rotary embeddings from ``position_ids``, grouped-query attentio
 trained 20 AdamW steps on a loader of (batch, seq) tokens, every weight after them within 1e-10 of one
 process's on the same global batches; at cp 2, 3 and 4, dp 2 x cp 2, prime lengths, masked labels (a token-mean
 over the valid ones, with a rank holding no valid token) and a length under 2 x cp (a rank holding no token).
-And what cp refuses, each with its reason: a shift of the labels inside the model, a mask the model built, a
-layer it cannot split, and the options it is not built with."""
+And what cp refuses, each with its reason: a shift of the labels inside the model, a padding mask not from the
+batch, a layer it cannot split, and the options it is not built with (masks: tests/cp/test_masks.py)."""
 from __future__ import annotations
 
 import copy
@@ -136,26 +136,13 @@ class _MultiheadLM(nn.Module):
         return self.attn(x, x, x, need_weights=False)[0]
 
 
-class _OwnMaskLM(nn.Module):
-    """Attention with a causal mask it builds from its input's length (as older GPT ports do)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 8)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)[:, None]
-        mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
-        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
-
-
 def _refusal(case: str) -> str:
     """What the first step under cp=2 raises, for each thing cp refuses in the model; nothing of it left alive."""
     import autodist
 
     data = _data(13, 3, "all")
-    if case in ("multihead", "own mask", "no attention", "compiled after"):
-        built = {"multihead": _MultiheadLM, "own mask": _OwnMaskLM, "compiled after": lambda: _gpt(13),
+    if case in ("multihead", "no attention", "compiled after"):
+        built = {"multihead": _MultiheadLM, "compiled after": lambda: _gpt(13),
                  "no attention": lambda: nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32))}[case]()
         model, loader = autodist.parallelize(built, DataLoader(data, batch_size=3), cp=2)
         if case == "compiled after":
@@ -170,7 +157,7 @@ def _refusal(case: str) -> str:
             call = lambda: model(input_ids=x, labels=y)  # noqa: E731
         elif case == "eager":
             call = lambda: model(input_ids=x)  # noqa: E731
-        else:  # a padding mask: Hugging Face builds a 4-D mask from this rank's tokens
+        else:  # a padding mask made anew, not the batch's: its whole sequence's is nowhere (tests/cp/test_masks.py)
             call = lambda: model(input_ids=x, attention_mask=(y >= 5).long())  # noqa: E731
     try:
         call()
@@ -186,9 +173,8 @@ def _refusal(case: str) -> str:
 
 @pytest.mark.parametrize("case, says", [
     ("labels", "calls pad on its input kwargs['labels']"),
-    ("mask", "a padding mask is not taken under cp yet"),
+    ("mask", "is not a cut of the batch the loader handed out last"),
     ("multihead", "nn.MultiheadAttention is not split along the sequence yet"),
-    ("own mask", "got a mask it built itself"),
     ("eager", "attention scores written out by hand"),  # Hugging Face's eager attention: q @ k^T
     ("no attention", "ran no attention autodist could route"),
     ("compiled after", "runs compiled (torch.compile)"),

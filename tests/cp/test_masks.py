@@ -1,0 +1,121 @@
+"""Padded batches and masks a model builds, under ``cp=K``: Hugging Face's ``attention_mask`` (1 at tokens, 0 at
+padding), from which the model builds its mask over this rank's tokens only. The routing reads the whole batch's
+padding (every rank of a group holds the batch before it is cut), checks the mask the model built against it, and
+attends over the whole sequence with it: Llama and Qwen2, right and left padding, rows of every length (a row all
+padding on a rank included), trained 20 AdamW steps in float64 within 1e-10 of one process. (Right padding under a
+causal mask changes no token's output, so only the left-padded cases fail where the padding is dropped: checked.) A
+model building its own causal mask from its tokens, boolean or additive, trains as one process too; a mask that is
+neither causal nor none (a sliding window), a bias in a float mask, and padding the model's attention never takes,
+are refused with the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_context_parallel import ATOL, STEPS, _against_one_process, _hugging_face
+from torch import nn
+from torch.utils.data import DataLoader
+
+
+def _padded(length: int, rows: int, side: str) -> list[dict[str, torch.Tensor]]:
+    """Rows of token ids with a random number of real tokens (1 to ``length``), padded on ``side``; labels -100
+    at padding."""
+    g = torch.Generator().manual_seed(length)
+    samples = []
+    for _ in range(rows * STEPS):
+        real = int(torch.randint(1, length + 1, (), generator=g))
+        at = torch.arange(length)
+        mask = (at < real) if side == "right" else (at >= length - real)
+        ids = torch.where(mask, torch.randint(1, 32, (length,), generator=g), torch.zeros(length, dtype=torch.long))
+        labels = torch.where(mask, torch.randint(0, 32, (length,), generator=g), torch.full((length,), -100))
+        samples.append({"input_ids": ids, "attention_mask": mask.long(), "labels": labels})
+    return samples
+
+
+def _train_padded(model: nn.Module, loader: DataLoader) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for batch in loader:
+        opt.zero_grad()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).backward()
+        opt.step()
+
+
+def _largest_difference(family: str, cp: int, length: int, rows: int, side: str) -> float:
+    return _against_one_process(_hugging_face(family), _padded(length, rows, side), rows, _train_padded, cp=cp)
+
+
+@pytest.mark.parametrize("family, cp, world, length, rows, side", [
+    ("llama", 2, 2, 13, 3, "right"),
+    ("llama", 2, 2, 13, 3, "left"),   # a row's first queries see no real key: one process's output there, zeros
+    pytest.param("qwen2", 3, 3, 17, 2, "right", marks=pytest.mark.slow),
+    pytest.param("qwen2", 2, 4, 11, 2, "left", marks=pytest.mark.slow),  # dp 2 x cp 2
+])
+def test_padded_batches_train_as_one_process(ranks, family, cp, world, length, rows, side):
+    differences = ranks(world, _largest_difference, family, cp, length, rows, side)
+    assert max(differences) <= ATOL, differences
+
+
+class _OwnMaskLM(nn.Module):
+    """Attention with a mask it builds from its input's length (as older GPT ports do): ``kind`` "causal" (a
+    boolean lower triangle), "additive" (0 and -inf), "window" (the 3 latest tokens: not taken under cp), "bias"
+    (an additive mask with a slope: not a mask)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.embed, self.qkv, self.head = nn.Embedding(32, 8), nn.Linear(8, 24), nn.Linear(8, 32)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)  # each (batch, heads, tokens, 4)
+        if self.kind == "ignores padding":  # takes attention_mask, and masks nothing with it
+            return self.head(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2) + x)
+        n = ids.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        if self.kind == "window":
+            mask = mask & ~torch.ones(n, n, dtype=torch.bool).tril(-3)
+        if self.kind in ("additive", "bias"):
+            mask = torch.zeros(n, n, dtype=x.dtype).masked_fill(~mask, float("-inf"))
+        if self.kind == "bias":
+            mask = mask - 0.1 * torch.ones(n, n, dtype=x.dtype).tril().cumsum(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out.transpose(1, 2).flatten(2) + x)
+
+
+def _train_own_mask(model: nn.Module, loader: DataLoader) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, mask, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x, attention_mask=mask).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+
+
+def _own_mask(kind: str, cp: int) -> float | str:
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(3 * STEPS, 13, dtype=torch.long)
+    if kind == "ignores padding":
+        mask[:, 3:5] = 0  # padding among both ranks' tokens of 13 (rank 0: 0-3 and 10-12; rank 1: 4-9)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 32, (3 * STEPS, 13), generator=g), mask,
+                                          torch.randint(0, 32, (3 * STEPS, 13), generator=g))
+    try:
+        return _against_one_process(_OwnMaskLM(kind).double(), data, 3, _train_own_mask, cp=cp)
+    except NotImplementedError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("kind", ["causal", "additive"])
+def test_a_causal_mask_the_model_builds_trains_as_one_process(ranks, kind):
+    differences = ranks(2, _own_mask, kind, 2)
+    assert all(isinstance(d, float) and d <= ATOL for d in differences), differences
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("window", "is neither the causal mask nor no mask (with the batch's padding) over this rank's tokens"),
+    ("bias", "adds values other than 0 and the lowest to the scores"),
+    ("ignores padding", "took an attention_mask with padding among this rank's tokens, but its attention"),
+])
+def test_a_mask_that_is_not_causal_or_none_is_refused(ranks, kind, says):
+    for message in ranks(2, _own_mask, kind, 2):
+        assert isinstance(message, str) and says in message, message
