@@ -9,13 +9,14 @@ function mode the model's forward puts on the stack (and takes off when it retur
   :func:`~autodist.layers.context.context_attention` over the context-parallel group; grouped-query attention
   (``enable_gqa=True``) exchanges the keys and values with their own heads, repeated after. Attention dropout
   in training, and attention whose keys are not this rank's tokens (a cache, cross-attention), are refused.
-* Padding: an input named ``attention_mask`` (Hugging Face's: 1 at tokens, 0 at padding) is read from the whole
-  batch, which every rank of the group holds before the cut, and each attention masks the padded keys of the
-  whole sequence with it. A mask the model builds itself (``attn_mask=``, made from this rank's tokens only) is
-  taken where it is, over every pair of this rank's tokens, the causal mask or no mask with that padding (a
-  rank that cannot tell the two apart at any of its tokens takes the causal one); anything else is refused. The
-  model reading the mask at its tokens' positions (Hugging Face's ``padding_mask[batch, kv_idx]``, with
-  ``kv_idx`` the global positions below) reads this rank's part.
+* Masks (:mod:`autodist.cp.masks`): the whole batch's padding (an input named ``attention_mask``) and packed
+  documents (``position_ids`` that start again within a row), read whole; a mask the model builds over this
+  rank's tokens (``attn_mask=``) taken where it is one of those over its tokens, agreed over the group.
+* An op along the sequence on an integer input of the batch (Hugging Face's ``position_ids[:, :1]``, its
+  ``torch.diff`` and ``cumsum`` finding packed documents) is computed on the whole batch's, which every rank of
+  the group holds, and, where it has a value for each token, cut to this rank's; an index of this rank's global
+  positions (``padding_mask[batch, kv_idx]``) reads its part. Along the sequence of anything else (a float
+  input, a shift of the labels) it is refused.
 * ``torch.arange(start, start + n)`` with ``n`` this rank's tokens (nanoGPT's ``pos``, Hugging Face's
   ``cache_position``, from which its ``position_ids`` and rotary tables come) becomes ``start`` plus the
   global positions of this rank's tokens. An ``arange`` of that length could also number something else: it is
@@ -47,7 +48,8 @@ from torch.overrides import TorchFunctionMode
 
 from autodist.cp import refusals
 from autodist.cp.batches import SequenceCut
-from autodist.layers.context import attention_mask, context_attention
+from autodist.cp.masks import Masks
+from autodist.layers.context import context_attention
 from autodist.runtime.tree import arguments, map_tensors
 
 log = logging.getLogger("autodist")
@@ -66,14 +68,17 @@ class _Routes(TorchFunctionMode):
             return self.context.attention(*args, **kwargs)
         if func is torch.arange:
             return self.context.positions(func(*args, **kwargs), args)
-        if func in (torch.diff, torch.Tensor.diff) and args and self.context.are_positions(args[0]):
-            return func(self.context.consecutive(args[0]), *args[1:], **kwargs)
         tracked = bool(args) and id(args[0]) in self.context.inputs
+        if func in (torch.diff, torch.Tensor.diff) and not tracked and args and self.context.are_positions(args[0]):
+            return func(self.context.consecutive(args[0]), *args[1:], **kwargs)
         if tracked and func is torch.Tensor.__getitem__ and len(args) == 2:
             index = self.context.local_index(args[0], args[1])
             if index is not None:  # read at this rank's own positions: what one process reads there
                 return self.context.derived(func(args[0], index), args[0])
-        if tracked and func in refusals.ALONG:
+        if tracked and func in refusals.ALONG and self.context.reaches_along(func, args, kwargs):
+            made = self.context.from_whole(func, args, kwargs)
+            if made is not NotImplemented:
+                return made
             self.context.refuse_mixing(func, args, kwargs)
         if func is F.multi_head_attention_forward:
             raise NotImplementedError(f"cp={self.context.cut.parts}: nn.MultiheadAttention is not split along the "
@@ -82,7 +87,7 @@ class _Routes(TorchFunctionMode):
         made = func(*args, **kwargs)
         if func in refusals.PRODUCTS:
             self.context.refuse_local_scores(func, args, made)
-        return self.context.derived(made, args[0]) if tracked else made
+        return self.context.derived(made, args[0], func, args, kwargs) if tracked else made
 
 
 class Context:
@@ -96,9 +101,10 @@ class Context:
         self.rows = 0  # the batch's rows in the forward running now
         self.rows_of_data = (0, 1)  # (data-parallel index, their number): how a loader's rows are sharded
         self.inputs: dict[int, str] = {}  # the forward's inputs of this rank's tokens, by id: their paths
-        self.padding: torch.Tensor | None = None  # (rows, length) True at real tokens: the whole batch's padding
-        self.padded_here = False  # whether this rank's tokens hold padding
+        self.masks = Masks(cut, self.name)  # the whole batch's padding and documents: kept for a block run again
         self.held_inputs: list[torch.Tensor] = []  # kept alive while the forward runs, so the ids stay theirs
+        self.wholes: dict[int, torch.Tensor] = {}  # the whole batch's value of each integer input (and of what is
+        # made from them in their shape), by the id of this rank's part
 
     # -- the forward's bounds ------------------------------------------------------------------------------------
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -115,7 +121,9 @@ class Context:
         tensors = [(path, t) for path, t in arguments(args, kwargs) if isinstance(t, torch.Tensor)]
         self.inputs = {id(t): path for path, t in tensors if t.ndim > self.cut.dim and t.shape[self.cut.dim] == held}
         self.held_inputs = [t for _, t in tensors]  # alive until leave: their ids stay theirs
-        self.padding, self.padded_here = self._padding(tensors)
+        self.masks = Masks.of(self.cut, self.name, tensors)
+        self.wholes = {id(t): whole for path, t in tensors if id(t) in self.inputs and not t.is_floating_point()
+                       and (whole := self.cut.whole(t, path)) is not None}
         self.routed = 0
         self.mode = _Routes(self)
         self.mode.__enter__()
@@ -131,7 +139,7 @@ class Context:
         if mode is None:
             return None
         mode.__exit__(None, None, None)
-        self.inputs, self.held_inputs, self.padding = {}, [], None
+        self.inputs, self.held_inputs, self.wholes = {}, [], {}
         if self.routed == 0:
             raise NotImplementedError(
                 f"cp={self.cut.parts}: {self.name}'s forward ran no attention autodist could route over the whole "
@@ -157,11 +165,61 @@ class Context:
             mode, self.mode = self.mode, None
             mode.__exit__(None, None, None)
 
-    def refuse_mixing(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Raise where ``func`` on an input of the batch reaches along the sequence."""
+    def reaches_along(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` on an input of the batch reaches along the sequence (see :func:`refusals.along`)."""
         x = args[0]
-        if refusals.along(func, x, self.cut.dim % x.ndim, args[1:], kwargs):
-            refusals.refuse_mixing(self.cut.parts, self.name, func, self.inputs[id(x)], x)
+        return refusals.along(func, x, self.cut.dim % x.ndim, args[1:], kwargs)
+
+    def refuse_mixing(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Raise: ``func`` on an input of the batch reaches along the sequence, and its whole is not at hand."""
+        refusals.refuse_mixing(self.cut.parts, self.name, func, self.inputs[id(args[0])], args[0])
+
+    def from_whole(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func``, which reaches along the sequence of an integer input, computed as one process computes it,
+        on the whole batch's (every rank of the group holds it): where the result has a value for each token of
+        the sequence, this rank's tokens of it (an input too); else the whole result (Hugging Face's
+        ``position_ids[:, :1]``). ``NotImplemented`` where a tensor of the call has no whole at hand (a float
+        activation, a label: a shift of the labels stays refused)."""
+        if "label" in self.inputs[id(args[0])]:
+            return NotImplemented
+        swapped = self._swapped(args, kwargs)
+        if swapped is None:
+            return NotImplemented
+        made = func(*swapped[0], **swapped[1])
+        if not isinstance(made, torch.Tensor):
+            return NotImplemented
+        dim, split = self.cut.dim % args[0].ndim, self.cut.split
+        if made.ndim <= dim or made.shape[dim] != split.length:
+            return made
+        mine = split.split(made, self.cut.rank, dim)
+        self.inputs[id(mine)] = self.inputs[id(args[0])]
+        self.held_inputs.append(mine)
+        if not mine.is_floating_point():
+            self.wholes[id(mine)] = made
+        return mine
+
+    def _swapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """``args`` and ``kwargs`` with each input of the batch replaced by its whole; None where one has none, or
+        where another tensor holds this rank's tokens only (an activation)."""
+        dim, held = self.cut.dim, self.cut.held
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if id(value) in self.inputs:
+                    whole = self.wholes.get(id(value))
+                    if whole is None:
+                        raise LookupError
+                    return whole
+                if value.ndim > dim and value.shape[dim] == held and held != self.cut.split.length:
+                    raise LookupError
+            if isinstance(value, (tuple, list)):
+                return type(value)(swap(v) for v in value)
+            return value
+
+        try:
+            return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+        except LookupError:
+            return None
 
     def refuse_local_scores(self, func: Any, args: tuple, made: Any) -> None:
         """Raise where a product of activations (no parameter) is a square over this rank's tokens."""
@@ -170,11 +228,18 @@ class Context:
                 held > 1 and not any(isinstance(a, nn.Parameter) for a in args):
             refusals.refuse_local_scores(self.cut.parts, self.name, func, made)
 
-    def derived(self, made: Any, source: Any) -> Any:
-        """``made`` from the input ``source`` in its shape (``mask.bool()``, ``labels.to(device)``): an input too."""
+    def derived(self, made: Any, source: Any, func: Any = None, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """``made`` from the input ``source`` in its shape (``mask.bool()``, ``labels.to(device)``): an input too,
+        and, made by ``func(*args, **kwargs)`` from integer inputs, with its whole (the same call on theirs)."""
         if isinstance(made, torch.Tensor) and made.shape == source.shape:
             self.inputs[id(made)] = self.inputs[id(source)]
             self.held_inputs.append(made)
+            if func is not None and not made.is_floating_point() and id(source) in self.wholes:
+                swapped = self._swapped(args, kwargs or {})
+                whole = func(*swapped[0], **swapped[1]) if swapped is not None else None
+                if isinstance(whole, torch.Tensor) and whole.ndim == made.ndim and \
+                        whole.shape[self.cut.dim] == self.cut.split.length:
+                    self.wholes[id(made)] = whole
         return made
 
     # -- what the mode reroutes ------------------------------------------------------------------------------------
@@ -182,14 +247,7 @@ class Context:
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
         parts, held = self.cut.parts, self.cut.held
-        if attn_mask is not None:
-            is_causal = self.causal_of(attn_mask)
-        elif self.padded_here:
-            raise NotImplementedError(
-                f"cp={parts}: {self.name}'s forward took an attention_mask with padding among this rank's tokens, "
-                f"but its attention at {refusals.caller()} got no mask: autodist cannot tell whether the model "
-                f"masks the padding (Hugging Face builds its mask from attention_mask) or not; give batches "
-                f"without padding, or pass the mask to F.scaled_dot_product_attention")
+        is_causal, documents = self.masks.decide(attn_mask, is_causal, self.group, query.device)
         if dropout_p:
             raise NotImplementedError(f"cp={parts}: {self.name}'s attention has dropout_p={dropout_p} in training, "
                                       f"which would draw a different mask than one process: set attention dropout "
@@ -200,40 +258,17 @@ class Context:
                 f"this rank holds {held} tokens of the sequence: cp splits self-attention over the batch's own "
                 f"tokens only (not a key/value cache or cross-attention)")
         self.routed += 1
-        padding = self.padding
-        if padding is not None and enable_gqa and key.shape[-3] != query.shape[-3]:
+        padding = self.masks.padding
+        if (padding is not None or documents is not None) and enable_gqa and key.shape[-3] != query.shape[-3]:
             # Hugging Face repeats the key heads itself where it passes a mask, which a rank whose own tokens hold
-            # no padding does not: every rank exchanges them repeated, so that the group's exchanges match
+            # no padding does not: every rank exchanges them repeated, so that the group's exchanges match (with
+            # packed documents every rank passes a mask: the same)
             groups = query.shape[-3] // key.shape[-3]
             key, value, enable_gqa = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3), False
         if padding is None and attn_mask is not None:  # the masked kernel, as every rank of the group takes it
             padding = torch.ones(query.shape[0], self.cut.split.length, dtype=torch.bool, device=query.device)
         return context_attention(query, key, value, split=self.cut.split, group=self.group, causal=is_causal,
-                                 key_padding=padding, scale=scale, enable_gqa=enable_gqa)
-
-    def _padding(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor | None, bool]:
-        """The whole batch's padding, ``(rows, length)`` True at real tokens, where the forward takes an input named
-        ``attention_mask`` (Hugging Face's) of this rank's tokens with a 0 in the whole batch's; and whether this
-        rank's own tokens hold padding. Every rank of the group reads the same rows, so each has the whole."""
-        held, dim = self.cut.held, self.cut.dim
-        for path, t in tensors:
-            if not path.endswith("'attention_mask']") or t.ndim != 2 or t.shape[dim] != held:
-                continue
-            whole = self.cut.whole(t, path)
-            if whole is None:
-                raise NotImplementedError(
-                    f"cp={self.cut.parts}: {self.name}'s input {path} (shape {list(t.shape)}) is not a cut of the "
-                    f"batch the loader handed out last (a part of its rows, or made anew), so the whole sequence's "
-                    f"padding cannot be read from it; pass the batch's attention_mask as the loader gave it")
-            if bool(((whole != 0) & (whole != 1)).any()):
-                raise NotImplementedError(
-                    f"cp={self.cut.parts}: {self.name}'s input {path} holds values other than 0 and 1, so it is not "
-                    f"a padding mask (Hugging Face's attention_mask); under cp a mask must be 1 at tokens, 0 at "
-                    f"padding")
-            if bool((whole == 0).any()):
-                return whole.movedim(dim, 1).bool(), bool((t == 0).any())
-            return None, False
-        return None, False
+                                 key_padding=padding, documents=documents, scale=scale, enable_gqa=enable_gqa)
 
     def local_index(self, x: torch.Tensor, index: Any) -> Any:
         """``index`` into the input ``x`` with its index tensor along the sequence, which holds this rank's global
@@ -246,65 +281,12 @@ class Context:
         if dim >= len(items) or not isinstance(items[dim], torch.Tensor):
             return None
         item, held = items[dim], self.cut.held
-        if item.is_floating_point() or item.ndim == 0 or item.shape[-1] != held or held < 2:
+        if item.is_floating_point() or item.numel() != held or held < 2:
+            return None  # an index of this rank's positions has one for each of its tokens (broadcast alike)
+        if not bool((item.flatten() == self.cut.split.positions(self.cut.rank).to(item.device)).all()):
             return None
-        mine = self.cut.split.positions(self.cut.rank).to(item.device)
-        if not bool((item == mine).all()):
-            return None
-        items[dim] = torch.arange(held, device=item.device).expand_as(item)
+        items[dim] = torch.arange(held, device=item.device).view(item.shape)
         return tuple(items) if isinstance(index, tuple) else items[0]
-
-    def causal_of(self, attn_mask: torch.Tensor) -> bool:
-        """Whether a mask the model built over this rank's tokens is causal: it must be, over every pair of them,
-        the causal mask or no mask, each with the whole batch's padding (True: attend; a float mask 0 there and
-        at most half the dtype's lowest elsewhere), and the two must differ for some row of this rank's over the
-        whole sequence where both fit; anything else is refused."""
-        parts, held, split = self.cut.parts, self.cut.held, self.cut.split
-        if attn_mask.is_floating_point():
-            allowed = attn_mask == 0
-            if not bool((attn_mask[~allowed] <= torch.finfo(attn_mask.dtype).min / 2).all()):
-                raise NotImplementedError(
-                    f"cp={parts}: {self.name}'s attention got a float mask (attn_mask of shape "
-                    f"{tuple(attn_mask.shape)}) that adds values other than 0 and the lowest to the scores (a bias, "
-                    f"ALiBi): under cp only masks are taken; put a bias into the model's keys, or use cp=1")
-        else:
-            allowed = attn_mask
-        mine = split.positions(self.cut.rank).to(attn_mask.device)
-        everything = torch.arange(split.length, device=attn_mask.device)
-        shape = torch.broadcast_shapes(allowed.shape, (1, 1, held, held))
-        fits = [causal for causal in (True, False)
-                if torch.equal(allowed.expand(shape), self._allowed(mine, mine, causal).expand(shape))]
-        differ = len(fits) == 2 and self._differ_at_tokens(mine, everything)
-        if not fits or differ:
-            why = ("fits both the causal mask and no mask over this rank's tokens, which differ over the whole "
-                   "sequence" if differ else "is neither the causal mask nor no mask (with the batch's padding) "
-                   "over this rank's tokens")
-            raise NotImplementedError(
-                f"cp={parts}: {self.name}'s attention at {refusals.caller()} got a mask the model built over this "
-                f"rank's {held} tokens (attn_mask of shape {tuple(attn_mask.shape)}) that {why}; with cp the mask "
-                f"must come from the whole sequence: use is_causal=True without attn_mask, or Hugging Face's "
-                f"attention_mask for padding (a sliding window or packed documents are not taken from a model's "
-                f"mask)")
-        return fits[0]
-
-    def _differ_at_tokens(self, mine: torch.Tensor, everything: torch.Tensor) -> bool:
-        """Whether the causal mask and no mask (with the batch's padding) differ over the whole sequence for a row
-        of this rank's that is a token: a padded row attends to no token it is not causally allowed anyway under
-        either, and its output reaches no token (it is a padded key to every row)."""
-        causal, none = torch.broadcast_tensors(self._allowed(mine, everything, True),
-                                               self._allowed(mine, everything, False))
-        rows = (causal != none).any(-1)  # (rows of the batch or 1, 1, len(mine))
-        if self.padding is not None:
-            rows = rows & self.padding[:, mine][:, None, :]
-        return bool(rows.any())
-
-    def _allowed(self, rows: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
-        """Which of ``keys`` each of ``rows`` (global positions) attends to, causal or not, with the batch's
-        padding: a bool tensor that broadcasts to ``(rows of the batch, 1, len(rows), len(keys))``."""
-        mask = attention_mask(rows, keys, causal=causal, window=None, documents=None, key_padding=self.padding)
-        if mask is None:
-            return torch.ones(1, 1, len(rows), len(keys), dtype=torch.bool, device=rows.device)
-        return mask if mask.ndim == 4 else mask[None, None]
 
     def are_positions(self, x: Any) -> bool:
         """Whether ``x`` holds this rank's global positions (from ``start``), along its last dimension: what

@@ -25,7 +25,7 @@ PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__
 # Ops that, on a tensor of the batch, can take tokens from elsewhere in the sequence (a shift, a slice, a
 # running sum): with the sequence split, the neighbour of a rank's last token is on another rank.
 ALONG = frozenset({F.pad, torch.Tensor.__getitem__, torch.roll, torch.Tensor.roll, torch.narrow,
-                    torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum})
+                    torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum, torch.diff, torch.Tensor.diff})
 
 
 def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bool:
@@ -43,6 +43,8 @@ def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bo
         return along % x.ndim == dim and length != x.shape[dim]
     if func in (torch.cumsum, torch.Tensor.cumsum):
         return (rest[0] if rest else kwargs["dim"]) % x.ndim == dim
+    if func in (torch.diff, torch.Tensor.diff):
+        return (rest[1] if len(rest) > 1 else kwargs.get("dim", -1)) % x.ndim == dim
     return _indexes(rest[0], x.ndim, dim, x.shape[dim])
 
 

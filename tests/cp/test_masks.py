@@ -41,8 +41,9 @@ def _train_padded(model: nn.Module, loader: DataLoader) -> None:
         opt.step()
 
 
-def _largest_difference(family: str, cp: int, length: int, rows: int, side: str) -> float:
-    return _against_one_process(_hugging_face(family), _padded(length, rows, side), rows, _train_padded, cp=cp)
+def _largest_difference(family: str, cp: int, length: int, rows: int, side: str, checkpoint: bool = False) -> float:
+    return _against_one_process(_hugging_face(family), _padded(length, rows, side), rows, _train_padded, cp=cp,
+                                checkpoint=checkpoint)
 
 
 @pytest.mark.parametrize("family, cp, world, length, rows, side", [
@@ -53,6 +54,52 @@ def _largest_difference(family: str, cp: int, length: int, rows: int, side: str)
 ])
 def test_padded_batches_train_as_one_process(ranks, family, cp, world, length, rows, side):
     differences = ranks(world, _largest_difference, family, cp, length, rows, side)
+    assert max(differences) <= ATOL, differences
+
+
+def test_padded_blocks_recomputed_in_backward_keep_the_padding(ranks):
+    """checkpoint=True: each decoder layer runs again in backward, after the model's forward has returned; its
+    attention is masked with the same batch's padding then."""
+    differences = ranks(2, _largest_difference, "llama", 2, 13, 3, "left", True)
+    assert max(differences) <= ATOL, differences
+
+
+def _packed(length: int, rows: int) -> list[dict[str, torch.Tensor]]:
+    """Rows of documents packed end to end, as Hugging Face's DataCollatorWithFlattening gives them: position ids
+    starting again at each document (no attention_mask), the first label of each document -100; some rows one
+    document."""
+    g = torch.Generator().manual_seed(length + 1)
+    samples = []
+    for i in range(rows * STEPS):
+        cuts = [] if i % 4 == 0 else sorted(torch.randperm(length - 1, generator=g)[:3].add(1).tolist())
+        bounds = [0, *cuts, length]
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+        labels = torch.randint(0, 32, (length,), generator=g).masked_fill(positions == 0, -100)
+        samples.append({"input_ids": torch.randint(0, 32, (length,), generator=g), "position_ids": positions,
+                        "labels": labels})
+    return samples
+
+
+def _train_packed(model: nn.Module, loader: DataLoader) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for batch in loader:
+        opt.zero_grad()
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).backward()
+        opt.step()
+
+
+def _largest_difference_packed(family: str, cp: int, length: int, rows: int) -> float:
+    return _against_one_process(_hugging_face(family), _packed(length, rows), rows, _train_packed, cp=cp)
+
+
+@pytest.mark.parametrize("family, cp, world, length, rows", [
+    ("llama", 2, 2, 13, 2),
+    ("llama", 2, 2, 17, 1),  # one row a batch
+    pytest.param("qwen2", 3, 3, 19, 2, marks=pytest.mark.slow),
+])
+def test_packed_documents_train_as_one_process(ranks, family, cp, world, length, rows):
+    differences = ranks(world, _largest_difference_packed, family, cp, length, rows)
     assert max(differences) <= ATOL, differences
 
 
@@ -112,9 +159,9 @@ def test_a_causal_mask_the_model_builds_trains_as_one_process(ranks, kind):
 
 
 @pytest.mark.parametrize("kind, says", [
-    ("window", "is neither the causal mask nor no mask (with the batch's padding) over this rank's tokens"),
+    ("window", "fit no one mask autodist can take over the whole sequence (causal or not, with the batch's padding"),
     ("bias", "adds values other than 0 and the lowest to the scores"),
-    ("ignores padding", "took an attention_mask with padding among this rank's tokens, but its attention"),
+    ("ignores padding", "got no mask over this rank's"),
 ])
 def test_a_mask_that_is_not_causal_or_none_is_refused(ranks, kind, says):
     for message in ranks(2, _own_mask, kind, 2):
