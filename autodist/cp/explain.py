@@ -2,8 +2,9 @@
 of the sequence (which positions each rank holds, the attention work each does) and, for every attention call
 the forward makes, the bytes each rank exchanges for it in a training step.
 
-The forward runs once on the example, whole, in this process, with ``F.scaled_dot_product_attention`` watched:
-each call's queries, keys and values give its shape, and :func:`~autodist.layers.context.context_attention`
+The forward runs once on the example, whole, in this process, with ``F.scaled_dot_product_attention`` (and
+``nn.MultiheadAttention``'s ``F.multi_head_attention_forward``) watched: each call's queries, keys and values
+give its shape, and :func:`~autodist.layers.context.context_attention`
 fixes the exchange. Forward, one all-gather of the keys and values (a rank puts in its tokens, padded to the
 most any rank holds: gloo's all-gather takes equal shapes); backward, the gradient of the whole sequence's keys
 and values summed over the ranks (one all-reduce), and, on the causal path that keeps no gathered keys
@@ -133,6 +134,8 @@ class _Watch(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.record(*args, **kwargs)
+        if func is F.multi_head_attention_forward:  # its attention inside is not seen again (the mode is off)
+            self.record_multihead(*args, **kwargs)
         return func(*args, **kwargs)
 
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
@@ -142,6 +145,21 @@ class _Watch(TorchFunctionMode):
         self.calls.append(AttentionCall(
             refusals.caller(), tuple(query.shape), heads, key.shape[-1], value.shape[-1], key.element_size(),
             bool(is_causal), bool(is_causal) and attn_mask is None and fast_path(query, key, value)))
+
+
+    def record_multihead(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embed_dim: int,
+                         num_heads: int, *args: Any, key_padding_mask: Any = None, need_weights: bool = True,
+                         attn_mask: Any = None, is_causal: bool = False, **kwargs: Any) -> None:
+        """An ``nn.MultiheadAttention`` call (``F.multi_head_attention_forward``, ``(tokens, batch, embed)``): its
+        heads' keys and values exchanged as :mod:`autodist.cp.multihead` exchanges them."""
+        tokens, rows = query.shape[0], query.shape[1] if query.ndim == 3 else 1
+        head = embed_dim // num_heads
+        causal = attn_mask is not None  # taken where it is causal over a rank's tokens (else refused)
+        trusted = is_causal and key_padding_mask is None and not need_weights  # torch drops attn_mask here
+        q = query.new_empty(()).expand(rows, num_heads, tokens, head)  # its shape, no memory
+        self.calls.append(AttentionCall(
+            refusals.caller(), tuple(q.shape), num_heads, head, head, query.element_size(), causal,
+            trusted and fast_path(q, q, q)))
 
 
 def explain(model: nn.Module, parts: int, example: Any) -> ContextPlan:

@@ -9,6 +9,7 @@ function mode the model's forward puts on the stack (and takes off when it retur
   :func:`~autodist.layers.context.context_attention` over the context-parallel group; grouped-query attention
   (``enable_gqa=True``) exchanges the keys and values with their own heads, repeated after. Attention dropout
   in training, and attention whose keys are not this rank's tokens (a cache, cross-attention), are refused.
+  torch's ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``) alike (:mod:`autodist.cp.multihead`).
 * Masks (:mod:`autodist.cp.masks`): the whole batch's padding (an input named ``attention_mask``) and packed
   documents (``position_ids`` that start again within a row), read whole; a mask the model builds over this
   rank's tokens (``attn_mask=``) taken where it is one of those over its tokens, agreed over the group.
@@ -49,7 +50,9 @@ from torch.overrides import TorchFunctionMode
 from autodist.cp import refusals
 from autodist.cp.batches import SequenceCut
 from autodist.cp.masks import Masks
+from autodist.cp.multihead import multihead
 from autodist.layers.context import context_attention
+from autodist.runtime.held import Held
 from autodist.runtime.tree import arguments, map_tensors
 
 log = logging.getLogger("autodist")
@@ -81,9 +84,7 @@ class _Routes(TorchFunctionMode):
                 return made
             self.context.refuse_mixing(func, args, kwargs)
         if func is F.multi_head_attention_forward:
-            raise NotImplementedError(f"cp={self.context.cut.parts}: nn.MultiheadAttention is not split along the "
-                                      f"sequence yet: write the attention with F.scaled_dot_product_attention "
-                                      f"(or use cp=1 with mp= for this model)")
+            return multihead(self.context, *args, **kwargs)
         made = func(*args, **kwargs)
         if func in refusals.PRODUCTS:
             self.context.refuse_local_scores(func, args, made)
@@ -105,6 +106,15 @@ class Context:
         self.held_inputs: list[torch.Tensor] = []  # kept alive while the forward runs, so the ids stay theirs
         self.wholes: dict[int, torch.Tensor] = {}  # the whole batch's value of each integer input (and of what is
         # made from them in their shape), by the id of this rank's part
+
+    def held(self) -> Held:
+        """What the routing keeps between steps (:func:`autodist.memory`'s "autodist buffers"): the whole batch in
+        hand, from which its padding, documents and integer inputs are read, and the masks kept for a block run
+        again in backward."""
+        held = Held()
+        held.add("autodist buffers", *(whole for _, _, whole in self.cut.pieces), self.masks.padding,
+                 self.masks.documents)
+        return held
 
     # -- the forward's bounds ------------------------------------------------------------------------------------
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -194,8 +204,7 @@ class Context:
         mine = split.split(made, self.cut.rank, dim)
         self.inputs[id(mine)] = self.inputs[id(args[0])]
         self.held_inputs.append(mine)
-        if not mine.is_floating_point():
-            self.wholes[id(mine)] = made
+        self.wholes[id(mine)] = made
         return mine
 
     def _swapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -234,7 +243,7 @@ class Context:
         if isinstance(made, torch.Tensor) and made.shape == source.shape:
             self.inputs[id(made)] = self.inputs[id(source)]
             self.held_inputs.append(made)
-            if func is not None and not made.is_floating_point() and id(source) in self.wholes:
+            if func is not None and id(source) in self.wholes:  # made from the batch's inputs alone
                 swapped = self._swapped(args, kwargs or {})
                 whole = func(*swapped[0], **swapped[1]) if swapped is not None else None
                 if isinstance(whole, torch.Tensor) and whole.ndim == made.ndim and \

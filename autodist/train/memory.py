@@ -1,7 +1,8 @@
 """``autodist.memory(model, optimizer)``: the bytes this rank holds for a model, by kind.
 
 Every tensor the model and its optimizer hold, and every one autodist keeps for them (buckets, the slices
-of sharded state, the shards of the parameters, a strategy's copies, files of shared memory), each storage
+of sharded state, the shards of the parameters, a strategy's copies, files of shared memory, the whole batch
+a context-parallel model's ranks cut theirs from), each storage
 counted once, under the first kind that claims it (:data:`autodist.runtime.held.KINDS`): a gradient that is
 a view of a gradient bucket is a gradient. A file of shared memory that the ``k`` ranks of a host map costs
 each of them ``1/k`` of it (the host holds it once): what of this rank's share its gradients are views of
@@ -24,6 +25,7 @@ import mmap
 import torch
 from torch import nn
 
+from autodist.cp.forward import context_of
 from autodist.dp.grad_sync import registration_of
 from autodist.layers.shared_reduce import reducer_of
 from autodist.mp.rewrite import mp_modules
@@ -107,6 +109,9 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Held:
     for part in parts:
         if part is not None:
             held.extend(part.held())
+    context = context_of(inner)  # cp: the whole batch in hand, its masks
+    if context is not None:
+        held.extend(context.held())
     for _, layer in mp_modules(inner):
         reducer = reducer_of(layer.group)
         if reducer is not None:

@@ -129,7 +129,7 @@ def test_hugging_face_rotary_models_train_as_one_process(ranks, family, cp, worl
 class _MultiheadLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed, self.attn = nn.Embedding(32, 8), nn.MultiheadAttention(8, 2, batch_first=True)
+        self.embed, self.attn = nn.Embedding(32, 8), nn.MultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -174,7 +174,7 @@ def _refusal(case: str) -> str:
 @pytest.mark.parametrize("case, says", [
     ("labels", "calls pad on its input kwargs['labels']"),
     ("mask", "is not a cut of the batch the loader handed out last"),
-    ("multihead", "nn.MultiheadAttention is not split along the sequence yet"),
+    ("multihead", "nn.MultiheadAttention adds keys of its own (bias_k"),  # torch's layer: tests/cp/test_multihead.py
     ("eager", "attention scores written out by hand"),  # Hugging Face's eager attention: q @ k^T
     ("no attention", "ran no attention autodist could route"),
     ("compiled after", "runs compiled (torch.compile)"),

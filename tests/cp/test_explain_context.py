@@ -1,7 +1,7 @@
 """``autodist.explain(model, cp=K, example=...)``: the cut of the sequence, the attention work per rank, and the
 bytes each rank exchanges for each attention call, read from one forward in one process; the bytes checked
-against what a context-parallel training step puts into its collectives (counted on 2 real ranks), on nanoGPT
-and on Hugging Face's Llama with grouped-query attention."""
+against what a context-parallel training step puts into its collectives (counted on 2 real ranks), on nanoGPT,
+on Hugging Face's Llama with grouped-query attention, and on torch's nn.TransformerEncoder."""
 from __future__ import annotations
 
 import types
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_context_parallel import _data, _gpt, _hugging_face
+from test_multihead import _Encoder
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -18,12 +19,15 @@ from autodist.layers import context
 
 
 def _model(name: str, length: int) -> nn.Module:
-    return _gpt(length) if name == "gpt" else _hugging_face("llama")
+    return {"gpt": lambda: _gpt(length), "llama": lambda: _hugging_face("llama"),
+            "encoder": lambda: _Encoder().double()}[name]()
 
 
 def _loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if name == "gpt":
         return model(x, y)[1]
+    if name == "encoder":
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-1)
     return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten(), ignore_index=-1)
 
 
@@ -62,7 +66,7 @@ def _counted_step(name: str, length: int, rows: int) -> tuple[list[int], list[in
     what explain counts for the same global batch."""
     data = _data(length, rows, "all")
     x, y = data.tensors[0][:rows], data.tensors[1][:rows]
-    plan = autodist.explain(_model(name, length), cp=2, example=(x,) if name == "gpt" else {"input_ids": x})
+    plan = autodist.explain(_model(name, length), cp=2, example={"input_ids": x} if name == "llama" else (x,))
     model, loader = autodist.parallelize(_model(name, length), DataLoader(data, batch_size=rows), cp=2)
     gathered, reduced = [], []
     real_dist = context.dist
@@ -86,7 +90,8 @@ def _counted_step(name: str, length: int, rows: int) -> tuple[list[int], list[in
     return gathered, expected_gathers, reduced, [c.whole(split) for c in reversed(plan.calls)]
 
 
-@pytest.mark.parametrize("name, length, rows", [("gpt", 13, 3), pytest.param("llama", 11, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name, length, rows", [("gpt", 13, 3), pytest.param("llama", 11, 2, marks=pytest.mark.slow),
+                                                pytest.param("encoder", 13, 2, marks=pytest.mark.slow)])
 def test_the_bytes_explain_counts_are_the_bytes_put_into_the_collectives(ranks, name, length, rows):
     for gathered, expected_gathers, reduced, expected_reduced in ranks(2, _counted_step, name, length, rows):
         assert sorted(gathered) == sorted(expected_gathers) and len(gathered) == len(expected_gathers), \

@@ -103,6 +103,25 @@ def test_packed_documents_train_as_one_process(ranks, family, cp, world, length,
     assert max(differences) <= ATOL, differences
 
 
+def _buffers_kept() -> tuple[float, int]:
+    """What autodist.memory counts as autodist's buffers growing by with a padded batch in hand at cp=2, and the
+    bytes of that batch (whole) and of its padding mask."""
+    import autodist
+
+    data = _padded(13, 3, "left")
+    model, loader = autodist.parallelize(_hugging_face("llama"), DataLoader(data, batch_size=3), cp=2)
+    before = autodist.memory(model)["autodist buffers"]
+    batch = next(iter(loader))
+    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    whole = sum(t.numel() * t.element_size() for t in DataLoader(data, batch_size=3).collate_fn(data[:3]).values())
+    return autodist.memory(model)["autodist buffers"] - before, whole + 3 * 13  # the mask: a byte a token
+
+
+def test_memory_counts_the_whole_batch_the_ranks_keep(ranks):
+    for grown, expected in ranks(2, _buffers_kept):
+        assert grown == expected, (grown, expected)
+
+
 class _OwnMaskLM(nn.Module):
     """Attention with a mask it builds from its input's length (as older GPT ports do): ``kind`` "causal" (a
     boolean lower triangle), "additive" (0 and -inf), "window" (the 3 latest tokens: not taken under cp), "bias"
