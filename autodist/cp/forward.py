@@ -150,6 +150,7 @@ class Context:
             return None
         mode.__exit__(None, None, None)
         self.inputs, self.held_inputs, self.wholes = {}, [], {}
+        self.masks.last = None  # the model's mask: not kept past its forward
         if self.routed == 0:
             raise NotImplementedError(
                 f"cp={self.cut.parts}: {self.name}'s forward ran no attention autodist could route over the whole "

@@ -46,6 +46,8 @@ class Masks:
     padding: torch.Tensor | None = None
     documents: torch.Tensor | None = None
     padded_here: bool = False
+    last: tuple[torch.Tensor, list[bool]] | None = None  # the latest mask read and what fits it: a model passes
+    # one mask to every layer (Hugging Face's), read once
 
     @classmethod
     def of(cls, cut: SequenceCut, name: str, tensors: list[tuple[str, torch.Tensor]]) -> "Masks":
@@ -91,7 +93,9 @@ class Masks:
         kinds = [(causal, documents) for causal in (True, False)
                  for documents in ((self.documents, None) if self.documents is not None else (None,))]
         if attn_mask is not None:
-            fits = self._fits(attn_mask, kinds)
+            if self.last is None or self.last[0] is not attn_mask:
+                self.last = (attn_mask, self._fits(attn_mask, kinds))
+            fits = list(self.last[1])
         else:  # the model passed no mask: with padding among this rank's tokens, it does not mask the padding
             fits = [not self.padded_here and kind == (is_causal, None) for kind in kinds]
         if self.padding is not None or self.documents is not None:
