@@ -18,6 +18,7 @@ How to run
     python benchmarks/bench_context_model.py --lengths 8192 --layouts one,cp2
     python benchmarks/bench_context_model.py --quick             # smoke run of seconds, timing nothing
     python benchmarks/bench_context_model.py --budget 512 --layouts one,cp2   # the longest sequence in 512 MB
+    python benchmarks/bench_context_model.py --layouts one,cp2 --padded 0.1  # a tenth of each sequence padding
 
 How to read it
     One row per length and layout: milliseconds a step, its ratio to one process's (lower is better), peak MB
@@ -59,12 +60,17 @@ def model() -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(config)
 
 
-def data(length: int, steps: int) -> TensorDataset:
+def data(length: int, steps: int, padded: float = 0.0) -> TensorDataset:
+    """Token ids and their next tokens; with ``padded`` that fraction of each sequence right padding: an
+    ``attention_mask`` (0 there) and labels -100 there."""
     ids = torch.randint(0, VOCAB, (steps, length + 1), generator=torch.Generator().manual_seed(length))
-    return TensorDataset(ids[:, :-1], ids[:, 1:].clone())
+    if not padded:
+        return TensorDataset(ids[:, :-1], ids[:, 1:].clone())
+    mask = (torch.arange(length) < round(length * (1 - padded))).long().expand(steps, -1).contiguous()
+    return TensorDataset(ids[:, :-1], ids[:, 1:].masked_fill(mask == 0, -100), mask)
 
 
-def run_layout(layout: str, length: int, steps: int, warmup: int) -> dict:
+def run_layout(layout: str, length: int, steps: int, warmup: int, padded: float = 0.0) -> dict:
     """This process's part of one layout: step seconds, peak bytes, losses."""
     import autodist
 
@@ -74,21 +80,22 @@ def run_layout(layout: str, length: int, steps: int, warmup: int) -> dict:
     idle = resident()  # torch and transformers imported (the process group joined), nothing of the model yet
     built = model()
     reset_peak()
-    net, loader = autodist.parallelize(built, DataLoader(data(length, steps + warmup), batch_size=1), **options)
+    loader = DataLoader(data(length, steps + warmup, padded), batch_size=1)
+    net, loader = autodist.parallelize(built, loader, **options)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     seconds, losses = [], []
-    for step, (x, y) in enumerate(loader):
+    for step, (x, y, *mask) in enumerate(loader):
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
-        logits = net(input_ids=x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        logits = net(input_ids=x, attention_mask=mask[0] if mask else None).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
         loss.backward()
         optimizer.step()
         if step >= warmup:
             seconds.append(time.perf_counter() - start)
-        losses.append((loss.item(), y.numel()))
+        losses.append((loss.item(), int((y != -100).sum())))
     return {"seconds": statistics.median(seconds), "peak": resident("VmHWM"), "idle": idle, "losses": losses}
 
 
@@ -101,7 +108,7 @@ def run_part(args) -> None:
         autodist.init(backend="gloo")
     rows = []
     for length in args.lengths:
-        mine = run_layout(args.layout, length, args.steps, args.warmup)
+        mine = run_layout(args.layout, length, args.steps, args.warmup, args.padded)
         if dist.is_initialized():
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
@@ -197,6 +204,8 @@ def main() -> int:
     parser.add_argument("--layouts", type=harness.some_of(LAYOUTS), default=LAYOUTS,
                         help=f"which of {','.join(LAYOUTS)} (default all)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--padded", type=float, default=0.0,
+                        help="this fraction of each sequence right padding (attention_mask 0, labels -100 there)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--budget", type=float, default=None,
                         help="MB above the idle process: find each layout's longest sequence within it")
