@@ -27,6 +27,10 @@ function mode the model's forward puts on the stack (and takes off when it retur
   looks for packed documents where the positions jump, and a rank's jump once, from its first chunk to its
   second, within one sequence.
 
+A block run again in backward (``checkpoint=True``'s: :meth:`Context.again`; or the model's own
+``torch.utils.checkpoint``, met by a pre-hook on every submodule that finds autograd's backward running and no
+routing on the stack) is routed as it was the first time.
+
 What would reach past this routing is refused (:mod:`autodist.cp.refusals`). Every other op works on each token
 alone in the transformers this is for (linear layers, norms, activations, embeddings); an op on activations
 mixing along the sequence (a convolution over time, pooling over tokens) is not detected
@@ -97,6 +101,7 @@ class Context:
     def __init__(self, cut: SequenceCut, group: Any, name: str, scale: Callable[[], float]) -> None:
         self.cut, self.group, self.name, self.scale = cut, group, name, scale
         self.mode: _Routes | None = None
+        self.recomputing: nn.Module | None = None  # the submodule run again in backward that put the mode there
         self.logged = False
         self.routed = 0  # attention calls routed in the forward running now
         self.rows = 0  # the batch's rows in the forward running now
@@ -174,6 +179,19 @@ class Context:
             yield
         finally:
             mode, self.mode = self.mode, None
+            mode.__exit__(None, None, None)
+
+    def recomputed_begins(self, module: nn.Module, args: tuple) -> None:
+        """A submodule's forward run in backward with no routing on the stack: a block the model checkpoints
+        itself (``torch.utils.checkpoint`` in its code, Hugging Face's ``gradient_checkpointing_enable()``), run
+        again by autograd after the model's forward returned; routed as it was the first time, until it ends."""
+        if self.mode is None and _in_backward():
+            self.mode, self.recomputing = _Routes(self), module
+            self.mode.__enter__()
+
+    def recomputed_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.recomputing is module:
+            mode, self.mode, self.recomputing = self.mode, None, None
             mode.__exit__(None, None, None)
 
     def reaches_along(self, func: Any, args: tuple, kwargs: dict) -> bool:
@@ -354,7 +372,17 @@ def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], f
     _contexts[model] = context
     model.register_forward_pre_hook(context.enter, with_kwargs=True)
     model.register_forward_hook(context.leave, always_call=True, prepend=True)  # before the sync's: see leave
+    for module in model.modules():  # a block the model checkpoints itself, run again in backward
+        if module is not model:
+            module.register_forward_pre_hook(context.recomputed_begins)
+            module.register_forward_hook(context.recomputed_ends, always_call=True)
     return context
+
+
+def _in_backward() -> bool:
+    """Whether autograd's backward is running on this thread (a checkpointed block recomputed)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _scaled(tensor: torch.Tensor, scale: Callable[[], float]) -> torch.Tensor:

@@ -42,9 +42,12 @@ def _train_hf(model: nn.Module, loader: DataLoader) -> None:
         opt.step()
 
 
-def _largest_difference(family: str, cp: int, length: int, rows: int, side: str, checkpoint: bool = False) -> float:
-    return _against_one_process(_hugging_face(family), _padded(length, rows, side), rows, _train_hf, cp=cp,
-                                checkpoint=checkpoint)
+def _largest_difference(family: str, cp: int, length: int, rows: int, side: str, recompute: str = "") -> float:
+    model = _hugging_face(family)
+    if recompute.startswith("the model's own"):  # one process recomputes its layers too
+        model.gradient_checkpointing_enable({"use_reentrant": recompute.endswith("reentrant")})
+    return _against_one_process(model, _padded(length, rows, side), rows, _train_hf, cp=cp,
+                                checkpoint=recompute == "checkpoint=True")
 
 
 @pytest.mark.parametrize("family, cp, world, length, rows, side", [
@@ -58,10 +61,12 @@ def test_padded_batches_train_as_one_process(ranks, family, cp, world, length, r
     assert max(differences) <= ATOL, differences
 
 
-def test_padded_blocks_recomputed_in_backward_keep_the_padding(ranks):
-    """checkpoint=True: each decoder layer runs again in backward, after the model's forward has returned; its
-    attention is masked with the same batch's padding then."""
-    differences = ranks(2, _largest_difference, "llama", 2, 13, 3, "left", True)
+@pytest.mark.parametrize("how", ["checkpoint=True", "the model's own", "the model's own, reentrant"])
+def test_padded_blocks_recomputed_in_backward_keep_the_padding(ranks, how):
+    """Each decoder layer runs again in backward, after the model's forward has returned (autodist's
+    checkpoint=True, or Hugging Face's gradient_checkpointing_enable(), torch's checkpoint with or without
+    reentrance): its attention is routed and masked with the same batch's padding then."""
+    differences = ranks(2, _largest_difference, "llama", 2, 13, 3, "left", how)
     assert max(differences) <= ATOL, differences
 
 
