@@ -2,7 +2,7 @@
 choose instead.
 
 Example:
-    >>> check(2, mp=1, pp=1, exact=True, check=None, elastic=False)
+    >>> check(2, mp=1, pp=1, exact=True, check=None, elastic=False)   # check= is taken: not refused
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def check(cp: Any, *, mp: int, pp: int, exact: bool, check: Any, elastic: bool) 
         raise ValueError(f"cp must be a positive int (the ranks sharing each sequence), got {cp!r}")
     if cp == 1:
         return
-    with_ = [name for name, on in (("mp > 1", mp > 1), ("pp > 1", pp > 1), ("check=", check is not None),
-                                   ("autodist run --elastic", elastic)) if on]
+    with_ = [name for name, on in (("mp > 1", mp > 1), ("pp > 1", pp > 1), ("autodist run --elastic", elastic))
+             if on]
     if with_:
         raise NotImplementedError(f"cp={cp} is not built with {', '.join(with_)} yet: use cp alone (with data "
                                   f"parallelism over the other ranks), or leave cp=1")
