@@ -643,8 +643,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     _check_pipeline(pp, stages, microbatches, strategy, shard, loss_fn)
     _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
-    cp_options.check(cp, mp=mp, pp=pp, exact=isinstance(strategy, sync_mod.Exact), check=check,
-                     elastic=environment.elastic())
+    cp_options.check(cp, mp=mp, pp=pp, exact=isinstance(strategy, sync_mod.Exact), elastic=environment.elastic())
     if cp > 1:
         cp_options.loader_check(cp, data)
     observe.check_example(example)

@@ -2,14 +2,14 @@
 choose instead.
 
 Example:
-    >>> check(2, mp=1, pp=1, exact=True, check=None, elastic=False)   # check= is taken: not refused
+    >>> check(2, mp=1, pp=1, exact=True, elastic=False)
 """
 from __future__ import annotations
 
 from typing import Any
 
 
-def check(cp: Any, *, mp: int, pp: int, exact: bool, check: Any, elastic: bool) -> None:
+def check(cp: Any, *, mp: int, pp: int, exact: bool, elastic: bool) -> None:
     """Raise where ``cp`` is not a positive int or is combined with what it is not built with yet."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp must be a positive int (the ranks sharing each sequence), got {cp!r}")
