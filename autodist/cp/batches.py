@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -41,7 +42,9 @@ class SequenceCut:
     def __init__(self, rank: int, parts: int, dim: int = 1) -> None:
         self.rank, self.parts, self.dim = rank, parts, dim
         self.split: SequenceSplit | None = None
-        self.pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # the latest batch: (path, cut, whole)
+        # each cut tensor still alive (a batch in hand: a loop may take the next before it runs this one), by id:
+        # (a weak reference to it, its path in the batch, the whole tensor it was cut from)
+        self._wholes: dict[int, tuple[weakref.ref, str, torch.Tensor]] = {}
 
     @property
     def batch_dim(self) -> int:
@@ -61,30 +64,34 @@ class SequenceCut:
                              f"by one split, but their lengths there differ: "
                              f"{_named([(p, tuple(t.shape)) for p, t in tensors])}; pad them to one length")
         self.split = SequenceSplit(lengths.pop(), self.parts)
-        split, pieces = self.split, []
+        split, wholes = self.split, self._wholes
 
         def cut(path: str, t: torch.Tensor) -> torch.Tensor:
             piece = split.split(t, self.rank, self.dim)
-            pieces.append((path, piece, t))
+            key = id(piece)
+            wholes[key] = (weakref.ref(piece, lambda _: wholes.pop(key, None)), path, t)
             return piece
 
-        cut_batch = map_tensors(batch, cut, "batch")
-        self.pieces = pieces
-        return cut_batch
+        return map_tensors(batch, cut, "batch")
+
+    def kept(self) -> list[torch.Tensor]:
+        """The whole tensors kept for the cut ones still alive (what :func:`autodist.memory` counts)."""
+        return [whole for ref, _, whole in list(self._wholes.values()) if ref() is not None]
 
     def whole(self, x: torch.Tensor, path: str) -> torch.Tensor | None:
         """The whole batch's tensor that ``x`` (a forward's input at ``path``) is this rank's cut of: the cut itself
-        or a copy of it (moved to a device); one whose values several tensors of the batch share is told apart by
-        its name (``path``'s last key), else None."""
-        for _, piece, whole in self.pieces:
-            if piece is x:
-                return whole
-        alike = [(p, whole) for p, piece, whole in self.pieces if piece.shape == x.shape and piece.dtype == x.dtype
+        or a copy of it (moved to a device); one whose values several tensors of the batches in hand share is told
+        apart by its name (``path``'s last key), else None."""
+        entry = self._wholes.get(id(x))
+        if entry is not None and entry[0]() is x:
+            return entry[2]
+        live = [(p, piece, whole) for ref, p, whole in list(self._wholes.values()) if (piece := ref()) is not None]
+        alike = [(p, whole) for p, piece, whole in live if piece.shape == x.shape and piece.dtype == x.dtype
                  and torch.equal(piece, x.to(piece.device))]
-        named = [whole for p, whole in alike if _key(p) == _key(path)]
-        if len(named) == 1:
-            return named[0].to(x.device)
-        return alike[0][1].to(x.device) if len(alike) == 1 else None
+        named = [whole for p, whole in alike if _key(p) == _key(path)] or [whole for _, whole in alike]
+        if named and all(w is named[0] or (w.shape == named[0].shape and torch.equal(w, named[0])) for w in named):
+            return named[0].to(x.device)  # one, or several alike (two batches in hand, the same mask)
+        return None
 
     @property
     def held(self) -> int:

@@ -113,12 +113,11 @@ class Context:
         # made from them in their shape), by the id of this rank's part
 
     def held(self) -> Held:
-        """What the routing keeps between steps (:func:`autodist.memory`'s "autodist buffers"): the whole batch in
-        hand, from which its padding, documents and integer inputs are read, and the masks kept for a block run
+        """What the routing keeps between steps (:func:`autodist.memory`'s "autodist buffers"): the whole batches in
+        hand, from which their padding, documents and integer inputs are read, and the masks kept for a block run
         again in backward."""
         held = Held()
-        held.add("autodist buffers", *(whole for _, _, whole in self.cut.pieces), self.masks.padding,
-                 self.masks.documents)
+        held.add("autodist buffers", *self.cut.kept(), self.masks.padding, self.masks.documents)
         return held
 
     # -- the forward's bounds ------------------------------------------------------------------------------------

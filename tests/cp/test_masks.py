@@ -9,6 +9,9 @@ neither causal nor none (a sliding window), a bias in a float mask, and padding 
 are refused with the reason."""
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,22 +35,25 @@ def _padded(length: int, rows: int, side: str) -> list[dict[str, torch.Tensor]]:
     return samples
 
 
-def _train_hf(model: nn.Module, loader: DataLoader) -> None:
-    """Every tensor of the batch but the labels given to the model by name, the loss written in the loop."""
+def _train_hf(model: nn.Module, loader: DataLoader, copied: bool = False) -> None:
+    """Every tensor of the batch but the labels given to the model by name, the loss written in the loop;
+    ``copied``: each a copy, as ``batch.to("cuda")`` makes one."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for batch in loader:
+        batch = {k: v.clone() for k, v in batch.items()} if copied else batch
         opt.zero_grad()
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).backward()
         opt.step()
 
 
-def _largest_difference(family: str, cp: int, length: int, rows: int, side: str, recompute: str = "") -> float:
+def _largest_difference(family: str, cp: int, length: int, rows: int, side: str, recompute: str = "",
+                        copied: bool = False) -> float:
     model = _hugging_face(family)
     if recompute.startswith("the model's own"):  # one process recomputes its layers too
         model.gradient_checkpointing_enable({"use_reentrant": recompute.endswith("reentrant")})
-    return _against_one_process(model, _padded(length, rows, side), rows, _train_hf, cp=cp,
-                                checkpoint=recompute == "checkpoint=True")
+    return _against_one_process(model, _padded(length, rows, side), rows, functools.partial(_train_hf, copied=copied),
+                                cp=cp, checkpoint=recompute == "checkpoint=True")
 
 
 @pytest.mark.parametrize("family, cp, world, length, rows, side", [
@@ -58,6 +64,13 @@ def _largest_difference(family: str, cp: int, length: int, rows: int, side: str,
 ])
 def test_padded_batches_train_as_one_process(ranks, family, cp, world, length, rows, side):
     differences = ranks(world, _largest_difference, family, cp, length, rows, side)
+    assert max(differences) <= ATOL, differences
+
+
+def test_a_batch_copied_before_the_forward_is_read_whole_too(ranks):
+    """The loop hands the model copies of the batch's tensors (``batch.to("cuda")``): their whole batch is found
+    by their values (and names)."""
+    differences = ranks(2, _largest_difference, "llama", 2, 13, 3, "left", "", True)
     assert max(differences) <= ATOL, differences
 
 
@@ -182,3 +195,34 @@ def test_a_causal_mask_the_model_builds_trains_as_one_process(ranks, kind):
 def test_a_mask_that_is_not_causal_or_none_is_refused(ranks, kind, says):
     for message in ranks(2, _own_mask, kind, 2):
         assert isinstance(message, str) and says in message, message
+
+
+def _train_combined(model: nn.Module, loader: DataLoader) -> None:
+    """As a fine-tuning script combines them: two micro-batches a step (the first under no_sync), the gradient's
+    norm clipped, AdamW."""
+    import autodist  # no_sync: nothing for the reference, which is not parallelized
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    batches = iter(loader)
+    for first, second in zip(batches, batches):
+        opt.zero_grad()
+        for batch, context in ((first, autodist.no_sync(model)), (second, contextlib.nullcontext())):
+            with context:
+                logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+                (F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+
+
+def _largest_difference_combined() -> float:
+    model = _hugging_face("qwen2")
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    return _against_one_process(model, _padded(11, 4, "left"), 4, _train_combined, cp=2, shard="parameters")
+
+
+@pytest.mark.slow
+def test_padding_sharding_own_checkpointing_accumulation_and_clipping_together(ranks):
+    """dp 2 x cp 2 on 4 ranks, left-padded batches, shard="parameters", the model's own gradient checkpointing,
+    accumulation over two micro-batches and clipping, in one loop: one process's training."""
+    differences = ranks(4, _largest_difference_combined)
+    assert max(differences) <= ATOL, differences
