@@ -3,8 +3,9 @@ of the sequence (which positions each rank holds, the attention work each does) 
 the forward makes, the bytes each rank exchanges for it in a training step.
 
 The forward runs once on the example, whole, in this process, with ``F.scaled_dot_product_attention`` (and
-``nn.MultiheadAttention``'s ``F.multi_head_attention_forward``) watched: each call's queries, keys and values
-give its shape, and :func:`~autodist.layers.context.context_attention`
+``nn.MultiheadAttention``'s ``F.multi_head_attention_forward``, and scores written by hand, ``q @ k^T`` over the
+tokens: :mod:`autodist.cp.scores`, whose keys and values are gathered alike) watched: each call's queries, keys
+and values give its shape, and :func:`~autodist.layers.context.context_attention`
 fixes the exchange. Forward, one all-gather of the keys and values (a rank puts in its tokens, padded to the
 most any rank holds: gloo's all-gather takes equal shapes); backward, the gradient of the whole sequence's keys
 and values summed over the ranks (one all-reduce), and, on the causal path that keeps no gathered keys
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autodist.cp import refusals
+from autodist.cp import refusals, scores
 from autodist.layers.context import SequenceSplit, fast_path
 from autodist.runtime import tree
 
@@ -97,8 +98,8 @@ class ContextPlan:
                  f"  {held}",
                  f"  attention work (query-key pairs) per rank: max/mean {self.work_balance():.3f}"]
         if not self.calls:
-            lines.append("  no F.scaled_dot_product_attention call in the forward: parallelize(cp=...) refuses this "
-                         "model (its attention is written by hand, or it has none)")
+            lines.append("  no attention call in the forward (F.scaled_dot_product_attention, nn.MultiheadAttention, "
+                         "q @ k^T over the tokens): parallelize(cp=...) refuses this model")
             return "\n".join(lines)
         lines += ["  bytes each rank sends per step for attention (ring), by call:",
                   "  | call | query (whole sequence) | keys/values exchanged | forward | backward |", "  |---|---|---|---|---|"]
@@ -124,11 +125,13 @@ def _mb(n: float) -> str:
 
 
 class _Watch(TorchFunctionMode):
-    """Records every ``F.scaled_dot_product_attention`` call of a forward, and runs it."""
+    """Records every ``F.scaled_dot_product_attention`` call of a forward (``nn.MultiheadAttention``'s, and scores
+    written by hand over ``length`` tokens), and runs it."""
 
-    def __init__(self) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
         self.calls: list[AttentionCall] = []
+        self.length = length
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -136,7 +139,22 @@ class _Watch(TorchFunctionMode):
             self.record(*args, **kwargs)
         if func is F.multi_head_attention_forward:  # its attention inside is not seen again (the mode is off)
             self.record_multihead(*args, **kwargs)
+        if func in scores.PRODUCTS and len(args) == 2 and self._scores(*args):
+            self.record_scores(*args)
         return func(*args, **kwargs)
+
+    def _scores(self, a: Any, b: Any) -> bool:
+        """Whether ``a @ b`` is attention scores written by hand: two activations, a square over the tokens."""
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim >= 3 and b.ndim >= 3
+                and not isinstance(a, nn.Parameter) and not isinstance(b, nn.Parameter)
+                and a.shape[-2] == b.shape[-1] == self.length and a.shape[-1] == b.shape[-2])
+
+    def record_scores(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """``q @ k^T`` (Hugging Face's eager attention): its keys and, for the product with the weights, its
+        values (as wide as the keys) gathered, as :mod:`autodist.cp.scores` gathers them."""
+        heads = query.shape[-3]
+        self.calls.append(AttentionCall(refusals.caller(), tuple(query.shape), heads, query.shape[-1],
+                                        query.shape[-1], query.element_size(), True, False))
 
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
@@ -171,11 +189,8 @@ def explain(model: nn.Module, parts: int, example: Any) -> ContextPlan:
         >>> plan = explain(gpt, 2, (idx,))
         >>> plan.sent()                          # bytes a rank sends for attention per step: (forward, backward)
     """
-    watch = _Watch()
+    first = next((x.shape[1] for _, x in tree.tensor_leaves(example, "example") if x.ndim >= 2), 0)
+    watch = _Watch(first)  # the tokens: the first token tensor's dimension 1
     with torch.no_grad(), watch:
         tree.call(model, example)
-    if watch.calls:
-        length = watch.calls[0].query[-2]
-    else:  # nothing to cut by: the first token tensor's dimension 1
-        length = next((x.shape[1] for _, x in tree.tensor_leaves(example, "example") if x.ndim >= 2), 0)
-    return ContextPlan(parts, length, watch.calls)
+    return ContextPlan(parts, watch.calls[0].query[-2] if watch.calls else first, watch.calls)

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autodist.cp import refusals
+from autodist.cp import refusals, scores
 from autodist.cp.batches import SequenceCut
 from autodist.cp.masks import Masks
 from autodist.cp.multihead import multihead
@@ -73,6 +73,11 @@ class _Routes(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.context.attention(*args, **kwargs)
+        if self.context.wide and any(isinstance(a, torch.Tensor) and self.context.wide.get(id(a)) is a for a in args):
+            return scores.on_wide(self.context, func, args, kwargs)
+        if func in scores.PRODUCTS and self.context.local_scores(args):
+            self.context.routed += 1
+            return scores.wide_scores(self.context, func, args)
         if func is torch.arange:
             return self.context.positions(func(*args, **kwargs), args)
         tracked = bool(args) and id(args[0]) in self.context.inputs
@@ -111,6 +116,8 @@ class Context:
         self.held_inputs: list[torch.Tensor] = []  # kept alive while the forward runs, so the ids stay theirs
         self.wholes: dict[int, torch.Tensor] = {}  # the whole batch's value of each integer input (and of what is
         # made from them in their shape), by the id of this rank's part
+        # attention scores written by hand, over the whole sequence's keys, by id (weakly: not kept past autograd)
+        self.wide: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def held(self) -> Held:
         """What the routing keeps between steps (:func:`autodist.memory`'s "autodist buffers"): the whole batches in
@@ -247,6 +254,14 @@ class Context:
             return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
         except LookupError:
             return None
+
+    def local_scores(self, args: tuple) -> bool:
+        """Whether a product of ``args`` (two activations, no parameter) is a square over this rank's tokens:
+        attention scores written by hand (:mod:`autodist.cp.scores` computes them over the whole sequence)."""
+        held = self.cut.held
+        return (len(args) == 2 and held > 1 and all(isinstance(a, torch.Tensor) and a.ndim >= 2 for a in args)
+                and args[0].shape[-2] == held and args[1].shape[-1] == held
+                and not any(isinstance(a, nn.Parameter) for a in args))
 
     def refuse_local_scores(self, func: Any, args: tuple, made: Any) -> None:
         """Raise where a product of activations (no parameter) is a square over this rank's tokens."""

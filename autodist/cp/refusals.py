@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 # Products of two activations: attention written out by hand (Hugging Face's "eager" attention, q @ k^T) makes a
-# square of scores over this rank's tokens only, which would silently attend to them alone.
+# square of scores over this rank's tokens only, which would silently attend to them alone. A matmul or bmm of
+# two is computed over the whole sequence's keys (autodist.cp.scores); the others (baddbmm, einsum) are refused.
 PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
                        torch.baddbmm, torch.einsum})
 # Ops that, on a tensor of the batch, can take tokens from elsewhere in the sequence (a shift, a slice, a
@@ -112,5 +113,6 @@ def refuse_local_scores(parts: int, name: str, func: Any, made: torch.Tensor) ->
     raise NotImplementedError(
         f"cp={parts}: {name}'s forward computes a {held} x {held} product ({getattr(func, '__name__', func)}, shape "
         f"{list(made.shape)}) at {caller()}: attention scores written out by hand over this rank's {held} tokens, "
-        f"which would attend to them alone. Under cp attention must go through F.scaled_dot_product_attention "
+        f"which would attend to them alone. Under cp attention written by hand must be torch.matmul(q, "
+        f"k.transpose(-2, -1)) (or bmm), taken over the whole sequence; or use F.scaled_dot_product_attention "
         f"(Hugging Face: attn_implementation='sdpa')")

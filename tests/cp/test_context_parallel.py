@@ -150,13 +150,11 @@ def _refusal(case: str) -> str:
         x, _ = next(iter(loader))
         call = lambda: model(x)  # noqa: E731
     else:
-        built = _hugging_face("llama", "eager" if case == "eager" else "sdpa")
+        built = _hugging_face("llama")
         model, loader = autodist.parallelize(built, DataLoader(data, batch_size=3), cp=2)
         x, y = next(iter(loader))
         if case == "labels":
             call = lambda: model(input_ids=x, labels=y)  # noqa: E731
-        elif case == "eager":
-            call = lambda: model(input_ids=x)  # noqa: E731
         else:  # a padding mask made anew, not the batch's: its whole sequence's is nowhere (tests/cp/test_masks.py)
             call = lambda: model(input_ids=x, attention_mask=(y >= 5).long())  # noqa: E731
     try:
@@ -175,7 +173,6 @@ def _refusal(case: str) -> str:
     ("labels", "calls pad on its input kwargs['labels']"),
     ("mask", "is not a cut of the batch the loader handed out last"),
     ("multihead", "nn.MultiheadAttention adds keys of its own (bias_k"),  # torch's layer: tests/cp/test_multihead.py
-    ("eager", "attention scores written out by hand"),  # Hugging Face's eager attention: q @ k^T
     ("no attention", "ran no attention autodist could route"),
     ("compiled after", "runs compiled (torch.compile)"),
 ])

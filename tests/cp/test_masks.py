@@ -28,7 +28,10 @@ def _padded(length: int, rows: int, side: str) -> list[dict[str, torch.Tensor]]:
     for _ in range(rows * STEPS):
         real = int(torch.randint(1, length + 1, (), generator=g))
         at = torch.arange(length)
-        mask = (at < real) if side == "right" else (at >= length - real)
+        if side == "middle":  # a hole of padding after two tokens: no query without a token to attend to
+            mask = (at < 2) | (at >= 2 + length - real)
+        else:
+            mask = (at < real) if side == "right" else (at >= length - real)
         ids = torch.where(mask, torch.randint(1, 32, (length,), generator=g), torch.zeros(length, dtype=torch.long))
         labels = torch.where(mask, torch.randint(0, 32, (length,), generator=g), torch.full((length,), -100))
         samples.append({"input_ids": ids, "attention_mask": mask.long(), "labels": labels})

@@ -1,0 +1,62 @@
+"""Attention written out by hand under ``cp=K``: Hugging Face's ``eager`` attention (``softmax(q @ k^T * scale +
+mask) @ v``, its mask built over the rank's tokens), its scores taken over the whole sequence's keys; Llama and
+Qwen2, unpadded and with padding, trained 20 AdamW steps in float64 within 1e-10 of one process (with its own
+eager attention). What else a model does to its scores is refused, naming it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_context_parallel import ATOL, _against_one_process, _data, _hugging_face, _train_outside
+from test_masks import _padded, _train_hf
+from torch import nn
+
+
+def _largest_difference(family: str, cp: int, length: int, rows: int, padded: bool) -> float:
+    model = _hugging_face(family, "eager")
+    if padded:
+        # padding in the middle of the rows: at the start, a query with no token to attend to is NaN in one
+        # process's eager attention in float64 (its lowest float64 turns -inf in its float32 softmax)
+        return _against_one_process(model, _padded(length, rows, "middle"), rows, _train_hf, cp=cp)
+    return _against_one_process(model, _data(length, rows, "prompt"), rows, _train_outside, cp=cp)
+
+
+@pytest.mark.parametrize("family, cp, world, length, rows, padded", [
+    ("llama", 2, 2, 13, 3, False),
+    ("llama", 2, 2, 13, 3, True),
+    pytest.param("qwen2", 3, 3, 17, 2, True, marks=pytest.mark.slow),
+])
+def test_hugging_faces_eager_attention_trains_as_one_process(ranks, family, cp, world, length, rows, padded):
+    differences = ranks(world, _largest_difference, family, cp, length, rows, padded)
+    assert max(differences) <= ATOL, differences
+
+
+class _ScoresPooled(nn.Module):
+    """Attention by hand whose scores are also summed over the keys (not a softmax): refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 8), nn.Linear(8, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        scores = x @ x.transpose(-2, -1)
+        return self.head(x * scores.sum(-1, keepdim=True))
+
+
+def _refused() -> str:
+    import autodist
+
+    data = _data(13, 3, "all")
+    model, loader = autodist.parallelize(_ScoresPooled(), torch.utils.data.DataLoader(data, batch_size=3), cp=2)
+    x, _ = next(iter(loader))
+    try:
+        model(x)
+    except NotImplementedError as error:
+        return str(error)
+    return "nothing raised"
+
+
+def test_other_uses_of_the_scores_are_refused(ranks):
+    for message in ranks(2, _refused):
+        assert "on its scores" in message and "calls sum" in message, message
