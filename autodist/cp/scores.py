@@ -6,7 +6,8 @@ two activations that is a square over the rank's tokens (``q @ k^T``) is compute
 sequence's keys instead (gathered, differentiably: backward sums their gradient over the ranks and keeps this
 rank's): this rank's rows of the scores, ``(..., tokens, length)``, "wide". What the model then does to them
 in their shape (a scale, a softcap, ``softmax`` over the keys, ``to(dtype)``, dropout of probability 0) keeps
-them wide; a mask the model built over this rank's tokens added to them is read as the routing reads one
+them wide; a mask the model built over this rank's tokens added to them (or filled in, nanoGPT's
+``masked_fill(bias[:, :, :T, :T] == 0, -inf)``) is read as the routing reads one
 (:mod:`autodist.cp.masks`: causal or not, within documents or not, with the batch's padding) and the whole
 rows' mask added instead (0 where a key is attended, the dtype's lowest elsewhere, as Hugging Face's); and the
 product of the wide weights with the values is taken with the whole sequence's values (gathered alike). Each
@@ -27,6 +28,7 @@ from autodist.cp import refusals
 from autodist.layers.context import attention_mask
 
 ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
+FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill})
 PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm})
 KEEP = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.div,
                   torch.Tensor.div, torch.Tensor.__truediv__, torch.tanh, torch.Tensor.tanh, torch.Tensor.to,
@@ -57,6 +59,10 @@ def on_wide(context: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         mask = args[1] if args[0] is wide else args[0]
         if isinstance(mask, torch.Tensor) and mask.shape[-1] == context.cut.held != split.length:
             return remember(context, func(wide, _whole_rows(context, mask, wide)))
+    if func in FILLS and args[0] is wide:  # nanoGPT's att.masked_fill(bias[:, :, :T, :T] == 0, -inf)
+        mask, value = args[1] if len(args) > 1 else kwargs["mask"], args[2] if len(args) > 2 else kwargs["value"]
+        if isinstance(mask, torch.Tensor) and mask.shape[-1] == context.cut.held != split.length:
+            return remember(context, func(wide, ~_allowed(context, ~mask, wide.device), value))
     if func in PRODUCTS and args[0] is wide and len(args) == 2:
         return func(wide, split.gather(args[1], context.group, dim=-2))  # per token again
     if func is F.dropout:
@@ -79,16 +85,22 @@ def on_wide(context: Any, func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _whole_rows(context: Any, mask: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
-    """The mask the model built over this rank's tokens, read (causal or not, documents, padding), as the whole
-    rows' additive mask: 0 where a key is attended, the dtype's lowest elsewhere."""
+    """The mask the model built over this rank's tokens (added: 0 or the lowest; or boolean, True: attend), read
+    (causal or not, documents, padding), as the whole rows' additive mask: 0 where a key is attended, the dtype's
+    lowest elsewhere."""
     additive = mask if mask.is_floating_point() else torch.zeros_like(mask, dtype=wide.dtype).masked_fill(
         ~mask, torch.finfo(wide.dtype).min)
-    causal, documents = context.masks.decide(additive, False, context.group, wide.device)
-    split = context.cut.split
-    mine = split.positions(context.cut.rank).to(wide.device)
-    allowed = attention_mask(mine, torch.arange(split.length, device=wide.device), causal=causal, window=None,
-                             documents=documents, key_padding=context.masks.padding)
-    if allowed is None:
-        return torch.zeros((), dtype=wide.dtype, device=wide.device)
+    allowed = _allowed(context, additive, wide.device)
     return torch.zeros(allowed.shape, dtype=wide.dtype, device=wide.device).masked_fill(
         ~allowed, torch.finfo(wide.dtype).min)
+
+
+def _allowed(context: Any, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Which keys of the whole sequence each of this rank's rows attends to (bool, broadcasting to the scores),
+    from the mask the model built over its tokens (as ``F.scaled_dot_product_attention`` takes one)."""
+    causal, documents = context.masks.decide(mask, False, context.group, device)
+    split = context.cut.split
+    mine = split.positions(context.cut.rank).to(device)
+    allowed = attention_mask(mine, torch.arange(split.length, device=device), causal=causal, window=None,
+                             documents=documents, key_padding=context.masks.padding)
+    return torch.ones((), dtype=torch.bool, device=device) if allowed is None else allowed

@@ -1,13 +1,14 @@
-"""Attention written out by hand under ``cp=K``: Hugging Face's ``eager`` attention (``softmax(q @ k^T * scale +
-mask) @ v``, its mask built over the rank's tokens), its scores taken over the whole sequence's keys; Llama and
-Qwen2, unpadded and with padding, trained 20 AdamW steps in float64 within 1e-10 of one process (with its own
-eager attention). What else a model does to its scores is refused, naming it."""
+"""Attention written out by hand under ``cp=K``: Hugging Face's ``eager`` attention (``softmax(q @ k^T * scale + mask)
+@ v``, its mask built over the rank's tokens), its scores taken over the whole sequence's keys; Llama and Qwen2,
+unpadded and with padding, and nanoGPT's own (``masked_fill`` of its causal buffer), trained 20 AdamW steps in
+float64 within 1e-10 of one process (with its own eager attention). What else a model does to its scores is refused,
+naming it."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_context_parallel import ATOL, _against_one_process, _data, _hugging_face, _train_outside
+from test_context_parallel import ATOL, _against_one_process, _data, _gpt, _hugging_face, _train, _train_outside
 from test_masks import _padded, _train_hf
 from torch import nn
 
@@ -28,6 +29,22 @@ def _largest_difference(family: str, cp: int, length: int, rows: int, padded: bo
 ])
 def test_hugging_faces_eager_attention_trains_as_one_process(ranks, family, cp, world, length, rows, padded):
     differences = ranks(world, _largest_difference, family, cp, length, rows, padded)
+    assert max(differences) <= ATOL, differences
+
+
+def _largest_difference_gpt(length: int, rows: int) -> float:
+    model = _gpt(length)
+    for block in model.transformer.h:  # nanoGPT's own attention by hand (its path without flash attention)
+        size = model.config.block_size
+        block.attn.flash = False
+        block.attn.register_buffer("bias", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
+    return _against_one_process(model, _data(length, rows, "prompt"), rows, _train, cp=2)
+
+
+def test_nanogpts_attention_by_hand_trains_as_one_process(ranks):
+    """``att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))``: the causal block of the rank's tokens,
+    read as causal; its fill over the whole rows instead."""
+    differences = ranks(2, _largest_difference_gpt, 13, 3)
     assert max(differences) <= ATOL, differences
 
 
