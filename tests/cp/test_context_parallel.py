@@ -308,28 +308,33 @@ def test_blocks_recomputed_in_backward_are_routed_again(ranks, shard):
     assert max(differences) <= ATOL, differences
 
 
-def _gradients_in(dtype: torch.dtype, cp: int | None) -> dict[str, torch.Tensor]:
+def _gradients_in(dtype: torch.dtype, cp: int | None, mixed: bool = False) -> dict[str, torch.Tensor]:
     """One step's gradients of nanoGPT in ``dtype`` (weights and compute), in float64 for the comparison: in
-    this process (``cp`` None) or parallelized with ``cp``."""
+    this process (``cp`` None) or parallelized with ``cp``; ``mixed``: float32 weights computed in ``dtype``
+    (``mixed_precision=``)."""
     import autodist
 
-    model = _gpt(31).to(dtype)
+    model = _gpt(31).to(torch.float32 if mixed else dtype)
     loader = DataLoader(_data(31, 3, "prompt"), batch_size=3)
     if cp is not None:
-        model, loader = autodist.parallelize(model, loader, cp=cp)
+        model, loader = autodist.parallelize(model, loader, cp=cp, **({"mixed_precision": dtype} if mixed else {}))
     x, y = next(iter(loader))
-    model(x, y)[1].backward()
+    logits, loss = model(x, y)
+    assert logits.dtype == dtype, logits.dtype  # computed in dtype (under mixed_precision= too)
+    loss.backward()
     return {n: p.grad.double() for n, p in model.named_parameters()}
 
 
-def test_bfloat16_differs_from_one_process_by_no_more_than_bfloat16_does(ranks):
+@pytest.mark.parametrize("mixed", [False, True], ids=["bfloat16 model", "mixed_precision=bf16"])
+def test_bfloat16_differs_from_one_process_by_no_more_than_bfloat16_does(ranks, mixed):
     """The split floor in bfloat16: cp=2's gradients stand about as far from one process's in bfloat16 as the
     rounding of bfloat16 itself puts one process from float64 (the split sums in another order; within 4x of
-    that floor, where a wrong split is off by the gradients' own size)."""
+    that floor, where a wrong split is off by the gradients' own size); a bfloat16 model, or a float32 one
+    computed in bfloat16 (``mixed_precision=``, which casts the weights and inputs as the model here is cast)."""
     exact = _gradients_in(torch.float64, None)
     one = _gradients_in(torch.bfloat16, None)
     floor = max((one[n] - exact[n]).abs().max().item() for n in exact)
-    split = ranks(2, _gradients_in, torch.bfloat16, 2)
+    split = ranks(2, _gradients_in, torch.bfloat16, 2, mixed)
     gap = max((g[n] - one[n]).abs().max().item() for g in split for n in one)
     assert 0 < gap <= 4 * floor, (gap, floor)  # here: 9.8e-4 against a floor of 7.5e-4
 
