@@ -107,6 +107,7 @@ class Context:
         self.cut, self.group, self.name, self.scale = cut, group, name, scale
         self.mode: _Routes | None = None
         self.recomputing: nn.Module | None = None  # the submodule run again in backward that put the mode there
+        self.window: int | None = None  # a Hugging Face model's sliding window (config.sliding_window), if it has one
         self.logged = False
         self.routed = 0  # attention calls routed in the forward running now
         self.rows = 0  # the batch's rows in the forward running now
@@ -137,6 +138,13 @@ class Context:
             raise RuntimeError(f"cp={self.cut.parts}: {self.name} ran before the loader parallelize returned handed "
                                f"out a batch; a context-parallel model runs on that loader's batches, each cut to "
                                f"this rank's tokens")
+        if self.window is not None and self.window < self.cut.split.length:
+            raise NotImplementedError(
+                f"cp={self.cut.parts}: {self.name} attends within a sliding window of {self.window} tokens "
+                f"(config.sliding_window), shorter than the {self.cut.split.length}-token sequence: cp is not built "
+                f"with a sliding window yet (Hugging Face leaves the window out of a rank's mask where the rank holds "
+                f"fewer tokens than it, which would attend past it); use sequences of at most {self.window} tokens, "
+                f"or cp=1")
         self.rows = self.cut.rows(*args, **kwargs)  # raises where no input holds this rank's tokens of the batch
         held = self.cut.held
         tensors = [(path, t) for path, t in arguments(args, kwargs) if isinstance(t, torch.Tensor)]
@@ -383,6 +391,7 @@ def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], f
     """
     context = Context(cut, group, type(model).__name__, scale)
     context.rows_of_data = rows
+    context.window = sliding_window(model)
     _contexts[model] = context
     model.register_forward_pre_hook(context.enter, with_kwargs=True)
     model.register_forward_hook(context.leave, always_call=True, prepend=True)  # before the sync's: see leave
@@ -391,6 +400,17 @@ def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], f
             module.register_forward_pre_hook(context.recomputed_begins)
             module.register_forward_hook(context.recomputed_ends, always_call=True)
     return context
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """A Hugging Face model's sliding attention window, where a layer of it uses one: ``config.sliding_window``
+    (Mistral's every layer, Gemma 2's every other one per ``config.layer_types``); None otherwise."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    layers = getattr(config, "layer_types", None)
+    if not isinstance(window, int) or (layers is not None and "sliding_attention" not in layers):
+        return None
+    return window
 
 
 def _in_backward() -> bool:

@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from test_context_parallel import ATOL, STEPS, _against_one_process, _hugging_face
+from test_context_parallel import ATOL, STEPS, _against_one_process, _data, _hugging_face, _train_outside
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -229,3 +229,29 @@ def test_padding_sharding_own_checkpointing_accumulation_and_clipping_together(r
     accumulation over two micro-batches and clipping, in one loop: one process's training."""
     differences = ranks(4, _largest_difference_combined)
     assert max(differences) <= ATOL, differences
+
+
+def _mistral(window: int) -> str | float:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=window, attn_implementation="sdpa", use_cache=False)
+    try:
+        return _against_one_process(transformers.MistralForCausalLM(config).double(), _data(13, 3, "prompt"), 3,
+                                    _train_outside, cp=2)
+    except NotImplementedError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("window", [4, 8, 16])  # 8: more than a rank holds (6 or 7)
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_a_longer_one_trains(ranks, window):
+    """Mistral attends within config.sliding_window: shorter than the 13 tokens, refused (a rank holding fewer
+    tokens than the window gets no window in its mask from Hugging Face, and would attend past it: at 8, without
+    the refusal, silently); at least as long, it never binds and the training is one process's."""
+    for outcome in ranks(2, _mistral, window):
+        if window < 13:
+            assert isinstance(outcome, str) and f"sliding window of {window} tokens" in outcome, outcome
+        else:
+            assert isinstance(outcome, float) and outcome <= ATOL, outcome
