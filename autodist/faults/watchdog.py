@@ -416,6 +416,8 @@ class Watchdog:
         except Exception as store_exc:  # noqa: BLE001 - the store went with its host
             self.store_lost = _first_line(store_exc)
             return self._store_host_gone(where)
+        if not silent and isinstance(exc, PeerGone):  # its process is gone (the fence saw it), no status says why
+            silent = [exc.rank]  # (a busy machine may not have let its status fall silent yet)
         if silent:
             names = ", ".join(f"rank {r}" for r in silent)
             return (f"{names} died without a word (killed by a signal, out of memory, or aborted in C++: see its "

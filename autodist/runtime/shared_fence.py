@@ -63,7 +63,11 @@ ALIVE_MAX_S = 0.1  # as its looks do, up to this: a rank that died is seen withi
 
 
 class PeerGone(RuntimeError):
-    """A rank this rank waits for in a fence is no longer alive."""
+    """A rank this rank waits for in a fence is no longer alive: ``rank``, its rank in the world."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 def fence_bytes(size: int) -> int:
@@ -88,9 +92,11 @@ class SharedFence:
 
     name = "shared memory"
 
-    def __init__(self, mapping: mmap.mmap, offset: int, rank: int, size: int) -> None:
+    def __init__(self, mapping: mmap.mmap, offset: int, rank: int, size: int,
+                 world_ranks: list[int] | None = None) -> None:
         self.lines = memoryview(mapping)[offset:offset + fence_bytes(size)].cast("q")
         self.rank, self.size = rank, size
+        self.world_ranks = list(range(size)) if world_ranks is None else world_ranks  # each group rank's
         self.count = self.lines[rank * WORDS + COUNT]
         self.others = [r * WORDS + COUNT for r in range(size) if r != rank]
         self.pids = {r: self.lines[r * WORDS + PID] for r in range(size) if r != rank}
@@ -122,7 +128,7 @@ class SharedFence:
         for rank, pid in self.pids.items():
             if self.lines[rank * WORDS + COUNT] < count and not _alive(pid):
                 raise PeerGone(f"rank {rank} of the group (process {pid} of this machine) is gone: it ended "
-                               f"while this rank waits for it in a sum in shared memory")
+                               f"while this rank waits for it in a sum in shared memory", self.world_ranks[rank])
 
     def close(self) -> None:
         """Let the mapping go (a memoryview of it would keep it open)."""
@@ -149,7 +155,8 @@ def choose(mapping: mmap.mmap, offset: int, group: dist.ProcessGroup | None) -> 
     spaces = {lines[r * WORDS + NAMESPACE] for r in range(size)}
     lines.release()
     if platform.machine().lower() in ("x86_64", "amd64") and len(spaces) == 1 and 0 not in spaces:
-        return SharedFence(mapping, offset, rank, size)
+        world_ranks = list(range(size)) if group is None else dist.get_process_group_ranks(group)
+        return SharedFence(mapping, offset, rank, size, world_ranks)
     return GlooFence(group)
 
 

@@ -65,12 +65,13 @@ def test_a_dead_rank_is_an_error_not_a_wait():
     lines = memoryview(mapping).cast("q")
     lines[shared_fence.WORDS + shared_fence.PID] = child.pid  # rank 1: a process that ends without arriving
     try:
-        fence = shared_fence.SharedFence(mapping, 0, 0, 2)
+        fence = shared_fence.SharedFence(mapping, 0, 0, 2, world_ranks=[4, 6])  # a group of world ranks 4 and 6
         start = time.monotonic()
         with pytest.raises(shared_fence.PeerGone, match=rf"rank 1 of the group \(process {child.pid} of this machine\)"
-                                                          r" is gone"):
+                                                          r" is gone") as gone:
             fence.wait()  # the child is a zombie until waited for: dead all the same
         assert time.monotonic() - start < 5
+        assert gone.value.rank == 6  # its rank in the world: what the watchdog names
     finally:
         child.wait()
         lines.release()
