@@ -37,6 +37,7 @@ def _checked(kind: str) -> str:
     return "no batch"
 
 
+@pytest.mark.slow  # the check itself is in the quick tier (tests/dp/test_check.py)
 @pytest.mark.parametrize("kind, says", [("read", "passed"), ("unread", "autodist's check: at step 0 the gradient")])
 def test_the_check_compares_one_process_gradient_under_cp(ranks, kind, says):
     for outcome in ranks(2, _checked, kind):

@@ -325,7 +325,8 @@ def _gradients_in(dtype: torch.dtype, cp: int | None, mixed: bool = False) -> di
     return {n: p.grad.double() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["bfloat16 model", "mixed_precision=bf16"])
+@pytest.mark.parametrize("mixed", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["bfloat16 model", "mixed_precision=bf16"])
 def test_bfloat16_differs_from_one_process_by_no_more_than_bfloat16_does(ranks, mixed):
     """The split floor in bfloat16: cp=2's gradients stand about as far from one process's in bfloat16 as the
     rounding of bfloat16 itself puts one process from float64 (the split sums in another order; within 4x of

@@ -23,7 +23,7 @@ def _largest_difference(family: str, cp: int, length: int, rows: int, padded: bo
 
 
 @pytest.mark.parametrize("family, cp, world, length, rows, padded", [
-    ("llama", 2, 2, 13, 3, False),
+    pytest.param("llama", 2, 2, 13, 3, False, marks=pytest.mark.slow),
     ("llama", 2, 2, 13, 3, True),
     pytest.param("qwen2", 3, 3, 17, 2, True, marks=pytest.mark.slow),
 ])
@@ -41,6 +41,7 @@ def _largest_difference_gpt(length: int, rows: int) -> float:
     return _against_one_process(model, _data(length, rows, "prompt"), rows, _train, cp=2)
 
 
+@pytest.mark.slow
 def test_nanogpts_attention_by_hand_trains_as_one_process(ranks):
     """``att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))``: the causal block of the rank's tokens,
     read as causal; its fill over the whole rows instead."""

@@ -60,7 +60,7 @@ def _largest_difference(family: str, cp: int, length: int, rows: int, side: str,
 
 
 @pytest.mark.parametrize("family, cp, world, length, rows, side", [
-    ("llama", 2, 2, 13, 3, "right"),
+    pytest.param("llama", 2, 2, 13, 3, "right", marks=pytest.mark.slow),
     ("llama", 2, 2, 13, 3, "left"),   # a row's first queries see no real key: one process's output there, zeros
     pytest.param("qwen2", 3, 3, 17, 2, "right", marks=pytest.mark.slow),
     pytest.param("qwen2", 2, 4, 11, 2, "left", marks=pytest.mark.slow),  # dp 2 x cp 2
@@ -70,6 +70,7 @@ def test_padded_batches_train_as_one_process(ranks, family, cp, world, length, r
     assert max(differences) <= ATOL, differences
 
 
+@pytest.mark.slow
 def test_a_batch_copied_before_the_forward_is_read_whole_too(ranks):
     """The loop hands the model copies of the batch's tensors (``batch.to("cuda")``): their whole batch is found
     by their values (and names)."""
@@ -77,7 +78,8 @@ def test_a_batch_copied_before_the_forward_is_read_whole_too(ranks):
     assert max(differences) <= ATOL, differences
 
 
-@pytest.mark.parametrize("how", ["checkpoint=True", "the model's own", "the model's own, reentrant"])
+@pytest.mark.parametrize("how", [pytest.param("checkpoint=True", marks=pytest.mark.slow), "the model's own",
+                                 pytest.param("the model's own, reentrant", marks=pytest.mark.slow)])
 def test_padded_blocks_recomputed_in_backward_keep_the_padding(ranks, how):
     """Each decoder layer runs again in backward, after the model's forward has returned (autodist's
     checkpoint=True, or Hugging Face's gradient_checkpointing_enable(), torch's checkpoint with or without
@@ -108,7 +110,7 @@ def _largest_difference_packed(family: str, cp: int, length: int, rows: int) -> 
 
 @pytest.mark.parametrize("family, cp, world, length, rows", [
     ("llama", 2, 2, 13, 2),
-    ("llama", 2, 2, 17, 1),  # one row a batch
+    pytest.param("llama", 2, 2, 17, 1, marks=pytest.mark.slow),  # one row a batch
     pytest.param("qwen2", 3, 3, 19, 2, marks=pytest.mark.slow),
 ])
 def test_packed_documents_train_as_one_process(ranks, family, cp, world, length, rows):
@@ -184,7 +186,7 @@ def _own_mask(kind: str, cp: int) -> float | str:
         return str(error)
 
 
-@pytest.mark.parametrize("kind", ["causal", "additive"])
+@pytest.mark.parametrize("kind", ["causal", pytest.param("additive", marks=pytest.mark.slow)])
 def test_a_causal_mask_the_model_builds_trains_as_one_process(ranks, kind):
     differences = ranks(2, _own_mask, kind, 2)
     assert all(isinstance(d, float) and d <= ATOL for d in differences), differences
@@ -192,7 +194,7 @@ def test_a_causal_mask_the_model_builds_trains_as_one_process(ranks, kind):
 
 @pytest.mark.parametrize("kind, says", [
     ("window", "fit no one mask autodist can take over the whole sequence (causal or not, with the batch's padding"),
-    ("bias", "adds values other than 0 and the lowest to the scores"),
+    pytest.param("bias", "adds values other than 0 and the lowest to the scores", marks=pytest.mark.slow),
     ("ignores padding", "got no mask over this rank's"),
 ])
 def test_a_mask_that_is_not_causal_or_none_is_refused(ranks, kind, says):
@@ -245,7 +247,8 @@ def _mistral(window: int) -> str | float:
         return str(error)
 
 
-@pytest.mark.parametrize("window", [4, 8, 16])  # 8: more than a rank holds (6 or 7)
+@pytest.mark.parametrize("window", [pytest.param(4, marks=pytest.mark.slow), 8,  # 8: more than a rank holds (6, 7)
+                                    pytest.param(16, marks=pytest.mark.slow)])
 def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_a_longer_one_trains(ranks, window):
     """Mistral attends within config.sliding_window: shorter than the 13 tokens, refused (a rank holding fewer
     tokens than the window gets no window in its mask from Hugging Face, and would attend past it: at 8, without

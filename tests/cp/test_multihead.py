@@ -70,7 +70,7 @@ def _largest_difference(kind: str, cp: int, length: int, rows: int) -> float:
 
 @pytest.mark.parametrize("kind, cp, world, length, rows", [
     ("encoder", 2, 2, 13, 3),
-    ("weights", 2, 2, 11, 2),
+    pytest.param("weights", 2, 2, 11, 2, marks=pytest.mark.slow),
     pytest.param("bidirectional encoder", 3, 3, 17, 2, marks=pytest.mark.slow),
 ])
 def test_torchs_attention_layers_train_as_one_process(ranks, kind, cp, world, length, rows):
