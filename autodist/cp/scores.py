@@ -29,6 +29,7 @@ from autodist.layers.context import attention_mask
 
 ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
 FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill})
+SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
 PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm})
 KEEP = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.div,
                   torch.Tensor.div, torch.Tensor.__truediv__, torch.tanh, torch.Tensor.tanh, torch.Tensor.to,
@@ -72,6 +73,12 @@ def on_wide(context: Any, func: Any, args: tuple, kwargs: dict) -> Any:
             raise NotImplementedError(f"cp={parts}: {name}'s attention has dropout p={p} on its weights in "
                                       f"training, which would draw a different mask than one process: set attention "
                                       f"dropout to 0 under cp")
+    if func in SOFTMAX:  # over the keys only: over the queries it would be over this rank's rows alone
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dim is None or dim % wide.ndim != wide.ndim - 1:
+            raise NotImplementedError(f"cp={parts}: {name}'s attention by hand takes a softmax of its scores over "
+                                      f"dimension {dim} at {refusals.caller()}, not over the keys (the last): "
+                                      f"under cp a rank holds its own rows only")
     if func in KEEP or func in ADDS:
         made = func(*args, **kwargs)
         if isinstance(made, torch.Tensor) and made.shape[-1] == split.length and made.shape[-2:] == wide.shape[-2:]:

@@ -50,23 +50,26 @@ def test_nanogpts_attention_by_hand_trains_as_one_process(ranks):
 
 
 class _ScoresPooled(nn.Module):
-    """Attention by hand whose scores are also summed over the keys (not a softmax): refused."""
+    """Attention by hand whose scores are summed over the keys, or softmaxed over the queries: refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
+        self.how = how
         self.embed, self.head = nn.Embedding(32, 8), nn.Linear(8, 32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         scores = x @ x.transpose(-2, -1)
-        return self.head(x * scores.sum(-1, keepdim=True))
+        if self.how == "sum":
+            return self.head(x * scores.sum(-1, keepdim=True))
+        return self.head(F.softmax(scores, dim=-2) @ x)
 
 
-def _refused() -> str:
+def _refused(how: str) -> str:
     import autodist
 
     data = _data(13, 3, "all")
-    model, loader = autodist.parallelize(_ScoresPooled(), torch.utils.data.DataLoader(data, batch_size=3), cp=2)
+    model, loader = autodist.parallelize(_ScoresPooled(how), torch.utils.data.DataLoader(data, batch_size=3), cp=2)
     x, _ = next(iter(loader))
     try:
         model(x)
@@ -75,6 +78,8 @@ def _refused() -> str:
     return "nothing raised"
 
 
-def test_other_uses_of_the_scores_are_refused(ranks):
-    for message in ranks(2, _refused):
-        assert "on its scores" in message and "calls sum" in message, message
+@pytest.mark.parametrize("how, says", [("sum", "calls sum on its scores"),
+                                       ("softmax", "softmax of its scores over dimension -2")])
+def test_other_uses_of_the_scores_are_refused(ranks, how, says):
+    for message in ranks(2, _refused, how):
+        assert says in message, message
