@@ -88,7 +88,7 @@ class SequenceCut:
         live = [(p, piece, whole) for ref, p, whole in list(self._wholes.values()) if (piece := ref()) is not None]
         alike = [(p, whole) for p, piece, whole in live if piece.shape == x.shape and piece.dtype == x.dtype
                  and torch.equal(piece, x.to(piece.device))]
-        named = [whole for p, whole in alike if _key(p) == _key(path)] or [whole for _, whole in alike]
+        named = [whole for p, whole in alike if key_of(p) == key_of(path)] or [whole for _, whole in alike]
         if named and all(w is named[0] or (w.shape == named[0].shape and torch.equal(w, named[0])) for w in named):
             return named[0].to(x.device)  # one, or several alike (two batches in hand, the same mask)
         return None
@@ -117,7 +117,7 @@ class SequenceCut:
                          f"the batches of the loader parallelize returned")
 
 
-def _key(path: str) -> str:
+def key_of(path: str) -> str:
     """A path's last key: ``attention_mask`` of ``kwargs['attention_mask']`` or ``batch['attention_mask']``."""
     words = re.findall(r"\w+", path)
     return words[-1] if words else path

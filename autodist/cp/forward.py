@@ -150,9 +150,9 @@ class Context:
         tensors = [(path, t) for path, t in arguments(args, kwargs) if isinstance(t, torch.Tensor)]
         self.inputs = {id(t): path for path, t in tensors if t.ndim > self.cut.dim and t.shape[self.cut.dim] == held}
         self.held_inputs = [t for _, t in tensors]  # alive until leave: their ids stay theirs
-        self.masks = Masks.of(self.cut, self.name, tensors)
         self.wholes = {id(t): whole for path, t in tensors if id(t) in self.inputs and not t.is_floating_point()
                        and (whole := self.cut.whole(t, path)) is not None}
+        self.masks = Masks.of(self.cut, self.name, tensors, self.wholes)
         self.routed = 0
         self.mode = _Routes(self)
         self.mode.__enter__()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.cp import refusals
-from autodist.cp.batches import SequenceCut
+from autodist.cp.batches import SequenceCut, key_of
 from autodist.layers.context import attention_mask
 
 
@@ -50,12 +50,14 @@ class Masks:
     # one mask to every layer (Hugging Face's), read once
 
     @classmethod
-    def of(cls, cut: SequenceCut, name: str, tensors: list[tuple[str, torch.Tensor]]) -> "Masks":
-        """The masks of a forward whose input tensors are ``tensors`` (path, tensor)."""
+    def of(cls, cut: SequenceCut, name: str, tensors: list[tuple[str, torch.Tensor]],
+           wholes: dict[int, torch.Tensor]) -> "Masks":
+        """The masks of a forward whose input tensors are ``tensors`` (path, tensor); ``wholes``: the whole batch's
+        tensor of each integer input, by id (what :meth:`SequenceCut.whole` found for them)."""
         masks = cls(cut, name)
         for path, t in tensors:
             if path.endswith("'attention_mask']") and masks._tokens(t):
-                whole = masks._whole(path, t)
+                whole = masks._whole(path, t, wholes)
                 if bool(((whole != 0) & (whole != 1)).any()):
                     raise NotImplementedError(
                         f"cp={cut.parts}: {name}'s input {path} holds values other than 0 and 1, so it is not a "
@@ -64,7 +66,7 @@ class Masks:
                 if bool((whole == 0).any()):
                     masks.padding, masks.padded_here = whole.movedim(cut.dim, 1).bool(), bool((t == 0).any())
             if path.endswith("'position_ids']") and masks._tokens(t) and not t.is_floating_point():
-                ids = masks._whole(path, t).movedim(cut.dim, 1)
+                ids = masks._whole(path, t, wholes).movedim(cut.dim, 1)
                 documents = (torch.diff(ids, prepend=ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
                 if bool((documents[:, -1] != 0).any()):
                     masks.documents = documents
@@ -73,13 +75,15 @@ class Masks:
     def _tokens(self, t: torch.Tensor) -> bool:
         return t.ndim == 2 and t.shape[self.cut.dim] == self.cut.held
 
-    def _whole(self, path: str, t: torch.Tensor) -> torch.Tensor:
-        whole = self.cut.whole(t, path)
+    def _whole(self, path: str, t: torch.Tensor, wholes: dict[int, torch.Tensor]) -> torch.Tensor:
+        whole = wholes.get(id(t))
+        if whole is None:  # a float input (no whole kept for it by the routing)
+            whole = self.cut.whole(t, path)
         if whole is None:
             raise NotImplementedError(
                 f"cp={self.cut.parts}: {self.name}'s input {path} (shape {list(t.shape)}) is not a cut of the batch "
                 f"the loader handed out last (a part of its rows, or made anew), so the whole sequence's values "
-                f"cannot be read from it; pass the batch's {path.rsplit('[', 1)[-1].strip(chr(39) + ']')} as the "
+                f"cannot be read from it; pass the batch's {key_of(path)} as the "
                 f"loader gave it")
         return whole
 
@@ -103,8 +107,7 @@ class Masks:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
             fits = flags.bool().tolist()
         agreed = [kind for kind, fit in zip(kinds, fits) if fit]
-        everything = torch.arange(self.cut.split.length, device=device)
-        if agreed and not any(self._differ_at_tokens(everything, agreed[0], other) for other in agreed[1:]):
+        if agreed and not any(self._differ_at_tokens(agreed[0], other, device) for other in agreed[1:]):
             return agreed[0]
         what = "causal or not" + (", within its documents or not" if self.documents is not None else "")
         here = "a mask" if attn_mask is not None else "no mask"
@@ -135,9 +138,10 @@ class Masks:
         shape = torch.broadcast_shapes(allowed.shape, (1, 1, held, held))
         return [torch.equal(allowed.expand(shape), self._allowed(mine, mine, *kind).expand(shape)) for kind in kinds]
 
-    def _differ_at_tokens(self, everything: torch.Tensor, one: tuple, other: tuple) -> bool:
+    def _differ_at_tokens(self, one: tuple, other: tuple, device: torch.device) -> bool:
         """Whether two kinds of mask differ over the whole sequence at a row that is a token (a padded row's output
         reaches no token: it is a padded key to every row); the same answer on every rank."""
+        everything = torch.arange(self.cut.split.length, device=device)
         a, b = torch.broadcast_tensors(self._allowed(everything, everything, *one),
                                        self._allowed(everything, everything, *other))
         rows = (a != b).any(-1)  # (rows of the batch or 1, 1, length)
