@@ -35,10 +35,11 @@ def _resolve(shape: list[int], numel: int) -> list[int] | None:
     return shape if math.prod(shape) == numel else None
 
 
-def _groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+def _groups(a: list[int], b: list[int], keep: int | None = None) -> list[tuple[list[int], list[int]]]:
     """Dimensions of ``a`` and of ``b`` (same number of elements) that map onto each other, size-1 ones
-    left out: e.g. (2, 6) -> (2, 3, 2) gives [([0], [0]), ([1], [1, 2])]."""
-    ia = [i for i, n in enumerate(a) if n != 1]
+    left out but ``a``'s dimension ``keep`` (a split dimension of one on this rank: a single head): e.g.
+    (2, 6) -> (2, 3, 2) gives [([0], [0]), ([1], [1, 2])]."""
+    ia = [i for i, n in enumerate(a) if n != 1 or i == keep]
     ib = [i for i, n in enumerate(b) if n != 1]
     groups, i, j = [], 0, 0
     while i < len(ia) and j < len(ib):
@@ -113,7 +114,10 @@ def _reshape_target(flow: FlowView, t: torch.Tensor, split: Split, requested: li
         local_target = _resolve(requested, t.numel())
         if local_target is None or not flow.local:
             raise Unsupported(f"to {requested} fits neither the tensor nor its slice")
-        groups = _groups(list(t.shape), local_target)
+        try:  # the slice's split dimension kept where it is one wide (Hugging Face's repeat_kv of one kv head)
+            groups = _groups(list(t.shape), local_target, keep=split.dim)
+        except IndexError:
+            groups = []
         outs = next((g[1] for g in groups if split.dim in g[0]), [])
         if not outs:
             raise Unsupported(f"to {requested}: cannot tell where the split dimension goes")

@@ -126,6 +126,24 @@ def test_mp2_trains_as_one_process(ranks, kind, impl, options):
         assert per_rank < 0.75
 
 
+def _train_padded():
+    """Llama on a left-padded batch: with a mask, Hugging Face repeats each kv head for its query heads itself
+    (``repeat_kv``), one kv head on each rank here."""
+    batch = _batch("llama")
+    batch["attention_mask"] = (torch.arange(10) >= torch.tensor([[0], [3], [6], [1]])).long()
+    torch.manual_seed(0)
+    ref = _llama("sdpa")
+    torch.manual_seed(0)
+    model, _ = autodist.parallelize(_llama("sdpa"), mp=2, example={k: v[:2] for k, v in batch.items()})
+    train_alike((ref, model), lambda m: m(**batch).loss)
+    return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict()
+
+
+def test_grouped_query_heads_repeated_by_the_model_train_as_one_process(ranks):
+    for gathered, expected in ranks(2, _train_padded):
+        assert max((gathered[n] - expected[n]).abs().max().item() for n in expected) <= 1e-12
+
+
 def _count_t5_collectives():
     batch = _batch("t5")
     model, _ = autodist.parallelize(_t5("sdpa"), mp=2, example={k: v[:2] for k, v in batch.items()})
