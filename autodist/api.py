@@ -39,7 +39,7 @@ from autodist.ps.strategy import ParameterServer
 from autodist.runtime import environment
 from autodist.runtime.compiled import unwrapped
 from autodist.runtime.environment import busy_timeout, hang_timeout
-from autodist.runtime.mesh import Groups, ParallelDims, build_groups, replica_group, second_dp_group
+from autodist.runtime.mesh import Groups, ParallelDims, build_groups, context_group, replica_group, second_dp_group
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
@@ -546,11 +546,13 @@ def parallelize(
             ``shard="parameters"`` the blocks gathered in that dtype), the gradients summed in float32. Also in a world of one, which is the reference (docs/precision.md). Without it a
             model keeps its own dtypes: bfloat16 parameters train as bfloat16.
         cp: context parallelism: each sequence split over ``cp`` ranks along its tokens (docs/context-parallel.md),
-            the world being data-parallel x ``cp``; ``data`` a DataLoader of ``(batch, seq)`` tensors (``(seq,
+            the world being data-parallel x ``cp`` (x ``mp``: each rank of a cp group then holds its heads of its
+            tokens, the model-parallel ranks consecutive); ``data`` a DataLoader of ``(batch, seq)`` tensors (``(seq,
             batch)`` with ``batch_dim=1``), each batch cut to this rank's tokens as the loader hands it over. The
             model's ``F.scaled_dot_product_attention`` calls attend over the whole sequence and its
             ``torch.arange`` of the tokens gives their global positions, exactly one process's training.
-            With every ``shard=`` level and ``checkpoint=True``; not yet with mp, pp, torch.compile, check=.
+            With every ``shard=`` level, ``checkpoint=True``, ``mp`` and ``check=`` (where check= runs:
+            without mp or a sharded gradient); not yet with pp, torch.compile, ``autodist run --elastic``.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -671,11 +673,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     share = elastic_data.ElasticOrder() if elastic_job else partial(data_mod.broadcast_order, device=world.device)
     cp_group = sequence_cut = None
     if cp > 1:  # the rows sharded over the data-parallel ranks only; each rank of a cp group keeps its tokens
-        cp_options.world_check(cp, world.size)
-        cp_dims = ParallelDims.for_world(world.size, cp)  # the cp groups: consecutive ranks, as mp's
-        cp_group = build_groups(cp_dims, world.rank).mp
-        data_shard = data_mod.shard(data, cp_dims.dp_rank(world.rank), cp_dims.dp, share, dim=dim)
-        sequence_cut = data_shard.cut = SequenceCut(cp_dims.mp_rank(world.rank), cp, 1 - dim)
+        cp_options.world_check(cp, dims.dp, dims.mp)
+        cp_group = context_group(dims, cp, world.rank)
+        data_shard = data_mod.shard(data, dims.dp_rank(world.rank) // cp, dims.dp // cp, share, dim=dim)
+        sequence_cut = data_shard.cut = SequenceCut(dims.dp_rank(world.rank) % cp, cp, 1 - dim)
     else:
         data_shard = None if data is None else data_mod.shard(data, dims.dp_rank(world.rank), dims.dp, share, dim=dim)
     if world.backend == "nccl":
@@ -735,7 +736,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if sequence_cut is not None:  # after the sync's hooks: the routing is on the stack inside them
         scale = sync_state.global_units()  # type: ignore[union-attr]
         routing = cp_forward.attach(model, sequence_cut, cp_group, scale,
-                                    (cp_dims.dp_rank(world.rank), cp_dims.dp))  # type: ignore[union-attr]
+                                    (dims.dp_rank(world.rank) // cp, dims.dp // cp))
         recompute.within(model, routing.again)  # checkpoint=True: the blocks run again in backward, routed too
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
@@ -791,7 +792,8 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
 
     Returns:
         The model-parallel :class:`SplitPlan` (``pp=1``), the cut into stages (``pp > 1``; with ``mp > 1`` it holds
-        the plan too), or the context-parallel plan (``cp > 1``); ``print`` it for the table.
+        the plan too), or the context-parallel plan (``cp > 1``; with ``mp > 1`` each call's heads as a rank
+        exchanges them, the model-parallel plan printed after); ``print`` it for the table.
 
     Example:
         >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
@@ -802,15 +804,19 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
     _check_positive("pp", pp, "the number of pipeline stages")
     _check_positive("cp", cp, "the number of ranks a sequence is split over")
     if cp > 1:
-        if mp > 1 or pp > 1:
-            raise NotImplementedError(f"cp={cp} with mp={mp}, pp={pp}: context parallelism does not compose with "
-                                      f"model or pipeline parallelism yet; explain them one at a time")
+        if pp > 1:
+            raise NotImplementedError(f"cp={cp} with pp={pp}: context parallelism does not compose with pipeline "
+                                      f"parallelism yet; explain them one at a time")
         if example is None:
             raise ValueError(f"explain(model, cp={cp}) runs one forward to find the model's attention calls: pass "
                              f"example=, one global batch's arguments with whole sequences (e.g. example=(idx,))")
         observe.check_example(example)
         _check_model(model)
-        return cp_explain.explain(model, cp, example)
+        plan = cp_explain.explain(model, cp, example)
+        if mp == 1:
+            return plan
+        split = rewrite.explain(model, mp, mp_layers, batch_size, example)
+        return plan.split_heads(mp, split, {r.name for r in split.layers if r.split == "column"})
     if pp == 1:
         if stages is not None:
             raise ValueError("stages= cuts the model into pipeline stages: it needs pp > 1")

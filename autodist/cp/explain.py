@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ class AttentionCall:
     element: int
     causal: bool
     again: bool
+    module: str = field(default="", compare=False)  # the innermost module whose forward made the call
 
     def contribution(self, split: SequenceSplit) -> int:
         """Bytes each rank puts into one all-gather of the keys and values: its tokens, padded to the widest."""
@@ -73,6 +74,19 @@ class ContextPlan:
     parts: int
     length: int
     calls: list[AttentionCall] = field(default_factory=list)
+    mp: int = 1
+    mp_plan: Any = None  # with mp > 1: the model-parallel plan (autodist.mp's SplitPlan), printed after
+
+    def split_heads(self, mp: int, mp_plan: Any, columns: set[str]) -> "ContextPlan":
+        """The plan under ``mp`` as well: a call whose module holds a column-split layer (``columns``: their
+        names; its projections to q, k, v) has its heads split over the ``mp`` ranks, each exchanging its own
+        over the context-parallel group; a call whose module holds none, its heads whole."""
+        def split(call: AttentionCall) -> AttentionCall:
+            inside = [name for name in columns if call.module == "" or name.startswith(call.module + ".")]
+            if not inside or call.heads % mp:
+                return call
+            return replace(call, heads=call.heads // mp)
+        return replace(self, calls=[split(c) for c in self.calls], mp=mp, mp_plan=mp_plan)
 
     @property
     def split(self) -> SequenceSplit:
@@ -93,8 +107,9 @@ class ContextPlan:
     def __str__(self) -> str:
         split = self.split
         held = "; ".join(f"rank {r}: {_spans(split.held(r))} ({split.sizes[r]} tokens)" for r in range(self.parts))
+        within = f", each with mp={self.mp} ranks of its own holding its heads" if self.mp > 1 else ""
         lines = [f"cp={self.parts}: each sequence of {self.length} tokens cut into {2 * self.parts} chunks, rank r "
-                 f"holding chunks r and {2 * self.parts - 1}-r (zigzag)",
+                 f"holding chunks r and {2 * self.parts - 1}-r (zigzag){within}",
                  f"  {held}",
                  f"  attention work (query-key pairs) per rank: max/mean {self.work_balance():.3f}"]
         if not self.calls:
@@ -113,6 +128,8 @@ class ContextPlan:
         forward, backward = self.sent()
         lines.append(f"  total: {_mb(forward)} forward, {_mb(backward)} backward, per rank and step (the parameters' "
                      f"gradient sync comes on top)")
+        if self.mp_plan is not None:
+            lines += ["", str(self.mp_plan)]
         return "\n".join(lines)
 
 
@@ -132,6 +149,22 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.calls: list[AttentionCall] = []
         self.length = length
+        self.modules: list[str] = [""]  # the forwards running now, innermost last
+
+    def watch(self, model: nn.Module) -> list[Any]:
+        """Hooks that keep :attr:`modules` (removed by the caller)."""
+        def ended(module: nn.Module, args: tuple, output: Any) -> None:
+            self.modules.pop()
+
+        handles = []
+        for name, module in model.named_modules():
+            if name:
+                handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self.modules.append(name)))
+                handles.append(module.register_forward_hook(ended, always_call=True))
+        return handles
+
+    def _add(self, call: AttentionCall) -> None:
+        self.calls.append(replace(call, module=self.modules[-1]))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -153,14 +186,14 @@ class _Watch(TorchFunctionMode):
         """``q @ k^T`` (Hugging Face's eager attention): its keys and, for the product with the weights, its
         values (as wide as the keys) gathered, as :mod:`autodist.cp.scores` gathers them."""
         heads = query.shape[-3]
-        self.calls.append(AttentionCall(refusals.caller(), tuple(query.shape), heads, query.shape[-1],
+        self._add(AttentionCall(refusals.caller(), tuple(query.shape), heads, query.shape[-1],
                                         query.shape[-1], query.element_size(), True, False))
 
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> None:
         heads = key.shape[-3] if key.ndim >= 3 else 1  # grouped-query attention: the key heads are exchanged
-        self.calls.append(AttentionCall(
+        self._add(AttentionCall(
             refusals.caller(), tuple(query.shape), heads, key.shape[-1], value.shape[-1], key.element_size(),
             bool(is_causal), bool(is_causal) and attn_mask is None and fast_path(query, key, value)))
 
@@ -175,7 +208,7 @@ class _Watch(TorchFunctionMode):
         causal = attn_mask is not None  # taken where it is causal over a rank's tokens (else refused)
         trusted = is_causal and key_padding_mask is None and not need_weights  # torch drops attn_mask here
         q = query.new_empty(()).expand(rows, num_heads, tokens, head)  # its shape, no memory
-        self.calls.append(AttentionCall(
+        self._add(AttentionCall(
             refusals.caller(), tuple(q.shape), num_heads, head, head, query.element_size(), causal,
             trusted and fast_path(q, q, q)))
 
@@ -191,6 +224,11 @@ def explain(model: nn.Module, parts: int, example: Any) -> ContextPlan:
     """
     first = next((x.shape[1] for _, x in tree.tensor_leaves(example, "example") if x.ndim >= 2), 0)
     watch = _Watch(first)  # the tokens: the first token tensor's dimension 1
-    with torch.no_grad(), watch:
-        tree.call(model, example)
+    handles = watch.watch(model)
+    try:
+        with torch.no_grad(), watch:
+            tree.call(model, example)
+    finally:
+        for handle in handles:
+            handle.remove()
     return ContextPlan(parts, watch.calls[0].query[-2] if watch.calls else first, watch.calls)

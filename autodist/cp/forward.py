@@ -47,6 +47,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -364,7 +365,7 @@ class Context:
                 f"length of this rank's {held} tokens, which is also the batch's rows: it cannot be told whether it "
                 f"numbers the tokens (then it must be their global positions) or the rows; change the batch size or "
                 f"the sequence length by one")
-        if not self.logged and self.cut.rank == 0:
+        if not self.logged and (not dist.is_initialized() or dist.get_rank() == 0):  # once, not per mp rank
             self.logged = True
             log.info("cp=%d: torch.arange(%s) at %s read as the positions of this rank's tokens in the sequence",
                      self.cut.parts, ", ".join(map(str, args)), refusals.caller())

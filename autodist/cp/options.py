@@ -15,22 +15,24 @@ def check(cp: Any, *, mp: int, pp: int, exact: bool, elastic: bool) -> None:
         raise ValueError(f"cp must be a positive int (the ranks sharing each sequence), got {cp!r}")
     if cp == 1:
         return
-    with_ = [name for name, on in (("mp > 1", mp > 1), ("pp > 1", pp > 1), ("autodist run --elastic", elastic))
-             if on]
+    with_ = [name for name, on in (("pp > 1", pp > 1), ("autodist run --elastic", elastic)) if on]
     if with_:
-        raise NotImplementedError(f"cp={cp} is not built with {', '.join(with_)} yet: use cp alone (with data "
-                                  f"parallelism over the other ranks), or leave cp=1")
+        raise NotImplementedError(f"cp={cp} is not built with {', '.join(with_)} yet: use cp with data "
+                                  f"parallelism and mp only, or leave cp=1")
     if not exact:
         raise ValueError(f"cp={cp} trains as one process does, with sync='backward' or 'manual'; a low-"
                          f"communication strategy is not built with it")
 
 
-def world_check(cp: int, world_size: int) -> None:
-    """Raise where ``cp`` does not divide the world."""
-    if world_size % cp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"cp={cp} does not divide the {world_size} ranks (each sequence is split over cp ranks, "
-                         f"the world being data-parallel x cp); choose cp from {divisors}")
+def world_check(cp: int, ranks: int, mp: int = 1) -> None:
+    """Raise where ``cp`` does not divide the ``ranks`` holding the same part of the model (the world, or the
+    world over ``mp``)."""
+    if ranks % cp:
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        over = f"{ranks} ranks" if mp == 1 else \
+            f"{ranks} ranks holding each model-parallel slice (the world over mp={mp})"
+        raise ValueError(f"cp={cp} does not divide the {over} (each sequence is split over cp ranks, the world "
+                         f"being data-parallel x cp{' x mp' if mp > 1 else ''}); choose cp from {divisors}")
 
 
 def loader_check(cp: int, data: Any) -> None:

@@ -36,6 +36,10 @@ KEEP = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tenso
                   torch.Tensor.float, torch.Tensor.type_as, torch.Tensor.contiguous, F.softmax, torch.softmax,
                   torch.Tensor.softmax, F.dropout, torch.Tensor.__getitem__})
 
+READS = frozenset({torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.is_floating_point,
+                   torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
+                   torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_contiguous})
+
 
 def wide_scores(context: Any, func: Any, args: tuple) -> torch.Tensor:
     """``func(q, k^T)`` (a square product over this rank's tokens) over the whole sequence's keys: wide."""
@@ -84,6 +88,8 @@ def on_wide(context: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(made, torch.Tensor) and made.shape[-1] == split.length and made.shape[-2:] == wide.shape[-2:]:
             return remember(context, made)
         return made
+    if func in READS:  # its shape, dtype, device: what another mode on the stack asks (mp's)
+        return func(*args, **kwargs)
     raise NotImplementedError(
         f"cp={parts}: {name}'s attention written by hand calls {getattr(func, '__name__', func)} on its scores "
         f"(this rank's rows over the whole sequence's keys under cp) at {refusals.caller()}: only scaling, masking, "

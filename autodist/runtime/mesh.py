@@ -1,5 +1,6 @@
 """How the ranks are laid out: ``world = dp x pp x mp``, model-parallel groups of consecutive ranks, then the
-pipeline's stages, then the data-parallel replicas."""
+pipeline's stages, then the data-parallel replicas; with context parallelism (``cp``), each ``cp`` consecutive
+data-parallel ranks share their sequences (:func:`context_ranks`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -161,3 +162,34 @@ def second_dp_group(dims: ParallelDims, rank: int, purpose: str = "gathers") -> 
 
 
 _second_cache: dict[tuple[ParallelDims, str], object] = {}
+
+
+def context_ranks(dims: ParallelDims, cp: int, rank: int) -> list[int]:
+    """The ranks sharing ``rank``'s sequences under context parallelism: ``cp`` consecutive ones of its
+    data-parallel ranks (``dims.dp`` counting data-parallel x ``cp``: the gradient sync runs over them all). With
+    ``mp``, each model-parallel rank of a context-parallel rank holds the same tokens (its slice of the heads).
+
+    Example:
+        >>> context_ranks(ParallelDims.for_world(8, mp=2), cp=2, rank=5)   # dp 2 x cp 2 x mp 2
+        [5, 7]
+    """
+    first = dims.dp_rank(rank) // cp * cp
+    return dims.dp_ranks(rank)[first:first + cp]
+
+
+def context_group(dims: ParallelDims, cp: int, rank: int) -> object | None:
+    """A process group over :func:`context_ranks` (None: the whole world). Collective over the world; made once
+    per layout."""
+    key = (dims, f"cp={cp}")
+    if key not in _second_cache:
+        every = [ranks[i:i + cp] for ranks in dims.all_groups("dp") for i in range(0, dims.dp, cp)]
+        mine = None
+        if len(every) > 1:
+            from autodist.runtime.world import new_group
+
+            for ranks in every:
+                group = new_group(ranks)
+                if rank in ranks:
+                    mine = group
+        _second_cache[key] = mine
+    return _second_cache[key]
