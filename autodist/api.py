@@ -551,8 +551,9 @@ def parallelize(
             batch)`` with ``batch_dim=1``), each batch cut to this rank's tokens as the loader hands it over. The
             model's ``F.scaled_dot_product_attention`` calls attend over the whole sequence and its
             ``torch.arange`` of the tokens gives their global positions, exactly one process's training.
-            With every ``shard=`` level, ``checkpoint=True``, ``mp`` and ``check=`` (where check= runs:
-            without mp or a sharded gradient); not yet with pp, torch.compile, ``autodist run --elastic``.
+            With every ``shard=`` level, ``checkpoint=True``, ``mp``, ``pp`` (its default schedule: not
+            ``loss_fn=``'s 1F1B) and ``check=`` (where check= runs: without mp, pp or a sharded gradient); not
+            yet with torch.compile or ``autodist run --elastic``.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -645,7 +646,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     _check_pipeline(pp, stages, microbatches, strategy, shard, loss_fn)
     _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
-    cp_options.check(cp, mp=mp, pp=pp, exact=isinstance(strategy, sync_mod.Exact), elastic=environment.elastic())
+    cp_options.check(cp, mp=mp, pp=pp, exact=isinstance(strategy, sync_mod.Exact), elastic=environment.elastic(),
+                     one_f_one_b=pp > 1 and loss_fn is not None)
     if cp > 1:
         cp_options.loader_check(cp, data)
     observe.check_example(example)

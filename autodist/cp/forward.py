@@ -111,6 +111,12 @@ class Context:
         self.window: int | None = None  # a Hugging Face model's sliding window (config.sliding_window), if it has one
         self.logged = False
         self.routed = 0  # attention calls routed in the forward running now
+        self.micro_batches = 0  # pp's micro-batches of the forward running now (or last run)
+        # under pp with padding or documents: each block input's micro-batch (masks, rows), by its storage
+        self.first_runs: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, Masks, int]] = {}
+        self.recompute_saved: tuple[Masks, int] | None = None
+        self.recomputed_task: tuple[int, tuple[weakref.ref, Masks, int]] | None = None  # the backward running now:
+        # the micro-batch its first recomputed submodule was found in
         self.rows = 0  # the batch's rows in the forward running now
         self.rows_of_data = (0, 1)  # (data-parallel index, their number): how a loader's rows are sharded
         self.inputs: dict[int, str] = {}  # the forward's inputs of this rank's tokens, by id: their paths
@@ -154,7 +160,7 @@ class Context:
         self.wholes = {id(t): whole for path, t in tensors if id(t) in self.inputs and not t.is_floating_point()
                        and (whole := self.cut.whole(t, path)) is not None}
         self.masks = Masks.of(self.cut, self.name, tensors, self.wholes)
-        self.routed = 0
+        self.routed = self.micro_batches = 0
         self.mode = _Routes(self)
         self.mode.__enter__()
 
@@ -181,33 +187,98 @@ class Context:
             return None
         return map_tensors(output, lambda _, t: _scaled(t, self.scale) if t.requires_grad else t)
 
+    def again(self) -> contextlib.AbstractContextManager:
+        """The routing for a block's forward run again in backward (``checkpoint=True``), asked as the block
+        first runs (torch's checkpoint asks for it then): the masks and rows of the forward running now (under pp,
+        its micro-batch's), put back when backward runs the block again, after the model's forward has ended."""
+        return self._again(self.masks, self.rows)
+
     @contextlib.contextmanager
-    def again(self) -> Iterator[None]:
-        """The routing for a block's forward run again in backward (``checkpoint=True``): the model's forward,
-        which put it on the stack the first time, has ended; the batch in hand is still the one it ran on."""
-        if self.mode is not None:  # recomputed inside a forward (nested checkpointing): already routed
-            yield
-            return
-        self.mode = _Routes(self)
-        self.mode.__enter__()
+    def _again(self, masks: Masks, rows: int) -> Iterator[None]:
+        saved, (self.masks, self.rows) = (self.masks, self.rows), (masks, rows)
+        # recomputed inside a forward (nested checkpointing; pp's 1F1B, a micro-batch's backward amid the
+        # others' forwards): already routed, with its own masks meanwhile
+        mode = None if self.mode is not None else _Routes(self)
+        if mode is not None:
+            self.mode = mode
+            mode.__enter__()
         try:
             yield
         finally:
-            mode, self.mode = self.mode, None
-            mode.__exit__(None, None, None)
+            if mode is not None:
+                self.mode = None
+                mode.__exit__(None, None, None)
+            self.masks, self.rows = saved
+
+    @contextlib.contextmanager
+    def micro(self, args: tuple, kwargs: dict, start: int) -> Iterator[None]:
+        """One micro-batch of the forward running now (pp's): the batch's rows ``start`` on, whose tensors
+        (``args``, ``kwargs``: the forward's arguments cut along the rows, at the same paths) are read as the
+        forward's inputs while it runs, the whole batch's of each its rows of the whole, its masks theirs."""
+        if self.mode is None:  # no routed forward running
+            yield
+            return
+        saved = self.inputs, self.wholes, self.masks, self.rows, self.held_inputs
+        batch = {self.inputs[id(t)]: t for t in self.held_inputs if id(t) in self.inputs}
+        rows_dim, held = self.cut.batch_dim, self.cut.held
+        tensors = [(path, t) for path, t in arguments(args, kwargs) if isinstance(t, torch.Tensor)]
+        inputs, wholes = {}, {}
+        for path, t in tensors:
+            whole = path in batch and t.ndim > max(self.cut.dim, rows_dim) and t.shape[self.cut.dim] == held
+            if whole:
+                inputs[id(t)] = path
+                if id(batch[path]) in self.wholes:
+                    wholes[id(t)] = self.wholes[id(batch[path])].narrow(rows_dim, start, t.shape[rows_dim])
+        self.micro_batches += 1
+        self.inputs, self.wholes, self.held_inputs = inputs, wholes, [*saved[4], *(t for _, t in tensors)]
+        self.masks, self.rows = Masks.of(self.cut, self.name, tensors, wholes), self.cut.rows(*args, **kwargs)
+        try:
+            yield
+        finally:
+            self.inputs, self.wholes, self.masks, self.rows, self.held_inputs = saved
 
     def recomputed_begins(self, module: nn.Module, args: tuple) -> None:
         """A submodule's forward run in backward with no routing on the stack: a block the model checkpoints
         itself (``torch.utils.checkpoint`` in its code, Hugging Face's ``gradient_checkpointing_enable()``), run
-        again by autograd after the model's forward returned; routed as it was the first time, until it ends."""
-        if self.mode is None and _in_backward():
-            self.mode, self.recomputing = _Routes(self), module
-            self.mode.__enter__()
+        again by autograd after the model's forward returned; routed as it was the first time, until it ends.
+        Under pp, with padding or documents, each micro-batch's are found again by the block's input (the same
+        storage: torch's checkpoint keeps it, detached or not), as its first run inside the micro-batch kept them."""
+        masked = self.masks.padding is not None or self.masks.documents is not None
+        if self.mode is not None:  # a first run (or one inside a forward): kept where a micro-batch's masks vary
+            if self.micro_batches and args and isinstance(args[0], torch.Tensor) and not _in_backward():
+                self._first_runs(args[0])
+            return
+        varied = self.micro_batches > 1 and masked
+        if not _in_backward():
+            return
+        saved = (self.masks, self.rows)
+        if varied:
+            found = self.first_runs.get(_storage_of(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+            task = torch._C._current_graph_task_id()
+            if found is not None and found[0]() is not None:
+                self.recomputed_task = (task, found)
+            elif self.recomputed_task is not None and self.recomputed_task[0] == task:
+                found = self.recomputed_task[1]  # a submodule after the first of a block (its inputs by name)
+            else:
+                raise NotImplementedError(
+                    f"cp={self.cut.parts}: {self.name} checkpoints its own blocks ({type(module).__name__} run again "
+                    f"in backward) on an input autodist did not see it run on, and under pp each micro-batch has "
+                    f"its own padding or documents: use parallelize(..., checkpoint=True) instead of the model's "
+                    f"own (Hugging Face: gradient_checkpointing_disable())")
+            self.masks, self.rows = found[1], found[2]
+        self.mode, self.recomputing, self.recompute_saved = _Routes(self), module, saved
+        self.mode.__enter__()
+
+    def _first_runs(self, x: torch.Tensor) -> None:
+        """The masks and rows of the micro-batch running now, kept for a block run again on ``x`` in backward."""
+        key, runs = _storage_of(x), self.first_runs
+        runs[key] = (weakref.ref(x, lambda _: runs.pop(key, None)), self.masks, self.rows)
 
     def recomputed_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.recomputing is module:
             mode, self.mode, self.recomputing = self.mode, None, None
             mode.__exit__(None, None, None)
+            self.masks, self.rows = self.recompute_saved
 
     def reaches_along(self, func: Any, args: tuple, kwargs: dict) -> bool:
         """Whether ``func`` on an input of the batch reaches along the sequence (see :func:`refusals.along`)."""
@@ -412,6 +483,11 @@ def sliding_window(model: nn.Module) -> int | None:
     if not isinstance(window, int) or (layers is not None and "sliding_attention" not in layers):
         return None
     return window
+
+
+def _storage_of(x: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """Where ``x``'s values are and their shape: the same for a tensor and a detached copy of it."""
+    return x.data_ptr(), tuple(x.shape)
 
 
 def _in_backward() -> bool:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autodist.cp.forward import context_of
 from autodist.dp.grad_sync import state_of
 from autodist.dp.loss_reading import read
 from autodist.layers.split_grad import mark_split
@@ -227,8 +228,11 @@ class Pipeline:
         """Micro-batch ``m``'s forward on this stage: up to its last block's send, or (last stage) to the output,
         and with ``loss_fn`` its loss."""
         flight.begin(m)
+        routing = context_of(self.model())  # cp: the micro-batch's tokens read as the forward's inputs
         try:
-            out = self.inner(self.model(), *call[0], **call[1]) if self.bound else self.inner(*call[0], **call[1])
+            with nullcontext() if routing is None else routing.micro(*call, sum(flight.rows[:m])):
+                out = self.inner(self.model(), *call[0], **call[1]) if self.bound else \
+                    self.inner(*call[0], **call[1])
         except _StageDone:
             out = None
         if flight.next_block != (len(self.cut.names) if self.last else self.hi):

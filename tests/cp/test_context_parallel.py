@@ -192,7 +192,6 @@ def test_hugging_faces_shift_labels_run():
 
 
 @pytest.mark.parametrize("options, says", [
-    (dict(cp=2, pp=2), "not built with pp > 1"),
     (dict(cp=0), "cp must be a positive int"),
     (dict(cp=2, data=torch.zeros(4, 8)), "wrap the data in a DataLoader"),
     (dict(cp=2, compiled=True), "not built with torch.compile yet"),
