@@ -93,6 +93,8 @@ class _Routes(TorchFunctionMode):
             if made is not NotImplemented:
                 return made
             self.context.refuse_mixing(func, args, kwargs)
+        if func in refusals.REDUCTIONS and not tracked and args and self.context.pools(args, kwargs):
+            refusals.refuse_pooling(self.context.cut.parts, self.context.name, func, args[0])
         if func is F.multi_head_attention_forward:
             return multihead(self.context, *args, **kwargs)
         made = func(*args, **kwargs)
@@ -284,6 +286,10 @@ class Context:
         """Whether ``func`` on an input of the batch reaches along the sequence (see :func:`refusals.along`)."""
         x = args[0]
         return refusals.along(func, x, self.cut.dim % x.ndim, args[1:], kwargs)
+
+    def pools(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a reduction reduces an activation over this rank's tokens (see :func:`refusals.pools`)."""
+        return refusals.pools(args[0], args[1:], kwargs, self.cut.dim, self.cut.held, self.cut.split.length)
 
     def refuse_mixing(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Raise: ``func`` on an input of the batch reaches along the sequence, and its whole is not at hand."""

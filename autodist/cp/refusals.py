@@ -3,7 +3,7 @@
 A rank holds its own parts of each sequence, so what reaches from one token to others must go through the
 routing of :mod:`autodist.cp.forward`; these are the ways a model can reach past it, each refused with the line
 that did it and the fix: an op along the sequence of an input of the batch (:func:`along`: a shift of the
-labels, a padding mask indexed by position), attention scores written out by hand (:data:`PRODUCTS`: a square
+labels, a padding mask indexed by position), a reduction of an activation over the tokens (:func:`pools`), attention scores written out by hand (:data:`PRODUCTS`: a square
 product of two activations over this rank's tokens), and a forward run by torch.compile (:func:`under_dynamo`).
 
 Example:
@@ -25,8 +25,16 @@ PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__
                        torch.baddbmm, torch.einsum})
 # Ops that, on a tensor of the batch, can take tokens from elsewhere in the sequence (a shift, a slice, a
 # running sum): with the sequence split, the neighbour of a rank's last token is on another rank.
+# Reductions: along the sequence of an input (``attention_mask.sum(-1)``, the rows' lengths) computed on the whole
+# batch's; along the sequence of an activation (pooling over tokens) refused: it would be over this rank's tokens.
+REDUCTIONS = frozenset({torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum, torch.mean,
+                        torch.Tensor.mean, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max,
+                        torch.Tensor.max, torch.min, torch.Tensor.min, torch.any, torch.Tensor.any, torch.all,
+                        torch.Tensor.all, torch.prod, torch.Tensor.prod, torch.count_nonzero,
+                        torch.Tensor.count_nonzero, torch.argmax, torch.Tensor.argmax, torch.argmin,
+                        torch.Tensor.argmin, torch.logsumexp, torch.Tensor.logsumexp})
 ALONG = frozenset({F.pad, torch.Tensor.__getitem__, torch.roll, torch.Tensor.roll, torch.narrow,
-                    torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum, torch.diff, torch.Tensor.diff})
+                    torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum, torch.diff, torch.Tensor.diff}) | REDUCTIONS
 
 
 def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bool:
@@ -46,7 +54,40 @@ def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bo
         return (rest[0] if rest else kwargs["dim"]) % x.ndim == dim
     if func in (torch.diff, torch.Tensor.diff):
         return (rest[1] if len(rest) > 1 else kwargs.get("dim", -1)) % x.ndim == dim
+    if func in REDUCTIONS:
+        return dim in reduced(x, rest, kwargs)
     return _indexes(rest[0], x.ndim, dim, x.shape[dim])
+
+
+def reduced(x: torch.Tensor, rest: tuple, kwargs: dict) -> list[int]:
+    """The dimensions of ``x`` a reduction (one of ``REDUCTIONS``) called with ``rest`` and ``kwargs`` reduces
+    by name: none without a ``dim`` (a reduction of every element, a rank's term of a loss: weighed as its mean or
+    sum; Hugging Face's checks of a mask, ``mask.sum() == mask.numel()``, over this rank's part, as the routing
+    expects), none for ``torch.max(x, y)`` of two tensors (elementwise)."""
+    if rest and isinstance(rest[0], torch.Tensor) or isinstance(kwargs.get("other"), torch.Tensor):
+        return []
+    dim = rest[0] if rest and not isinstance(rest[0], torch.dtype) else kwargs.get("dim", kwargs.get("axis"))
+    if dim is None:
+        return []
+    return [d % max(x.ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)]
+
+
+def pools(x: Any, rest: tuple, kwargs: dict, dim: int, held: int, length: int) -> bool:
+    """Whether a reduction reduces the sequence of an activation ``x``: a float tensor of three or more
+    dimensions (``(batch, tokens, features)``) whose dimension ``dim`` holds this rank's ``held`` tokens of
+    ``length``, named (pooling over tokens; a reduction of every element, a rank's loss, is not one)."""
+    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.ndim >= 3 and held != length
+            and x.shape[dim % x.ndim] == held and dim % x.ndim in reduced(x, rest, kwargs)
+            and not isinstance(x, torch.nn.Parameter))
+
+
+def refuse_pooling(parts: int, name: str, func: Any, x: torch.Tensor) -> None:
+    """Raise: ``func`` reduces an activation along the sequence (see :func:`pools`)."""
+    raise NotImplementedError(
+        f"cp={parts}: {name}'s forward reduces an activation of shape {list(x.shape)} along its tokens "
+        f"({getattr(func, '__name__', func)} at {caller()}: pooling over the sequence), which under cp would be over "
+        f"this rank's tokens only: cp is built for models whose only op across tokens is attention (causal "
+        f"language models); pool outside the model (on the gathered output), or train this model with cp=1")
 
 
 def _indexes(index: Any, ndim: int, dim: int, size: int) -> bool:
