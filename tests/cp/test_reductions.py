@@ -80,7 +80,7 @@ def _pooled(how: str) -> str:
     return "nothing raised"
 
 
-@pytest.mark.parametrize("how", ["mean", "amax"])
+@pytest.mark.parametrize("how", ["mean", pytest.param("amax", marks=pytest.mark.slow)])
 def test_pooling_an_activation_over_the_tokens_is_refused(ranks, how):
     for said in ranks(2, _pooled, how):
         assert "reduces an activation of shape" in said and "test_reductions.py" in said, said

@@ -43,7 +43,7 @@ def _largest_difference(case: str) -> float:
 
 @pytest.mark.parametrize("case, world", [
     ("nanogpt", 4),
-    ("llama, padded", 4),
+    pytest.param("llama, padded", 4, marks=pytest.mark.slow),
     pytest.param("qwen2 by hand, padded", 4, marks=pytest.mark.slow),
     pytest.param("llama, packed, sharded, recomputed", 4, marks=pytest.mark.slow),
     pytest.param("qwen2, dp 2", 8, marks=pytest.mark.slow),
