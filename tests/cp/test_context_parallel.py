@@ -242,11 +242,12 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, loader, stop: int | Non
             return
 
 
-def _save_mid_epoch(path: str) -> None:
-    """cp=2: 7 of the epoch's 20 steps, then saved, the loader's place with it."""
+def _save_mid_epoch(path: str, mp: int = 1, pp: int = 1) -> None:
+    """cp=2 (with ``mp``, ``pp``): 7 of the epoch's 20 steps, then saved, the loader's place with it."""
     import autodist
 
-    model, loader = autodist.parallelize(_gpt(13), DataLoader(_data(13, 3, "prompt"), batch_size=3), cp=2)
+    model, loader = autodist.parallelize(_gpt(13), DataLoader(_data(13, 3, "prompt"), batch_size=3), cp=2, mp=mp,
+                                         pp=pp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     _steps(model, opt, loader, stop=7)
     autodist.save(path, model, opt)

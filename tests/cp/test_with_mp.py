@@ -4,14 +4,16 @@ rank's heads (the model-parallel ranks consecutive, the context-parallel ones ne
 replicas). Against one process in float64 after 20 AdamW steps, every weight within 1e-10: nanoGPT, Hugging
 Face's Llama with left-padded batches (one kv head a rank, repeated by the model itself) and Qwen2's attention
 written by hand, packed documents with ``shard="parameters"`` and ``checkpoint=True``, and dp 2 x cp 2 x mp 2 on
-8 ranks; ``explain(cp=2, mp=2)`` counts the bytes a rank puts into the context-parallel exchange (its heads)."""
+8 ranks; ``explain(cp=2, mp=2)`` counts the bytes a rank puts into the context-parallel exchange (its heads);
+a checkpoint saved mid-epoch at cp 2 x mp 2 (and at cp 2 x pp 2) resumes in one process."""
 from __future__ import annotations
 
 import types
 
 import pytest
 import torch
-from test_context_parallel import ATOL, _against_one_process, _data, _gpt, _hugging_face, _train, _train_outside
+from test_context_parallel import (ATOL, _against_one_process, _data, _gpt, _hugging_face, _resumed, _save_mid_epoch,
+                                   _train, _train_outside, _uninterrupted)
 from test_masks import _packed, _padded, _train_hf
 from torch.utils.data import DataLoader
 
@@ -95,3 +97,14 @@ def test_explain_counts_each_ranks_heads(ranks):
             (gathered, expected_gathers)
         assert reduced == expected_reduced, (reduced, expected_reduced)
         assert "each with mp=2 ranks of its own holding its heads" in shown and "| 1 heads x" in shown, shown
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(mp=2), dict(pp=2)])
+def test_a_checkpoint_saved_at_cp2_with_mp_or_pp_resumes_in_one_process(ranks, tmp_path, layout):
+    """Saved after 7 of 20 steps at cp 2 x mp 2 (or cp 2 x pp 2) on 4 ranks, dense; resumed in one process, it
+    ends the epoch where the uninterrupted one-process run does."""
+    path = str(tmp_path / "cp2.pt")
+    ranks(4, _save_mid_epoch, path, layout.get("mp", 1), layout.get("pp", 1))
+    state, expected = _resumed(path, 1), _uninterrupted()
+    assert max((p - expected[n]).abs().max().item() for n, p in state.items()) <= ATOL
