@@ -795,7 +795,8 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
     Returns:
         The model-parallel :class:`SplitPlan` (``pp=1``), the cut into stages (``pp > 1``; with ``mp > 1`` it holds
         the plan too), or the context-parallel plan (``cp > 1``; with ``mp > 1`` each call's heads as a rank
-        exchanges them, the model-parallel plan printed after); ``print`` it for the table.
+        exchanges them, the model-parallel plan printed after; with ``pp > 1`` each stage's bytes, the cut
+        after); ``print`` it for the table.
 
     Example:
         >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
@@ -806,19 +807,19 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
     _check_positive("pp", pp, "the number of pipeline stages")
     _check_positive("cp", cp, "the number of ranks a sequence is split over")
     if cp > 1:
-        if pp > 1:
-            raise NotImplementedError(f"cp={cp} with pp={pp}: context parallelism does not compose with pipeline "
-                                      f"parallelism yet; explain them one at a time")
         if example is None:
             raise ValueError(f"explain(model, cp={cp}) runs one forward to find the model's attention calls: pass "
                              f"example=, one global batch's arguments with whole sequences (e.g. example=(idx,))")
         observe.check_example(example)
         _check_model(model)
         plan = cp_explain.explain(model, cp, example)
-        if mp == 1:
-            return plan
-        split = rewrite.explain(model, mp, mp_layers, batch_size, example)
-        return plan.split_heads(mp, split, {r.name for r in split.layers if r.split == "column"})
+        if mp > 1:
+            split = rewrite.explain(model, mp, mp_layers, batch_size, example)
+            plan = plan.split_heads(mp, split, {r.name for r in split.layers if r.split == "column"})
+        if pp > 1:  # the cut printed after, each stage's calls apart (with mp, the cut holds mp's plan)
+            plan.cut = pp_cut.decide(model, pp, stages, blocks, example)
+            plan.cut.mp_plan = plan.mp_plan
+        return plan
     if pp == 1:
         if stages is not None:
             raise ValueError("stages= cuts the model into pipeline stages: it needs pp > 1")

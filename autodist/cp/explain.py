@@ -76,6 +76,14 @@ class ContextPlan:
     calls: list[AttentionCall] = field(default_factory=list)
     mp: int = 1
     mp_plan: Any = None  # with mp > 1: the model-parallel plan (autodist.mp's SplitPlan), printed after
+    cut: Any = None  # with pp > 1: the cut into stages (autodist.pp's Cut, its stage_names()), printed after
+
+    def stage_of(self, call: AttentionCall) -> int | None:
+        """The pipeline stage whose blocks make ``call`` (None: without pp, or a call outside every block)."""
+        if self.cut is None:
+            return None
+        return next((s for s in range(self.cut.stages) for name in self.cut.stage_names(s)
+                     if call.module == name or call.module.startswith(name + ".")), None)
 
     def split_heads(self, mp: int, mp_plan: Any, columns: set[str]) -> "ContextPlan":
         """The plan under ``mp`` as well: a call whose module holds a column-split layer (``columns``: their
@@ -99,9 +107,10 @@ class ContextPlan:
         work = [self.split.work(r, causal) for r in range(self.parts)]
         return max(work) / (sum(work) / len(work)) if sum(work) else 1.0
 
-    def sent(self) -> tuple[float, float]:
-        """Bytes each rank sends for attention in a training step: (forward, backward)."""
-        each = [c.sent(self.split) for c in self.calls]
+    def sent(self, stage: int | None = None) -> tuple[float, float]:
+        """Bytes each rank sends for attention in a training step: (forward, backward); with pp, a rank of
+        ``stage`` (its blocks' calls; None: every call, the ranks of one stage each sending their part)."""
+        each = [c.sent(self.split) for c in self.calls if stage is None or self.stage_of(c) == stage]
         return sum(f for f, _ in each), sum(b for _, b in each)
 
     def __str__(self) -> str:
@@ -126,10 +135,17 @@ class ContextPlan:
                          f"{call.key_width}+{call.value_width}, {call.element}-byte | {_mb(forward)} | "
                          f"{_mb(backward)}{' (gathered again)' if call.again else ''} |")
         forward, backward = self.sent()
-        lines.append(f"  total: {_mb(forward)} forward, {_mb(backward)} backward, per rank and step (the parameters' "
-                     f"gradient sync comes on top)")
-        if self.mp_plan is not None:
-            lines += ["", str(self.mp_plan)]
+        if self.cut is None:
+            lines.append(f"  total: {_mb(forward)} forward, {_mb(backward)} backward, per rank and step (the "
+                         f"parameters' gradient sync comes on top)")
+        else:
+            for stage in range(self.cut.stages):
+                forward, backward = self.sent(stage)
+                lines.append(f"  stage {stage}: {_mb(forward)} forward, {_mb(backward)} backward, per rank of the "
+                             f"stage and step (its blocks' calls; the parameters' gradient sync comes on top)")
+        for plan in (self.cut, self.mp_plan if self.cut is None else None):
+            if plan is not None:
+                lines += ["", str(plan)]
         return "\n".join(lines)
 
 

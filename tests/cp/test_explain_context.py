@@ -55,8 +55,6 @@ def test_a_model_without_sdpa_is_named_and_the_wrong_calls_are_refused():
     assert plan.calls == [] and plan.length == 9 and "refuses this model" in str(plan), str(plan)
     with pytest.raises(ValueError, match="example="):
         autodist.explain(_gpt(16), cp=2)
-    with pytest.raises(NotImplementedError, match="pipeline parallelism yet"):
-        autodist.explain(_gpt(16), cp=2, pp=2, example=(torch.randint(0, 32, (1, 16)),))
     with pytest.raises(ValueError, match="cp must be a positive int"):
         autodist.explain(_gpt(16), cp=0, example=(torch.randint(0, 32, (1, 16)),))
 

@@ -75,3 +75,51 @@ def test_the_models_own_checkpointing_recomputes_each_micro_batch_with_its_paddi
     micro-batch, is masked with its micro-batch's padding, found by the layer's input."""
     differences = ranks(4, _own_checkpointing, reentrant)
     assert max(differences) <= ATOL, differences
+
+
+def _counted_step() -> tuple[int, int, int, int]:
+    """One cp=2 x pp=2 training step of Llama (4 micro-batches): the bytes this rank put into the attention's
+    all-gathers and all-reduces, summed, beside what explain counts for its stage."""
+    import types
+
+    import autodist
+    from autodist.layers import context
+
+    data = _data(11, 4, "all")
+    model = _hugging_face("llama")
+    plan = autodist.explain(model, cp=2, pp=2, example={"input_ids": data.tensors[0][:4]})
+    model, loader = autodist.parallelize(model, DataLoader(data, batch_size=4), cp=2, pp=2)
+    gathered, reduced, real = [], [], context.dist
+    context.dist = types.SimpleNamespace(
+        all_gather=lambda parts, t, *a, **k: (gathered.append(t.numel() * t.element_size()),
+                                              real.all_gather(parts, t, *a, **k))[1],
+        all_reduce=lambda t, *a, **k: (reduced.append(t.numel() * t.element_size()), real.all_reduce(t, *a, **k))[1])
+    try:
+        x, y = next(iter(loader))
+        F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).backward()
+    finally:
+        context.dist = real
+    stage = torch.distributed.get_rank() % 2  # ranks 0 and 2: stage 0
+    mine = [c for c in plan.calls if plan.stage_of(c) == stage]
+    expected = sum(c.contribution(plan.split) * (1 + c.again) for c in mine)
+    return sum(gathered), expected, sum(reduced), sum(c.whole(plan.split) for c in mine)
+
+
+@pytest.mark.slow
+def test_explain_counts_each_stages_bytes(ranks):
+    """What explain(cp=2, pp=2) says a rank of each stage puts into the context-parallel collectives, over its
+    4 micro-batches, is what it puts there."""
+    for gathered, expected_gathered, reduced, expected_reduced in ranks(4, _counted_step):
+        assert gathered == expected_gathered > 0 and reduced == expected_reduced > 0, \
+            (gathered, expected_gathered, reduced, expected_reduced)
+
+
+def test_explain_shows_each_stages_calls():
+    import autodist
+
+    model = _hugging_face("llama")
+    example = {"input_ids": _data(11, 2, "all").tensors[0][:2]}
+    alone, staged = autodist.explain(model, cp=2, example=example), autodist.explain(model, cp=2, pp=2, example=example)
+    assert [staged.stage_of(c) for c in staged.calls] == [0, 1]
+    assert staged.sent(0) == staged.sent(1) and staged.sent(0)[0] * 2 == alone.sent()[0]
+    assert "stage 1:" in str(staged) and "pp=2: 2 blocks in 2 stages" in str(staged), str(staged)
