@@ -4,7 +4,9 @@ against what a context-parallel training step puts into its collectives (counted
 on Hugging Face's Llama with grouped-query attention, and on torch's nn.TransformerEncoder."""
 from __future__ import annotations
 
+import contextlib
 import types
+from typing import Iterator
 
 import pytest
 import torch
@@ -59,6 +61,26 @@ def test_a_model_without_sdpa_is_named_and_the_wrong_calls_are_refused():
         autodist.explain(_gpt(16), cp=0, example=(torch.randint(0, 32, (1, 16)),))
 
 
+@contextlib.contextmanager
+def counting() -> Iterator[tuple[list[int], list[int]]]:
+    """The bytes each context-parallel all-gather and all-reduce takes from this rank while open (lists filled as
+    they run): what :mod:`autodist.layers.context` puts into its collectives."""
+    gathered, reduced, real = [], [], context.dist
+
+    def gather(parts: list, t: torch.Tensor, *args, **kwargs):
+        gathered.append(t.numel() * t.element_size())
+        return real.all_gather(parts, t, *args, **kwargs)
+
+    def reduce(t: torch.Tensor, *args, **kwargs):
+        reduced.append(t.numel() * t.element_size())
+        return real.all_reduce(t, *args, **kwargs)
+    context.dist = types.SimpleNamespace(all_gather=gather, all_reduce=reduce)
+    try:
+        yield gathered, reduced
+    finally:
+        context.dist = real
+
+
 def _counted_step(name: str, length: int, rows: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """One cp=2 training step, the bytes this rank put into the attention's all-gathers and all-reduces, beside
     what explain counts for the same global batch."""
@@ -66,22 +88,9 @@ def _counted_step(name: str, length: int, rows: int) -> tuple[list[int], list[in
     x, y = data.tensors[0][:rows], data.tensors[1][:rows]
     plan = autodist.explain(_model(name, length), cp=2, example={"input_ids": x} if name == "llama" else (x,))
     model, loader = autodist.parallelize(_model(name, length), DataLoader(data, batch_size=rows), cp=2)
-    gathered, reduced = [], []
-    real_dist = context.dist
-
-    def counted_gather(parts: list, t: torch.Tensor, *args, **kwargs):
-        gathered.append(t.numel() * t.element_size())
-        return real_dist.all_gather(parts, t, *args, **kwargs)
-
-    def counted_reduce(t: torch.Tensor, *args, **kwargs):
-        reduced.append(t.numel() * t.element_size())
-        return real_dist.all_reduce(t, *args, **kwargs)
-    context.dist = types.SimpleNamespace(all_gather=counted_gather, all_reduce=counted_reduce)
-    try:
+    with counting() as (gathered, reduced):
         batch = next(iter(loader))
         _loss(name, model, *batch).backward()
-    finally:
-        context.dist = real_dist
     split = plan.split
     expected_gathers = [c.contribution(split) for c in plan.calls] + \
         [c.contribution(split) for c in reversed(plan.calls) if c.again]

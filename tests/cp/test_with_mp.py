@@ -8,16 +8,14 @@ written by hand, packed documents with ``shard="parameters"`` and ``checkpoint=T
 a checkpoint saved mid-epoch at cp 2 x mp 2 (and at cp 2 x pp 2) resumes in one process."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from test_context_parallel import (ATOL, _against_one_process, _data, _gpt, _hugging_face, _resumed, _save_mid_epoch,
                                    _train, _train_outside, _uninterrupted)
+from test_explain_context import counting
 from test_masks import _packed, _padded, _train_hf
 from torch.utils.data import DataLoader
 
-from autodist.layers import context
 from autodist.runtime.mesh import ParallelDims, context_ranks
 
 
@@ -64,21 +62,9 @@ def _counted_step() -> tuple[list[int], list[int], list[int], list[int], str]:
     x = data.tensors[0][:2]
     plan = autodist.explain(_hugging_face("llama"), cp=2, mp=2, example={"input_ids": x})
     model, loader = autodist.parallelize(_hugging_face("llama"), DataLoader(data, batch_size=2), cp=2, mp=2)
-    gathered, reduced, real = [], [], context.dist
-
-    def gather(parts: list, t: torch.Tensor, *args, **kwargs):
-        gathered.append(t.numel() * t.element_size())
-        return real.all_gather(parts, t, *args, **kwargs)
-
-    def reduce(t: torch.Tensor, *args, **kwargs):
-        reduced.append(t.numel() * t.element_size())
-        return real.all_reduce(t, *args, **kwargs)
-    context.dist = types.SimpleNamespace(all_gather=gather, all_reduce=reduce)
-    try:
+    with counting() as (gathered, reduced):
         x, y = next(iter(loader))
         _train_outside_step(model, x, y)
-    finally:
-        context.dist = real
     split = plan.split
     expected_gathers = [c.contribution(split) for c in plan.calls] + \
         [c.contribution(split) for c in reversed(plan.calls) if c.again]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_context_parallel import ATOL, _against_one_process, _data, _gpt, _hugging_face, _train
+from test_explain_context import counting
 from test_masks import _packed, _padded, _train_hf
 from torch import nn
 from torch.utils.data import DataLoader
@@ -80,25 +81,15 @@ def test_the_models_own_checkpointing_recomputes_each_micro_batch_with_its_paddi
 def _counted_step() -> tuple[int, int, int, int]:
     """One cp=2 x pp=2 training step of Llama (4 micro-batches): the bytes this rank put into the attention's
     all-gathers and all-reduces, summed, beside what explain counts for its stage."""
-    import types
-
     import autodist
-    from autodist.layers import context
 
     data = _data(11, 4, "all")
     model = _hugging_face("llama")
     plan = autodist.explain(model, cp=2, pp=2, example={"input_ids": data.tensors[0][:4]})
     model, loader = autodist.parallelize(model, DataLoader(data, batch_size=4), cp=2, pp=2)
-    gathered, reduced, real = [], [], context.dist
-    context.dist = types.SimpleNamespace(
-        all_gather=lambda parts, t, *a, **k: (gathered.append(t.numel() * t.element_size()),
-                                              real.all_gather(parts, t, *a, **k))[1],
-        all_reduce=lambda t, *a, **k: (reduced.append(t.numel() * t.element_size()), real.all_reduce(t, *a, **k))[1])
-    try:
+    with counting() as (gathered, reduced):
         x, y = next(iter(loader))
         F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).backward()
-    finally:
-        context.dist = real
     stage = torch.distributed.get_rank() % 2  # ranks 0 and 2: stage 0
     mine = [c for c in plan.calls if plan.stage_of(c) == stage]
     expected = sum(c.contribution(plan.split) * (1 + c.again) for c in mine)
