@@ -306,8 +306,9 @@ def _check_split_pays(model: nn.Module, plan: rewrite.SplitPlan, rank: int) -> N
     total = sum(p.numel() for p in model.parameters())
     split = [r for r in plan.layers if r.split in ("column", "row", "full")]
     saved = sum(r.dense_params - r.params_per_rank for r in split)
-    whole = sorted((r for r in plan.layers if r.split == "replicated"), key=lambda r: -r.dense_params)
-    why = "; ".join(f"{r.name} ({r.dense_params:,} parameters): {r.note}" for r in whole[:3]) or \
+    whole = [(r.name, r.dense_params, r.note) for r in plan.layers if r.split == "replicated"]
+    whole = sorted(whole + plan.outside, key=lambda w: -w[1])
+    why = "; ".join(f"{name} ({params:,} parameters): {note}" for name, params, note in whole[:3]) or \
         "it has no Linear-like layer (x @ W + b)"
     if not split:
         raise ValueError(f"mp={plan.mp} splits none of {type(model).__name__}'s layers, so every rank of a "

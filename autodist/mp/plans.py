@@ -5,7 +5,7 @@ applying it needs (:class:`Rewrite`). Made by :mod:`autodist.mp.fx_plan` (a trac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch.fx as fx
 from torch import nn
@@ -42,6 +42,8 @@ class SplitPlan:
     untraced: str = ""  # where torch.fx stopped, when it did
     batch_size: int | None = None
     bytes_per_element: int = 4
+    # (module, parameters, why) for each module whose own parameters no row covers: kept whole on every rank
+    outside: list[tuple[str, int, str]] = field(default_factory=list)
 
     @property
     def collectives_per_step(self) -> int:
@@ -66,6 +68,12 @@ class SplitPlan:
                      + ("" if self.traced else f"; model not traceable by torch.fx (stopped at {self.untraced}): "
                                                f"module-by-module swap, collectives counted for one call of each "
                                                f"layer"))
+        large = [(name, n) for name, n, _ in sorted(self.outside, key=lambda o: -o[1]) if n >= 0.01 * (total + sum(
+            o[1] for o in self.outside))]
+        if large:
+            shown = ", ".join(f"{name} ({n:,})" for name, n in large[:6]) + (" ..." if len(large) > 6 else "")
+            lines.append(f"kept whole on every rank, not layers mp splits (their own parameters, not x @ W + b: a "
+                         f"mixture-of-experts layer's fused experts, a norm): {shown}")
         # a Linear takes every leading dimension as rows: a (B, T, C) activation is B x T rows
         rows_sent = f"{self.batch_size} rows" if self.batch_size else "one row (pass batch_size)"
         lines.append(f"bytes: for {rows_sent} through each Linear; a row is a sample of (batch, features) inputs, "
@@ -116,3 +124,17 @@ HOOKED = "it has hooks (weight_norm's, say), which swapping the module would dro
 def hooked(module: nn.Module) -> bool:
     return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
                 or module._backward_hooks)
+
+
+def outside_of(model: Any, layers: list[LayerPlan]) -> list[tuple[str, int, str]]:
+    """(module, parameters, why) for each module of ``model`` holding parameters of its own that no row of
+    ``layers`` covers: a mixture-of-experts layer's fused experts (3-D weights, not a Linear), a norm, a bare
+    parameter; each kept whole on every rank."""
+    covered = {r.name for r in layers}
+    found = []
+    for name, module in model.named_modules():
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        if own and name not in covered:
+            found.append((name or type(model).__name__, own, f"{type(module).__name__}'s own parameters are not a "
+                          f"layer mp splits (x @ W + b): kept whole on every rank"))
+    return found

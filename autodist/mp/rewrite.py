@@ -18,7 +18,7 @@ from torch import nn
 
 from autodist.mp import observe, regions, torch_layers
 from autodist.mp.fx_plan import Planner, depends_on_training, linear_args, linear_input, plan_rows
-from autodist.mp.plans import LayerPlan, MPLayers, Rewrite, SplitPlan
+from autodist.mp.plans import LayerPlan, MPLayers, Rewrite, SplitPlan, outside_of
 from autodist.mp.recorded_plan import plan_recorded
 
 __all__ = ["LayerPlan", "MPLayers", "SplitPlan", "Rewrite", "plan", "apply", "explain", "mp_modules", "check_selection"]
@@ -47,7 +47,14 @@ def check_selection(model: nn.Module, mp_layers: MPLayers) -> None:
 def plan(model: nn.Module, mp: int, mp_layers: MPLayers = "all", batch_size: int | None = None,
          example: observe.Example | None = None) -> Rewrite:
     """Trace ``model`` (or, failing that, record a forward on ``example``) and decide each Linear's split;
-    nothing is changed yet."""
+    nothing is changed yet. The plan also names the modules whose own parameters no row covers (kept whole)."""
+    result = _plan(model, mp, mp_layers, batch_size, example)
+    result.plan.outside = outside_of(model, result.plan.layers)
+    return result
+
+
+def _plan(model: nn.Module, mp: int, mp_layers: MPLayers, batch_size: int | None,
+          example: observe.Example | None) -> Rewrite:
     check_selection(model, mp_layers)
     selected = _selector(mp_layers)
     explicit = isinstance(mp_layers, (list, tuple, set))

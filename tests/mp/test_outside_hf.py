@@ -144,6 +144,36 @@ def test_grouped_query_heads_repeated_by_the_model_train_as_one_process(ranks):
         assert max((gathered[n] - expected[n]).abs().max().item() for n in expected) <= 1e-12
 
 
+def _mixtral() -> torch.nn.Module:
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="eager",
+                                        experts_implementation="eager", use_cache=False)
+    return transformers.MixtralForCausalLM(config).double()
+
+
+def _train_mixtral():
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = _mixtral()
+    torch.manual_seed(0)
+    model, _ = autodist.parallelize(_mixtral(), mp=2, example={"input_ids": ids[:2], "labels": ids[:2]})
+    train_alike((ref, model), lambda m: m(input_ids=ids, labels=ids).loss)
+    return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict()
+
+
+def test_mixtral_splits_its_attention_and_keeps_its_experts_whole_saying_so(ranks):
+    """Mixtral's experts are one fused 3-D parameter each (not Linears): mp splits its attention (grouped-query,
+    repeat_kv of one kv head a rank) and keeps the experts whole, which the plan names; it trains as one
+    process."""
+    ids = torch.randint(0, 64, (2, 16))
+    shown = str(autodist.explain(_mixtral(), mp=2, example={"input_ids": ids, "labels": ids}))
+    assert "kept whole on every rank, not layers mp splits" in shown and "model.layers.0.mlp.experts (24,576)" in \
+        shown, shown
+    for gathered, expected in ranks(2, _train_mixtral):
+        assert max((gathered[n] - expected[n]).abs().max().item() for n in expected) <= 1e-12
+
+
 def _count_t5_collectives():
     batch = _batch("t5")
     model, _ = autodist.parallelize(_t5("sdpa"), mp=2, example={k: v[:2] for k, v in batch.items()})
