@@ -162,6 +162,7 @@ def _train_mixtral():
     return autodist.gather_state_dict(model, all_ranks=True), ref.state_dict()
 
 
+@pytest.mark.slow
 def test_mixtral_splits_its_attention_and_keeps_its_experts_whole_saying_so(ranks):
     """Mixtral's experts are one fused 3-D parameter each (not Linears): mp splits its attention (grouped-query,
     repeat_kv of one kv head a rank) and keeps the experts whole, which the plan names; it trains as one
