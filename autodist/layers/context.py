@@ -188,18 +188,22 @@ def _chunk_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo
 
 
 def _chunk_backward(grad: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, lo: int,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    out: torch.Tensor, lse: torch.Tensor, lo: int, scale: float, dkv: torch.Tensor) -> torch.Tensor:
     """The kernel's backward on each block of :func:`_chunk_forward` with the merged output and log-sum-exp,
-    which gives each block's exact share (the identity ring attention rests on): dq, and the gradients of the
-    keys and values up to the chunk's end."""
+    which gives each block's exact share (the identity ring attention rests on): dq returned, the gradients of
+    the keys and values up to the chunk's end added into ``dkv`` (keys' features first) block by block (no
+    copy of them joined)."""
     back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    width = keys.shape[-1]
     dq, dk, dv = back(grad, q, keys[..., lo:, :], values[..., lo:, :], out, lse, 0.0, True, scale=scale)
+    dkv[..., lo:lo + dk.shape[-2], :width] += dk
+    dkv[..., lo:lo + dv.shape[-2], width:] += dv
     if lo:
-        dq_before, dk_before, dv_before = back(grad, q, keys[..., :lo, :], values[..., :lo, :], out, lse, 0.0,
-                                               False, scale=scale)
-        dq, dk, dv = dq + dq_before, torch.cat([dk_before, dk], dim=-2), torch.cat([dv_before, dv], dim=-2)
-    return dq, dk, dv
+        dq_before, dk, dv = back(grad, q, keys[..., :lo, :], values[..., :lo, :], out, lse, 0.0, False, scale=scale)
+        dkv[..., :lo, :width] += dk
+        dkv[..., :lo, width:] += dv
+        dq += dq_before
+    return dq
 
 
 class _CausalSplit(torch.autograd.Function):
@@ -239,11 +243,9 @@ class _CausalSplit(torch.autograd.Function):
             start += hi - lo
             if hi == lo:
                 continue
-            dq[..., rows, :], dk, dv = _chunk_backward(grad[..., rows, :], q[..., rows, :], keys[..., :hi, :],
-                                                       values[..., :hi, :], out[..., rows, :], lse[..., rows],
-                                                       lo, ctx.scale)
-            dkv[..., :hi, :width] += dk
-            dkv[..., :hi, width:] += dv
+            dq[..., rows, :] = _chunk_backward(grad[..., rows, :], q[..., rows, :], keys[..., :hi, :],
+                                               values[..., :hi, :], out[..., rows, :], lse[..., rows], lo, ctx.scale,
+                                               dkv)
         if ctx.groups > 1:  # each key head served `groups` query heads: its gradient is their sum
             dkv = dkv.unflatten(-3, (dkv.shape[-3] // ctx.groups, ctx.groups)).sum(-3)
         if split.parts > 1:
