@@ -274,7 +274,11 @@ class Context:
     def _first_runs(self, x: torch.Tensor) -> None:
         """The masks and rows of the micro-batch running now, kept for a block run again on ``x`` in backward."""
         key, runs = _storage_of(x), self.first_runs
-        runs[key] = (weakref.ref(x, lambda _: runs.pop(key, None)), self.masks, self.rows)
+
+        def gone(ref: weakref.ref) -> None:  # its entry only: a later tensor may have taken the same storage
+            if runs.get(key, (None,))[0] is ref:
+                del runs[key]
+        runs[key] = (weakref.ref(x, gone), self.masks, self.rows)
 
     def recomputed_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.recomputing is module:
