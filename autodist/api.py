@@ -676,7 +676,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     share = elastic_data.ElasticOrder() if elastic_job else partial(data_mod.broadcast_order, device=world.device)
     cp_group = sequence_cut = None
     if cp > 1:  # the rows sharded over the data-parallel ranks only; each rank of a cp group keeps its tokens
-        cp_options.world_check(cp, dims.dp, dims.mp)
+        cp_options.world_check(cp, dims.dp, dims.mp * dims.pp)
         cp_group = context_group(dims, cp, world.rank)
         data_shard = data_mod.shard(data, dims.dp_rank(world.rank) // cp, dims.dp // cp, share, dim=dim)
         sequence_cut = data_shard.cut = SequenceCut(dims.dp_rank(world.rank) % cp, cp, 1 - dim)

@@ -27,15 +27,15 @@ def check(cp: Any, *, mp: int, pp: int, exact: bool, elastic: bool, one_f_one_b:
                          f"communication strategy is not built with it")
 
 
-def world_check(cp: int, ranks: int, mp: int = 1) -> None:
-    """Raise where ``cp`` does not divide the ``ranks`` holding the same part of the model (the world, or the
-    world over ``mp``)."""
+def world_check(cp: int, ranks: int, parts: int = 1) -> None:
+    """Raise where ``cp`` does not divide the ``ranks`` holding the same part of the model (the world over the
+    ``parts`` it is split in: mp x pp)."""
     if ranks % cp:
         divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
-        over = f"{ranks} ranks" if mp == 1 else \
-            f"{ranks} ranks holding each model-parallel slice (the world over mp={mp})"
+        over = f"{ranks} ranks" if parts == 1 else \
+            f"{ranks} ranks holding each part of the model (the world over mp x pp = {parts})"
         raise ValueError(f"cp={cp} does not divide the {over} (each sequence is split over cp ranks, the world "
-                         f"being data-parallel x cp{' x mp' if mp > 1 else ''}); choose cp from {divisors}")
+                         f"being data-parallel x cp{' x pp x mp' if parts > 1 else ''}); choose cp from {divisors}")
 
 
 def loader_check(cp: int, data: Any) -> None:
