@@ -131,7 +131,8 @@ class ContextPlan:
             count = len(list(group))
             forward, backward = call.sent(split)
             times = f" x {count}" if count > 1 else ""
-            lines.append(f"  | {call.line}{times} | {tuple(call.query)} | {call.heads} heads x "
+            heads = f"{call.heads} head{'s' if call.heads != 1 else ''}"
+            lines.append(f"  | {call.line}{times} | {tuple(call.query)} | {heads} x "
                          f"{call.key_width}+{call.value_width}, {call.element}-byte | {_mb(forward)} | "
                          f"{_mb(backward)}{' (gathered again)' if call.again else ''} |")
         forward, backward = self.sent()

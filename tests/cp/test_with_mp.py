@@ -82,7 +82,7 @@ def test_explain_counts_each_ranks_heads(ranks):
         assert sorted(gathered) == sorted(expected_gathers) and len(gathered) == len(expected_gathers), \
             (gathered, expected_gathers)
         assert reduced == expected_reduced, (reduced, expected_reduced)
-        assert "each with mp=2 ranks of its own holding its heads" in shown and "| 1 heads x" in shown, shown
+        assert "each with mp=2 ranks of its own holding its heads" in shown and "| 1 head x" in shown, shown
 
 
 @pytest.mark.slow
