@@ -90,7 +90,7 @@ class ContextPlan:
         names; its projections to q, k, v) has its heads split over the ``mp`` ranks, each exchanging its own
         over the context-parallel group; a call whose module holds none, its heads whole."""
         def split(call: AttentionCall) -> AttentionCall:
-            inside = [name for name in columns if call.module == "" or name.startswith(call.module + ".")]
+            inside = any(call.module == "" or name.startswith(call.module + ".") for name in columns)
             if not inside or call.heads % mp:
                 return call
             return replace(call, heads=call.heads // mp)

@@ -3,8 +3,9 @@
 A rank holds its own parts of each sequence, so what reaches from one token to others must go through the
 routing of :mod:`autodist.cp.forward`; these are the ways a model can reach past it, each refused with the line
 that did it and the fix: an op along the sequence of an input of the batch (:func:`along`: a shift of the
-labels, a padding mask indexed by position), a reduction of an activation over the tokens (:func:`pools`), attention scores written out by hand (:data:`PRODUCTS`: a square
-product of two activations over this rank's tokens), and a forward run by torch.compile (:func:`under_dynamo`).
+labels, a padding mask indexed by position), a reduction of an activation over the tokens (:func:`pools`),
+attention scores written out by hand (:data:`PRODUCTS`: a square product of two activations over this rank's
+tokens), and a forward run by torch.compile (:func:`under_dynamo`).
 
 Example:
     >>> along(F.pad, labels, 1, ((0, 1),), {})      # Hugging Face's shift of labels=: along the sequence

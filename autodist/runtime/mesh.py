@@ -109,10 +109,15 @@ def built_groups(dims: ParallelDims) -> Groups | None:
 def _made(dims: ParallelDims, kind: str, rank: int) -> object:
     """``rank``'s group of one kind, made with every other group of that kind (in the same order on every rank,
     as new_group requires)."""
+    return _made_of(dims.all_groups(kind), rank)
+
+
+def _made_of(every: list[list[int]], rank: int) -> object:
+    """``rank``'s group of ``every`` (groups of ranks), each made in that order on every rank."""
     from autodist.runtime.world import new_group
 
     mine = None
-    for ranks in dims.all_groups(kind):
+    for ranks in every:
         g = new_group(ranks)
         if rank in ranks:
             mine = g
@@ -183,13 +188,5 @@ def context_group(dims: ParallelDims, cp: int, rank: int) -> object | None:
     key = (dims, f"cp={cp}")
     if key not in _second_cache:
         every = [ranks[i:i + cp] for ranks in dims.all_groups("dp") for i in range(0, dims.dp, cp)]
-        mine = None
-        if len(every) > 1:
-            from autodist.runtime.world import new_group
-
-            for ranks in every:
-                group = new_group(ranks)
-                if rank in ranks:
-                    mine = group
-        _second_cache[key] = mine
+        _second_cache[key] = _made_of(every, rank) if len(every) > 1 else None
     return _second_cache[key]
