@@ -526,14 +526,17 @@ class Watchdog:
         return "" if lower else still_waiting(me, peers, busy, self.busy_words)  # the lowest arrived rank says it
 
     def missing(self) -> str:
-        """The ranks still running, and where each is (the lowest ones, at most NAMED)."""
+        """The ranks still running, and where each is (the lowest ones, at most NAMED); "" where every rank has
+        arrived by now."""
         digest, peers = self._unfinished()
+        if all(s is not None and s.state == "exited" for s in peers.values()):
+            return ""
         late = [f"rank {r} {where_is(s)}" if s is not None else f"rank {r} never reported its progress"
                 for r, s in sorted(peers.items()) if s is None or s.state == "running"]
         more = digest.unfinished_count - len(digest.unfinished) if digest is not None else 0
         if late and more > 0:
             late.append(f"and {more} more ranks")
-        return "; ".join(late) if late else "every rank arrived"
+        return "; ".join(late) if late else "the other ranks did not arrive"
 
     def give_up(self, message: str) -> None:
         """The end took too long: stop every rank with ``message`` (the stalled ones read it within a tick)."""

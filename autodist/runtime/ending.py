@@ -52,7 +52,8 @@ class Meeting(Protocol):
         """Say this rank arrived; return once every rank has (or can no longer)."""
 
     def missing(self) -> str:
-        """The ranks that did not arrive (and where they are), in words."""
+        """The ranks that did not arrive (and where they are), in words; "" where every rank has arrived by now
+        (one may arrive between the deadline's two questions: the meeting then ends by itself)."""
 
     def give_up(self, message: str) -> None:
         """Print ``message``, stop every rank that can be reached, and leave with status 1 (never returns)."""
@@ -81,7 +82,7 @@ class StoreMeeting:
 
     def missing(self) -> str:
         late = [r for r in range(self.size) if not self.store.check([f"arrived/{r}"])]
-        return f"{_ranks(late)} did not reach the end of the script"
+        return f"{_ranks(late)} did not reach the end of the script" if late else ""
 
     def give_up(self, message: str) -> None:
         log.error("%s", message)
@@ -301,6 +302,11 @@ class _Bound:
             who = self.meeting.missing() if self.meeting is not None else "the other ranks did not arrive"
         except Exception as exc:  # noqa: BLE001
             who = f"the other ranks cannot be asked ({exc})"
+        if not who:  # the last rank arrived just now, after busy_line looked: the meeting ends by itself
+            self._arm(min(60.0, self.seconds)).start()
+            if self.over.is_set():
+                self.timer.cancel()
+            return
         limit = (f"AUTODIST_EXIT_TIMEOUT={self.seconds:g} s; raise it if a rank legitimately finishes this much "
                  f"later") if not self.busy else \
             f"{self.meeting.busy_words}: how long a rank alive in its own " \
