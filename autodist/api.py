@@ -340,9 +340,11 @@ def _warn_if_too_big(model: nn.Module, dp: int, world: World) -> None:
 
 
 def _pins(given: dict) -> dict:
-    """The layout options given other than their defaults: the dimensions a search keeps."""
-    defaults = {"mp": 1, "shard": None, "checkpoint": False}
-    return {k: v for k, v in given.items() if v != defaults[k]}
+    """The layout options given other than their defaults, by the names of :class:`Layout`'s fields: the
+    dimensions a search keeps (and the precision every candidate computes in)."""
+    layout = Layout.of(None, given)
+    return {k: getattr(layout, k) for k in ("mp", "shard", "checkpoint", "precision")
+            if getattr(layout, k) != getattr(Layout(), k)}
 
 
 def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan | Auto, given: dict,
@@ -380,6 +382,7 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
     _check_shard(given["shard"], sync_mod.choose(options["sync"]))
     _check_blocks(options["blocks"], "parameters", given["checkpoint"])  # blocks= may serve the chosen layout
     _check_counting(options["batch_dim"], options["samples"])
+    precision.check(model, precision.compute_dtype(given.get("mixed_precision")))
     world = init(options["backend"])
     dim = 0 if options["batch_dim"] is None else options["batch_dim"]
     return planner.search(model, data, auto, world, _pins(given), partial(_build_chosen, announce=False), dim,
@@ -409,14 +412,15 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
         >>> model, loader = autodist.parallelize(model, loader, plan=plan)
     """
     defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()
-                if p.kind is p.KEYWORD_ONLY and name not in ("mp", "shard", "checkpoint", "plan")}
+                if p.kind is p.KEYWORD_ONLY and name not in ("mp", "shard", "checkpoint", "plan", "layout")}
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise TypeError(f"autodist.plan got unknown options {unknown}; it takes parallelize's keyword arguments")
     if auto is not None and not isinstance(auto, Auto):
         raise TypeError(f"auto must be an autodist.Auto (the search's settings) or None, got {type(auto).__name__}")
-    return search_plan(model, data, auto or Auto(), dict(mp=mp, shard=shard, checkpoint=checkpoint),
-                       {**defaults, **options})
+    options = {**defaults, **options}
+    return search_plan(model, data, auto or Auto(), dict(mp=mp, shard=shard, checkpoint=checkpoint,
+                                                         mixed_precision=options["mixed_precision"]), options)
 
 
 def parallelize(
@@ -445,6 +449,7 @@ def parallelize(
     batch_norm: Literal["global", "local"] = "global",
     check: Check | LossOf | None = None,
     cp: int = 1,
+    layout: Layout | None = None,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -555,6 +560,10 @@ def parallelize(
             With every ``shard=`` level, ``checkpoint=True``, ``mp``, ``pp`` (its default schedule: not
             ``loss_fn=``'s 1F1B) and ``check=`` (where check= runs: without mp, pp or a sharded gradient); not
             yet with torch.compile or ``autodist run --elastic``.
+        layout: an :class:`autodist.Layout` (``dp``, ``mp``, ``pp``, ``cp``, ``shard``, ``checkpoint``,
+            ``precision``), the object a plan chooses (``plan.layout``), written by hand: the keywords above of
+            those names are its shorthands (one given beside it must agree with it), and a ``dp`` it names must
+            make the world with the others.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -590,6 +599,15 @@ def parallelize(
         replaced (an optimizer holding the old ones refuses to step), and
         with pp a rank holds only its stage's blocks.
     """
+    chosen = Layout.of(layout, dict(mp=mp, pp=pp, cp=cp, shard=shard, checkpoint=checkpoint,
+                                    mixed_precision=mixed_precision))
+    if layout is not None and plan is not None:
+        raise ValueError("plan= and layout= were both given: a plan chooses the layout (plan.layout is one); give "
+                         "one or the other")
+    if chosen.dp is not None:
+        chosen.for_world(init(backend).size)
+    mp, pp, cp, shard, checkpoint = chosen.mp, chosen.pp, chosen.cp, chosen.shard, chosen.checkpoint
+    mixed_precision = chosen.precision
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
@@ -600,8 +618,6 @@ def parallelize(
     if plan is not None and cp != 1:
         raise ValueError(f"plan= chooses among layouts without context parallelism; with cp={cp} choose the rest "
                          f"yourself")
-    if plan is not None and mixed_precision is not None:
-        raise ValueError("plan= does not search layouts with mixed_precision yet: choose mp= and shard= yourself")
     # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
     # registries every function taking a model looks in), and the wrapper returned, compiling it as before
     given, model = model, unwrapped(model)
@@ -610,9 +626,9 @@ def parallelize(
     if plan is None:
         built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     else:
-        chosen = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint), options)
-        built, data = _build_chosen(model, data, mp=chosen.mp, shard=chosen.shard, checkpoint=chosen.checkpoint,
-                                    **options)
+        picked = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint,
+                                                  mixed_precision=mixed_precision), options)
+        built, data = _build_chosen(model, data, **{**options, **picked.options()})
     return (given if built is model else built), data
 
 

@@ -27,10 +27,12 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Union
+import contextlib
+from typing import Any, Iterator, Union
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_map
 
 Precision = Union[str, torch.dtype, None]
@@ -104,11 +106,26 @@ def check(model: nn.Module, dtype: torch.dtype | None) -> None:
                          f"with model.float() first")
 
 
-def setup(model: nn.Module, dtype: torch.dtype) -> None:
-    """Compute ``model`` in ``dtype`` from its float32 parameters (the module docstring; :func:`check` first)."""
+def setup(model: nn.Module, dtype: torch.dtype) -> list[RemovableHandle]:
+    """Compute ``model`` in ``dtype`` from its float32 parameters (the module docstring; :func:`check` first);
+    the hooks' handles (:func:`computing_in` removes them)."""
+    handles = []
     for module in model.modules():
         if any(p is not None and p.is_floating_point() for p in module._parameters.values()):
             cast = _Cast(dtype)
-            module.register_forward_pre_hook(cast)
-            module.register_forward_hook(_Restore(cast), always_call=True)
-    model.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
+            handles.append(module.register_forward_pre_hook(cast))
+            handles.append(module.register_forward_hook(_Restore(cast), always_call=True))
+    handles.append(model.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True))
+    return handles
+
+
+@contextlib.contextmanager
+def computing_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``model`` computed in ``dtype`` while inside, as :func:`setup` makes it (the planner measures a layout's
+    precision so); as it was after. None: as it is."""
+    handles = setup(model, dtype) if dtype is not None else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

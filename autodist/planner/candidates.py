@@ -1,6 +1,7 @@
 """The layouts a world allows: every ``dp x mp`` factorization of it, x each ``shard`` level, x checkpointing
 the blocks or not; a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
-data-parallel rank, checkpointing without blocks). Dimensions the user pins are kept as given.
+data-parallel rank, checkpointing without blocks). Dimensions the user pins are kept as given, and so is the
+precision (``mixed_precision=``), which every candidate computes in.
 
 Example:
     >>> [str(r.layout) for r in candidates(2, profile, {"mp": 1}) if not r.impossible][:2]
@@ -27,12 +28,12 @@ def _why_not(layout: Layout, profile: Profile) -> str:
 
 def candidates(world_size: int, profile: Profile, pinned: dict[str, Any]) -> list[Row]:
     """One row per layout of ``world_size`` ranks that agrees with ``pinned`` (keys "mp", "shard",
-    "checkpoint"), each with ``impossible`` set where it cannot be made."""
+    "checkpoint", "precision": the layout's fields), each with ``impossible`` set where it cannot be made."""
     rows = []
     for mp in (k for k in range(1, world_size + 1) if world_size % k == 0):
         for shard in SHARDS:
             for checkpoint in (False, True):
-                layout = Layout(world_size // mp, mp, shard, checkpoint)
+                layout = Layout(world_size // mp, mp, shard, checkpoint, precision=pinned.get("precision"))
                 if any(getattr(layout, key) != value for key, value in pinned.items()):
                     continue
                 rows.append(Row(layout, impossible=_why_not(layout, profile)))

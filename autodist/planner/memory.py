@@ -65,6 +65,8 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     if layout.shard == "parameters" and dp > 1:
         params = params - trainable + own  # frozen parameters stay whole
         gathered = 2 * profile.largest_block_bytes / mp  # a block in use and the next one gathered
+        if layout.precision is not None:  # gathered in the compute dtype, from float32 chunks
+            gathered /= 2
     grads = own if layout.shard in ("gradients", "parameters") and dp > 1 else trainable
     buffers = 0.0
     if dp > 1:

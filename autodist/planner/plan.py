@@ -1,5 +1,6 @@
-"""What a plan is: a :class:`Layout` (dp x mp, ``shard``, ``checkpoint``), the search's settings (:class:`Auto`),
-one :class:`Row` per candidate and the :class:`ParallelPlan` that holds them, prints as a table and saves as JSON.
+"""What a plan is: a :class:`~autodist.runtime.layout.Layout` (dp x mp, ``shard``, ``checkpoint``, the precision),
+the search's settings (:class:`Auto`), one :class:`Row` per candidate and the :class:`ParallelPlan` that holds
+them, prints as a table and saves as JSON.
 
 Example:
     >>> plan = autodist.plan(model, loader)            # under autodist run -n 2
@@ -15,27 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autodist.runtime.held import KINDS
+from autodist.runtime.layout import SHARDS, Layout
 
-SHARDS = (None, "optimizer", "gradients", "parameters")
+__all__ = ["SHARDS", "Auto", "Layout", "ParallelPlan", "Row", "rows_from", "size_text"]
 FORMAT = 1  # the JSON's version
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to lay a model over the world: ``dp`` x ``mp`` ranks, a ``shard`` level, checkpointing or not."""
-
-    dp: int
-    mp: int
-    shard: str | None = None
-    checkpoint: bool = False
-
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``parallelize`` that make this layout."""
-        return {"mp": self.mp, "shard": self.shard, "checkpoint": self.checkpoint}
-
-    def __str__(self) -> str:
-        return (f"dp={self.dp} x mp={self.mp}, shard={self.shard!r}"
-                f"{', checkpoint=True' if self.checkpoint else ''}")
 
 
 @dataclass(frozen=True)
@@ -144,6 +128,7 @@ class ParallelPlan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join([f"{self.line()}; {self.world_size} ranks, budget {size_text(self.budget)} per rank, "
                           f"global batch {self.batch_size}, {self.optimizer_states} optimizer states per parameter, "
+                          f"{'computing in ' + self.layout.precision + ', ' if self.layout.precision else ''}"
                           f"searched in {self.search_seconds:.1f} s", *lines,
                           "memory in MB per rank (predicted; peak: predicted / measured); time: m = measured on a "
                           "copy of the model, ~ = modelled"])

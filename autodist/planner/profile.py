@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autodist.dp import precision
 from autodist.dp.buckets import sum_dtype
 from autodist.mp import rewrite
 from autodist.planner.live import LiveBytes
@@ -109,9 +110,9 @@ def summed_nbytes(params: Any) -> float:
     return float(sum(p.numel() * sum_dtype(p.dtype).itemsize for p in params))
 
 
-def _split(plan: Any, mp: int, rows_in: dict[str, float], total: float, element: int) -> Split:
+def _split(plan: Any, mp: int, rows_in: dict[str, float], total: float, element: int, moved: int) -> Split:
     """The model-parallel plan of ``mp`` (or why there is none) read as bytes and work; ``rows_in``: Linear rows
-    per batch row."""
+    per batch row; ``element``: bytes of a parameter, ``moved``: of an activation."""
     if isinstance(plan, str):
         return Split(total, impossible=f"mp={mp} cannot split the model: {plan}")
     split = [r for r in plan.layers if r.split in ("column", "row", "full", "heads")]
@@ -119,7 +120,7 @@ def _split(plan: Any, mp: int, rows_in: dict[str, float], total: float, element:
         return Split(total, impossible=f"mp={mp} splits none of the model's layers")
     saved = sum(r.dense_params - r.params_per_rank for r in split) * element
     dense = sum(r.dense_params for r in split) * element
-    sent = sum(n * rows_in.get(r.name, 1.0) for r in plan.layers for _, _, n in r.collectives) * element
+    sent = sum(n * rows_in.get(r.name, 1.0) for r in plan.layers for _, _, n in r.collectives) * moved
     return Split(total - saved, dense / total if total else 0.0, sent, plan.collectives_per_step)
 
 
@@ -293,11 +294,13 @@ def _all_reduce_time(device: torch.device) -> tuple[float, float]:
 
 
 def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: int, states: int,
-            blocks: sharded_blocks.Choice = None, batch_dim: int = 0) -> Profile:
+            blocks: sharded_blocks.Choice = None, batch_dim: int = 0, compute: torch.dtype | None = None) -> Profile:
     """Measure the model on two batch sizes of ``example`` (its first ``rows`` rows), and the world's
-    all-reduce. Every rank calls it (the all-reduce is timed over the default group)."""
+    all-reduce; ``compute``: forward and backward in that dtype (``mixed_precision=``), the parameters float32.
+    Every rank calls it (the all-reduce is timed over the default group)."""
     params = list(model.parameters())
     element = params[0].element_size() if params else 4
+    moved = compute.itemsize if compute is not None else element  # bytes of an activation mp's all-reduces send
     total = nbytes(params)
     trainable = nbytes(p for p in params if p.requires_grad)
     summed = summed_nbytes(p for p in params if p.requires_grad)
@@ -317,11 +320,12 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
             except (ValueError, RuntimeError, NotImplementedError, TypeError) as err:
                 explained[k] = str(err).splitlines()[0]
         roles = {k: {} if isinstance(p, str) else {r.name: r.split for r in p.layers} for k, p in explained.items()}
-        _pass(model, first)  # warm
-        for r in rows:
-            measured.append(_measure_rows(model, _rows(example, r, batch_dim), names, roles, dropped))
+        with precision.computing_in(model, compute):
+            _pass(model, first)  # warm
+            for r in rows:
+                measured.append(_measure_rows(model, _rows(example, r, batch_dim), names, roles, dropped))
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
-        splits = {k: _split(explained[k], k, rows_in, total, element) for k in mps}
+        splits = {k: _split(explained[k], k, rows_in, total, element, moved) for k in mps}
     step, transient, transient_bytes = _optimizer_step(model, states)
     latency, bandwidth = _all_reduce_time(device)
     (r1, m1), (r2, m2) = zip(rows, measured)

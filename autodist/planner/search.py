@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
+from autodist.dp import precision
 from autodist.mp import observe
 from autodist.planner import memory, timing, trial
 from autodist.planner.budget import default_budget
@@ -141,7 +142,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         type(model).__name__)
     small = max(1, batch // world.size)
     profile = measure(model, example, (small, min(batch, 2 * small)), world.size, auto.optimizer_states,
-                      options.get("blocks"), batch_dim)
+                      options.get("blocks"), batch_dim, precision.compute_dtype(pinned.get("precision")))
     held = nbytes([*model.parameters(), *model.buffers()])
     here = default_budget(model, world)
     available = min(plain.all_gather(here)) if world.size > 1 else here
