@@ -343,13 +343,13 @@ def _pins(given: dict) -> dict:
     """The layout options given other than their defaults, by the names of :class:`Layout`'s fields: the
     dimensions a search keeps (and the precision every candidate computes in)."""
     layout = Layout.of(None, given)
-    return {k: getattr(layout, k) for k in ("mp", "shard", "checkpoint", "precision")
+    return {k: getattr(layout, k) for k in ("mp", "pp", "shard", "checkpoint", "precision")
             if getattr(layout, k) != getattr(Layout(), k)}
 
 
 def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan | Auto, given: dict,
-             options: dict) -> Layout:
-    """The layout ``plan=`` stands for: searched ("auto", an Auto), or read (a ParallelPlan, a JSON file)."""
+             options: dict) -> ParallelPlan:
+    """The plan ``plan=`` stands for: searched ("auto", an Auto), or read (a ParallelPlan, a JSON file)."""
     if isinstance(plan, str) and plan != "auto":
         plan = ParallelPlan.load(plan)
     if not isinstance(plan, (str, ParallelPlan, Auto)):
@@ -366,9 +366,9 @@ def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan
                              f"the other")
         if world.rank == 0:
             log.info("plan: %s (the plan given, used without searching)", plan.layout)
-        return plan.layout
+        return plan
     trials = {**options, "check": None}  # the trials' copies are not checked (the chosen layout is)
-    return search_plan(model, data, Auto() if plan == "auto" else plan, given, trials).layout
+    return search_plan(model, data, Auto() if plan == "auto" else plan, given, trials)
 
 
 def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: dict, options: dict) -> ParallelPlan:
@@ -383,13 +383,20 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
     _check_blocks(options["blocks"], "parameters", given["checkpoint"])  # blocks= may serve the chosen layout
     _check_counting(options["batch_dim"], options["samples"])
     precision.check(model, precision.compute_dtype(given.get("mixed_precision")))
+    if options.get("loss_fn") is not None:
+        raise ValueError("plan= measures pipelines as GPipe runs them (model(x), then backward); with loss_fn= (pp's "
+                         "1F1B, the backward inside the forward) choose pp=, mp= and shard= yourself")
+    pipeline = [k for k in ("stages", "microbatches") if options.get(k) is not None]
+    if pipeline and given.get("pp", 1) == 1:
+        raise ValueError(f"{'= and '.join(pipeline)}= shape pipeline stages, and plan= may choose none: give pp= "
+                         f"beside them (the search keeps it), or leave them to the plan")
     world = init(options["backend"])
     dim = 0 if options["batch_dim"] is None else options["batch_dim"]
     return planner.search(model, data, auto, world, _pins(given), partial(_build_chosen, announce=False), dim,
                           options, options["bucket_mb"])
 
 
-def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = None, *, mp: int = 1,
+def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = None, *, mp: int = 1, pp: int = 1,
          shard: Literal["optimizer", "gradients", "parameters"] | None = None, checkpoint: bool = False,
          **options: object) -> ParallelPlan:
     """Choose the layout ``parallelize(model, data, plan="auto")`` would, without parallelizing the model.
@@ -399,7 +406,7 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
     Args:
         model / data: as for :func:`parallelize`.
         auto: the search's settings (:class:`autodist.Auto`: memory budget, optimizer states, batch size).
-        mp / shard / checkpoint: a value other than the default is kept; the search chooses the rest.
+        mp / pp / shard / checkpoint: a value other than the default is kept; the search chooses the rest.
         options: any other keyword argument of :func:`parallelize` (``batch_dim``, ``example``, ``blocks``...).
 
     Returns:
@@ -412,14 +419,14 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
         >>> model, loader = autodist.parallelize(model, loader, plan=plan)
     """
     defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()
-                if p.kind is p.KEYWORD_ONLY and name not in ("mp", "shard", "checkpoint", "plan", "layout")}
+                if p.kind is p.KEYWORD_ONLY and name not in ("mp", "pp", "shard", "checkpoint", "plan", "layout")}
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise TypeError(f"autodist.plan got unknown options {unknown}; it takes parallelize's keyword arguments")
     if auto is not None and not isinstance(auto, Auto):
         raise TypeError(f"auto must be an autodist.Auto (the search's settings) or None, got {type(auto).__name__}")
     options = {**defaults, **options}
-    return search_plan(model, data, auto or Auto(), dict(mp=mp, shard=shard, checkpoint=checkpoint,
+    return search_plan(model, data, auto or Auto(), dict(mp=mp, pp=pp, shard=shard, checkpoint=checkpoint,
                                                          mixed_precision=options["mixed_precision"]), options)
 
 
@@ -530,11 +537,12 @@ def parallelize(
             less memory, one more forward per block and step, the same
             numbers. Also in a world of one.
         plan: "auto" (or ``autodist.Auto(...)`` with its settings): choose
-            ``mp``, ``shard`` and ``checkpoint`` for this world and the memory
-            budget (each one given here other than its default is kept),
-            from predicted memory and times measured on a copy of the model
-            (docs/plan.md); a :class:`~autodist.ParallelPlan` or the path of
-            one saved as JSON: its layout, without searching.
+            ``mp``, ``pp``, ``shard`` and ``checkpoint`` for this world and the
+            memory budget (each one given here other than its default is
+            kept; ``mixed_precision=`` is the precision every candidate
+            computes in), from predicted memory and times measured on a copy
+            of the model (docs/plan.md); a :class:`~autodist.ParallelPlan` or
+            the path of one saved as JSON: its layout, without searching.
         pp: pipeline stages: the model cut at its blocks (as ``blocks=`` finds or names them) into ``pp`` runs
             of consecutive blocks, each rank holding one stage's (docs/pipeline.md); the world is
             ``dp x pp x mp``. ``model(x)`` runs the batch's micro-batches through the stages (GPipe) and
@@ -612,9 +620,6 @@ def parallelize(
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
                    mixed_precision=mixed_precision, batch_norm=batch_norm, check=check, cp=cp)
-    if plan is not None and pp != 1:
-        raise ValueError(f"plan= chooses among layouts without pipeline stages; with pp={pp} choose mp= and shard= "
-                         f"yourself")
     if plan is not None and cp != 1:
         raise ValueError(f"plan= chooses among layouts without context parallelism; with cp={cp} choose the rest "
                          f"yourself")
@@ -626,9 +631,12 @@ def parallelize(
     if plan is None:
         built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     else:
-        picked = _planned(model, data, plan, dict(mp=mp, shard=shard, checkpoint=checkpoint,
+        picked = _planned(model, data, plan, dict(mp=mp, pp=pp, shard=shard, checkpoint=checkpoint,
                                                   mixed_precision=mixed_precision), options)
-        built, data = _build_chosen(model, data, **{**options, **picked.options()})
+        chosen = picked.options()
+        if options["stages"] is not None:  # the user's cut, kept
+            chosen.pop("stages", None)
+        built, data = _build_chosen(model, data, **{**options, **chosen})
     return (given if built is model else built), data
 
 

@@ -1,5 +1,5 @@
-"""The layouts a world allows: every ``dp x mp`` factorization of it, x each ``shard`` level, x checkpointing
-the blocks or not; a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
+"""The layouts a world allows: every ``dp x pp x mp`` factorization of it, x each ``shard`` level, x
+checkpointing the blocks or not; a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
 data-parallel rank, checkpointing without blocks). Dimensions the user pins are kept as given, and so is the
 precision (``mixed_precision=``), which every candidate computes in.
 
@@ -18,6 +18,13 @@ from autodist.planner.profile import Profile
 def _why_not(layout: Layout, profile: Profile) -> str:
     if layout.mp > 1 and profile.splits[layout.mp].impossible:
         return profile.splits[layout.mp].impossible
+    if layout.pp > 1 and len(profile.blocks) < layout.pp:
+        return (f"pp={layout.pp} stages need at least {layout.pp} blocks (the model has {len(profile.blocks)}; "
+                f"name finer ones with blocks=)")
+    if layout.pp > 1 and profile.cut_refusals.get(layout.pp):
+        return f"pp={layout.pp} cannot run the model cut as the pipeline would cut it: {profile.cut_refusals[layout.pp]}"
+    if layout.pp > 1 and layout.shard == "parameters":
+        return f"pp={layout.pp} with shard='parameters' is not built (each stage holds its blocks whole)"
     if layout.shard is not None and layout.dp == 1:
         return f"shard={layout.shard!r} needs 2 or more data-parallel ranks (here dp=1)"
     if layout.checkpoint and not profile.blocks:
@@ -27,14 +34,16 @@ def _why_not(layout: Layout, profile: Profile) -> str:
 
 
 def candidates(world_size: int, profile: Profile, pinned: dict[str, Any]) -> list[Row]:
-    """One row per layout of ``world_size`` ranks that agrees with ``pinned`` (keys "mp", "shard",
+    """One row per layout of ``world_size`` ranks that agrees with ``pinned`` (keys "mp", "pp", "shard",
     "checkpoint", "precision": the layout's fields), each with ``impossible`` set where it cannot be made."""
     rows = []
-    for mp in (k for k in range(1, world_size + 1) if world_size % k == 0):
-        for shard in SHARDS:
-            for checkpoint in (False, True):
-                layout = Layout(world_size // mp, mp, shard, checkpoint, precision=pinned.get("precision"))
-                if any(getattr(layout, key) != value for key, value in pinned.items()):
-                    continue
-                rows.append(Row(layout, impossible=_why_not(layout, profile)))
+    for pp in (k for k in range(1, world_size + 1) if world_size % k == 0):
+        for mp in (k for k in range(1, world_size // pp + 1) if world_size // pp % k == 0):
+            for shard in SHARDS:
+                for checkpoint in (False, True):
+                    layout = Layout(world_size // (mp * pp), mp, shard, checkpoint, pp=pp,
+                                    precision=pinned.get("precision"))
+                    if any(getattr(layout, key) != value for key, value in pinned.items()):
+                        continue
+                    rows.append(Row(layout, impossible=_why_not(layout, profile)))
     return rows

@@ -10,7 +10,8 @@ the model-parallel all-reduce's slots. Activations are measured: the peak of one
 batch sizes, with and without the blocks checkpointed, extended to this layout's rows; ``mp=K`` divides what
 autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`); with checkpointing the
 blocks' inputs, which it keeps, stay whole, and the rest (a block recomputed) is divided in that proportion.
-The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
+With ``pp`` stages each stage's share is predicted (:mod:`~autodist.planner.stages`) and the fullest stage's
+is the layout's. The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
 ``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
 step's temporaries).
 
@@ -25,6 +26,7 @@ from autodist.dp.buckets import MB
 from autodist.layers.shared_reduce import SMALLEST_BYTES, held_bytes
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile, nbytes, summed_nbytes
+from autodist.planner.stages import Stage, pieces, stages_of
 from autodist.runtime.mesh import ParallelDims, built_groups
 from autodist.sharded.scatter import RING, ring_bytes
 
@@ -46,10 +48,11 @@ def activations(layout: Layout, profile: Profile, rows: float, kept: bool = Fals
     return max(peak + grads, 0.0)
 
 
-def existing_mp_buffers(world_size: int, mp: int) -> float:
+def existing_mp_buffers(world_size: int, mp: int, pp: int = 1) -> float:
     """Bytes this rank already holds for the shared-memory all-reduce of the model-parallel group a layout with
-    ``mp`` would use (made by an earlier model or layer on that group; the slots never shrink); 0 for none."""
-    groups = built_groups(ParallelDims.for_world(world_size, mp))
+    ``mp`` (and ``pp``) would use (made by an earlier model or layer on that group; the slots never shrink); 0
+    for none."""
+    groups = built_groups(ParallelDims.for_world(world_size, mp, pp))
     if groups is None and mp != world_size:
         return 0.0  # its groups are made by the first parallelize of that layout, with fresh slots
     return held_bytes(None if groups is None else groups.mp)  # None: the whole world's
@@ -58,9 +61,30 @@ def existing_mp_buffers(world_size: int, mp: int) -> float:
 def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0,
             mp_buffers: float = 0.0) -> tuple[dict[str, float], float]:
     """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step;
-    ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`)."""
+    ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`).
+    With ``pp`` stages, the fullest stage's."""
+    if layout.pp == 1 or profile.block_measures is None:
+        return _predict(layout, profile, rows, states, bucket_mb, mp_buffers, None)
+    each = [_predict(layout, profile, rows, states, bucket_mb, mp_buffers, stage)
+            for stage in stages_of(profile.block_measures, layout.pp)]
+    return max(each, key=lambda kinds_peak: kinds_peak[1])
+
+
+def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float, mp_buffers: float,
+             stage: Stage | None) -> tuple[dict[str, float], float]:
     dp, mp = layout.dp, layout.mp
     params, trainable, own = profile.per_rank(layout)
+    if stage is not None:
+        fraction = profile.stage_fraction(stage)
+        params, trainable, own = params * fraction, trainable * fraction, own * fraction
+
+    def acts(kept: bool = False) -> float:
+        made = activations(layout, profile, rows, kept)
+        if stage is None:
+            return made
+        # each micro-batch's forward casts the stage's float32 parameters anew, and keeps its casts for its backward
+        casts = (pieces(layout.pp, rows) - 1) * params / 2 if layout.precision is not None else 0.0
+        return profile.stage_share(made, stage, rows, layout.checkpoint) + casts
     gathered = 0.0
     if layout.shard == "parameters" and dp > 1:
         params = params - trainable + own  # frozen parameters stay whole
@@ -70,8 +94,9 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     grads = own if layout.shard in ("gradients", "parameters") and dp > 1 else trainable
     buffers = 0.0
     if dp > 1:
-        ring = RING * ring_bytes(int(trainable), dp, int(bucket_mb * MB))
         summed = trainable * profile.widened  # the buckets, in the dtype gradients are summed in
+        # each buffer of the ring as large as its largest bucket, at most the cap: no more than the buckets
+        ring = min(RING * ring_bytes(int(trainable), dp, int(bucket_mb * MB)), summed)
         buffers += {None: summed, "optimizer": summed + ring}.get(layout.shard, ring)
     if mp > 1:
         sent = profile.splits[mp].sent_per_row * rows / max(1, profile.splits[mp].collectives)
@@ -79,7 +104,7 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     whole = not (layout.shard in ("gradients", "parameters") and dp > 1)
     kinds = {"parameters": params, "model buffers": profile.buffer_bytes, "gradients": grads,
              "optimizer state": states * own, "autodist buffers": buffers,
-             "activations": activations(layout, profile, rows)}
+             "activations": acts()}
     at_rest = sum(v for k, v in kinds.items() if k != "activations")
     # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
     # frees the activations, which the peak measured with them kept holds; sharded ones stay at rest
@@ -87,7 +112,8 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     # the step's temporaries: per byte stepped (foreach), or the largest tensor's, which mp and sharding cut alike
     transient = profile.step_transient * own + profile.step_transient_bytes * (
         own / profile.trainable_bytes if profile.trainable_bytes else 0.0)
-    peak = max(between + activations(layout, profile, rows, kept=whole) + gathered, at_rest + transient)
+    # a stage's gradients build up whole over its micro-batches' backwards, sharded or not, summed after the last
+    peak = max(between + acts(kept=whole or layout.pp > 1) + gathered, at_rest + transient)
     return kinds, peak
 
 

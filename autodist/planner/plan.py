@@ -76,6 +76,7 @@ class Row:
     measured_memory: dict[str, float] = field(default_factory=dict)  # autodist.memory of the trial, at rest
     impossible: str = ""  # why this layout cannot be made ("" where it can)
     status: str = ""
+    stages: list[int] | None = None  # with pp: the blocks of each stage, as predicted and tried (stages=)
 
     @property
     def fits(self) -> bool:
@@ -108,8 +109,10 @@ class ParallelPlan:
     search_seconds: float = 0.0
 
     def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``parallelize`` the plan chose."""
-        return self.layout.options()
+        """The keyword arguments of ``parallelize`` the plan chose (with ``pp``, the cut it tried: ``stages=``)."""
+        chosen = next((r for r in self.rows if r.status == "chosen"), None)
+        stages = chosen.stages if chosen is not None and chosen.layout == self.layout else None
+        return {**self.layout.options(), **({"stages": stages} if stages else {})}
 
     def line(self) -> str:
         """The choice and why, in one line."""
@@ -117,11 +120,12 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         kinds = [k for k in (*KINDS, "activations") if any(r.memory.get(k) for r in self.rows)]
-        head = ("dp", "mp", "shard", "ckpt", *(_short(k) for k in kinds), "peak", "fits", "time/step", "status")
+        dims = ["dp", *(d for d in ("pp", "cp") if any(getattr(r.layout, d) > 1 for r in self.rows)), "mp"]
+        head = (*dims, "shard", "ckpt", *(_short(k) for k in kinds), "peak", "fits", "time/step", "status")
         table = [head]
         for r in self.rows:
-            table.append((str(r.layout.dp), str(r.layout.mp), str(r.layout.shard), "yes" if r.layout.checkpoint
-                          else "no", *(_mb(r.memory.get(k)) for k in kinds), _peak(r),
+            table.append((*(str(getattr(r.layout, d)) for d in dims), str(r.layout.shard),
+                          "yes" if r.layout.checkpoint else "no", *(_mb(r.memory.get(k)) for k in kinds), _peak(r),
                           "-" if r.impossible else ("yes" if r.fits else "no"), _time(r), r.status))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]

@@ -28,6 +28,7 @@ from autodist.dp import precision
 from autodist.dp.buckets import sum_dtype
 from autodist.mp import rewrite
 from autodist.planner.live import LiveBytes
+from autodist.planner.stages import Blocks, Stage, bounds_of, measure_blocks, refusal
 from autodist.planner.step import loss_of, make_optimizer, untouched
 from autodist.runtime import tree
 from autodist.sharded import blocks as sharded_blocks
@@ -90,6 +91,32 @@ class Profile:
     bandwidth: float  # bytes per second of the ring all-reduce (2(P-1)/P x bytes sent)
     notes: list[str] = field(default_factory=list)
     widened: float = 1.0  # bytes the ranks sum per byte of trainable parameters (2: bfloat16 summed in float32)
+    block_measures: Blocks | None = None  # each block's bytes and time, for pp's stages (None: no pp possible)
+    send_latency: float = 0.0  # seconds of a small send from one rank to another
+    cuts: dict[int, list[int]] = field(default_factory=dict)  # by pp: where each stage begins, and the end
+    cut_refusals: dict[int, str] = field(default_factory=dict)  # by pp: why that cut cannot run ("" where it can)
+
+    def stage_fraction(self, stage: Stage) -> float:
+        """The share of the model's parameter bytes a rank of ``stage`` holds: every parameter outside the
+        blocks (each stage keeps them) and its blocks'."""
+        if self.block_measures is None or not self.param_bytes:
+            return 1.0
+        outside = max(0.0, self.param_bytes - sum(self.block_measures.params))
+        return (outside + stage.block_bytes) / self.param_bytes
+
+    def stage_share(self, whole: float, stage: Stage, rows: float, checkpoint: bool) -> float:
+        """Of ``whole`` bytes a forward/backward keeps on one rank, what ``stage`` keeps: the blocks' part in
+        proportion to what they save (to their number, checkpointed: their inputs), the rest (the head's) on the
+        last stage."""
+        measures = self.block_measures
+        if measures is None:
+            return whole
+        in_blocks = min(whole, sum(measures.saved) * rows)
+        if checkpoint:
+            share = stage.blocks / max(1, len(measures.saved))
+        else:
+            share = stage.saved_per_row / sum(measures.saved) if sum(measures.saved) else 1.0 / len(measures.saved)
+        return in_blocks * share + (whole - in_blocks if stage.last else 0.0)
 
     def per_rank(self, layout: Any) -> tuple[float, float, float]:
         """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the
@@ -293,6 +320,27 @@ def _all_reduce_time(device: torch.device) -> tuple[float, float]:
     return out[0], moved / max(1e-9, out[1] - out[0])
 
 
+def _send_time(device: torch.device) -> float:
+    """Seconds of one small send to another rank, as a pipeline's stages send (half a round trip between ranks
+    ``2i`` and ``2i + 1``; every rank calls this)."""
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    if size < 2:
+        return 0.0
+    rank = dist.get_rank()
+    peer = rank ^ 1 if rank ^ 1 < size else None
+    t = torch.zeros(256, device=device)
+    best = float("inf")
+    for _ in range(4):
+        dist.barrier()
+        start = time.perf_counter()
+        if peer is not None:
+            first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+            first(t, peer)
+            second(t, peer)
+        best = min(best, (time.perf_counter() - start) / 2)
+    return best
+
+
 def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: int, states: int,
             blocks: sharded_blocks.Choice = None, batch_dim: int = 0, compute: torch.dtype | None = None) -> Profile:
     """Measure the model on two batch sizes of ``example`` (its first ``rows`` rows), and the world's
@@ -324,10 +372,15 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
             _pass(model, first)  # warm
             for r in rows:
                 measured.append(_measure_rows(model, _rows(example, r, batch_dim), names, roles, dropped))
+            pipelined = measure_blocks(model, names, first, rows[0]) if len(names) > 1 and world_size > 1 else None
+            degrees = [k for k in range(2, min(world_size, len(names)) + 1) if world_size % k == 0]
+            cuts = {k: bounds_of(pipelined, k) for k in degrees} if pipelined is not None else {}
+            refused = {k: refusal(model, names, bounds, first) for k, bounds in cuts.items()}
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
         splits = {k: _split(explained[k], k, rows_in, total, element, moved) for k in mps}
     step, transient, transient_bytes = _optimizer_step(model, states)
     latency, bandwidth = _all_reduce_time(device)
+    send = _send_time(device)
     (r1, m1), (r2, m2) = zip(rows, measured)
 
     def line(key: str) -> Line:
@@ -341,4 +394,5 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         split_kept={k: Line.through(r1, m1["split"][k], r2, m2["split"][k]) for k in mps},
         forward=line("forward"), backward=line("backward"), recompute=line("recompute"), step_per_byte=step,
         step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth,
-        widened=summed / trainable if trainable else 1.0)
+        widened=summed / trainable if trainable else 1.0, block_measures=pipelined, send_latency=send, cuts=cuts,
+        cut_refusals=refused)

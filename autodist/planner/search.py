@@ -25,6 +25,7 @@ from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
 from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
 from autodist.planner.profile import Profile, measure, nbytes
+from autodist.planner.stages import counts
 from autodist.runtime import plain
 from autodist.runtime.world import World, log
 
@@ -50,11 +51,21 @@ def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget:
             row.status = f"not possible: {row.impossible}"
             continue
         per_rank = math.ceil(batch / row.layout.dp)
-        existing = memory.existing_mp_buffers(world_size, row.layout.mp) if row.layout.mp > 1 else 0.0
+        existing = memory.existing_mp_buffers(world_size, row.layout.mp, row.layout.pp) if row.layout.mp > 1 else 0.0
         row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb, existing)
+        if row.layout.pp > 1:
+            row.stages = counts(profile.cuts[row.layout.pp])
         row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb)
         if row.peak > budget:
             row.status = f"does not fit: needs {size_text(row.peak)} > budget {size_text(budget)}"
+
+
+def _cut(options: dict[str, Any], row: Row) -> dict[str, Any]:
+    """A trial's options: with ``pp``, the cut its memory was predicted for and checked to run (``stages=``),
+    unless the user gave one."""
+    if row.stages and options.get("stages") is None:
+        return {**options, "stages": row.stages}
+    return options
 
 
 def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name: str) -> ValueError:
@@ -75,19 +86,19 @@ def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name
 
 
 def _finalists(rows: list[Row], count: int) -> list[int]:
-    """The rows to measure: the fastest modelled fitting row of each family (dp, mp, shard level); first the
-    best family of each mp degree, then the other families fastest by the model, ``count`` in all. The model
+    """The rows to measure: the fastest modelled fitting row of each family (dp, mp, pp, shard level); first the
+    best family of each mp and pp degree, then the other families fastest by the model, ``count`` in all. The model
     ranks structurally different layouts roughly (communication most of all): measuring the best of each
     degree and family lets the measurement decide among them."""
     best: dict[tuple, int] = {}
     for i, r in enumerate(rows):
-        family = (r.layout.dp, r.layout.mp, r.layout.shard)
+        family = (r.layout.dp, r.layout.mp, r.layout.pp, r.layout.shard)
         if r.fits and r.seconds is not None and (family not in best or r.seconds < rows[best[family]].seconds):
             best[family] = i
     ranked = sorted(best.values(), key=lambda i: rows[i].seconds)  # type: ignore[arg-type, return-value]
     first = {}
     for i in ranked:
-        first.setdefault(rows[i].layout.mp, i)
+        first.setdefault((rows[i].layout.mp, rows[i].layout.pp), i)
     picked = sorted(first.values(), key=ranked.index)[:count]
     return picked + [i for i in ranked if i not in picked][:max(0, count - len(picked))]
 
@@ -102,8 +113,8 @@ def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:
             r.status = "chosen"
         elif r in fitting and not r.status:
             r.status = _slower(r, best)
-    replicated = next((r for r in rows if r.layout.mp == 1 and r.layout.shard is None and not r.layout.checkpoint),
-                      None)
+    replicated = next((r for r in rows if r.layout.mp == r.layout.pp == 1 and r.layout.shard is None
+                       and not r.layout.checkpoint), None)
     how = f"the fastest of {len(measured)} measured" if measured else "the fastest modelled"
     possible = sum(1 for r in rows if not r.impossible)
     why = f"{how}; {len(fitting)} of the {possible} possible layouts fit {size_text(budget)} per rank"
@@ -169,7 +180,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         say("plan: no finalist measured, as a copy of the model beside it would not fit: the time model decides "
             "(%.1f s so far)", time.perf_counter() - start)
     make = [partial(trial.Trial, model, example, rows[i].layout, setup, auto.optimizer_states, world.rank,
-                    batch_dim, trial_options) for i in measurable]
+                    batch_dim, _cut(trial_options, rows[i])) for i in measurable]
     together = sum(rows[i].peak for i in measurable) <= room
     for i, result in zip(measurable, trial.run_all(make, auto.steps, together)):
         row = rows[i]

@@ -5,7 +5,9 @@ rank updates, and the collectives at the measured latency and ring bandwidth of 
 the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
 same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
 gathered for forward and backward under ``shard="parameters"``, and
-the model-parallel all-reduces of activations. Communication is added to compute, not overlapped: on a
+the model-parallel all-reduces of activations. With ``pp`` stages the slowest stage's share of the work,
+stretched by the pipeline's bubble, and each micro-batch's sends between stages. Communication is added to
+compute, not overlapped: on a
 machine whose cores both compute and move the data that is the closer guess, and the finalists are
 measured anyway.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile
+from autodist.planner.stages import pieces, stages_of, stretch
 
 
 def _ring(nbytes: float, ranks: int, profile: Profile, calls: int = 1) -> float:
@@ -34,6 +37,20 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
     if layout.checkpoint:
         compute += profile.recompute(rows) * work
     params, trainable, own = profile.per_rank(layout)
+    comm_p2p = 0.0
+    if layout.pp > 1 and profile.block_measures is not None:
+        stages = stages_of(profile.block_measures, layout.pp)
+        measures = profile.block_measures
+        total = sum(measures.seconds) + measures.head
+        slowest = max(stages, key=lambda s: s.seconds_per_row)
+        compute *= (slowest.seconds_per_row / total if total else 1.0 / layout.pp) * stretch(layout.pp, rows)
+        fullest = max(profile.stage_fraction(s) for s in stages)
+        params, trainable, own = params * fullest, trainable * fullest, own * fullest
+        # a hop between stages per step of the schedule (m + pp - 1 of them), forward and back: a micro-batch's
+        # activations, or their gradients
+        m = pieces(layout.pp, rows)
+        received = max(s.received_per_row for s in stages)
+        comm_p2p = 2 * (m + layout.pp - 1) * (profile.send_latency + received * rows / m / profile.bandwidth)
     step = profile.step_per_byte * own
     buckets = max(1, int(trainable // (bucket_mb * 2 ** 20)) + 1)
     summed = trainable * profile.widened  # gradients travel in the dtype they are summed in (float32 for bf16)
@@ -46,4 +63,4 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
         comm = _ring(summed, dp, profile, buckets) / 2 + _ring(params, dp, profile, 2 * max(1, len(profile.blocks)))
     if split is not None:
         comm += _ring(split.sent_per_row * rows, mp, profile, split.collectives)
-    return compute + step + comm
+    return compute + step + comm + comm_p2p

@@ -63,7 +63,7 @@ class Trial:
     def __init__(self, model: nn.Module, batch: Any, layout: Layout, setup: Setup, states: int, rank: int,
                  dim: int = 0, options: dict[str, Any] | None = None) -> None:
         self.model, _ = setup(copy.deepcopy(model), None, **{**(options or {}), **layout.options()})
-        self.x = share(batch, rank // layout.mp, layout.dp, dim)
+        self.x = share(batch, rank // (layout.mp * layout.pp * layout.cp), layout.dp, dim)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.optimizer = make_optimizer(self.model.parameters(), states)
         self.times: list[float] = []

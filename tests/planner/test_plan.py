@@ -78,7 +78,7 @@ def _chosen(pins: dict):
 @pytest.mark.parametrize("pins", [pytest.param({}, id="free"),  # the quick tier's search and training
                                   *(pytest.param(pins, id=ident, marks=pytest.mark.slow) for pins, ident in
                                     (({"checkpoint": True}, "checkpoint"), ({"shard": "parameters"}, "parameters"),
-                                     ({"mp": 2}, "mp2")))])
+                                     ({"mp": 2}, "mp2"), ({"pp": 2}, "pp2")))])
 def test_the_chosen_layout_trains_as_one_process(ranks, pins):
     plans = ranks(2, _chosen, pins)
     assert plans[0] == plans[1]  # every rank ends with the same plan

@@ -71,6 +71,8 @@ def test_bf16_is_planned_with_its_bytes_within_10_percent_of_the_measured(ranks)
     assert len(measured) == 4
     for layout, predicted, real in measured:
         assert abs(predicted / real - 1) <= 0.10, (layout, predicted, real)
-    # the activations measured in bfloat16: well under float32's (about 0.6x here), the layouts the same
+    # the activations measured in bfloat16: well under float32's (about 0.6x here), the layouts the same; a
+    # pipeline's stage keeps each micro-batch's casts of its parameters on top
     for (layout, low, _, _), (same, full, _, _) in zip(rows, plans[None][0]):
-        assert layout == same + ", precision='bf16'" and low < 0.75 * full, (layout, low, full)
+        assert layout == same + ", precision='bf16'", (layout, same)
+        assert low < (0.75 if "pp=" not in layout else 0.9) * full, (layout, low, full)

@@ -1,0 +1,104 @@
+"""plan="auto" searches pipeline stages too: every ``dp x pp x mp`` factorization of the world is a candidate, a
+stage's memory predicted from the cut the pipeline makes (tests/planner/test_plan.py's nanoGPT finalists include
+``pp=2``: within 10% there), and a layout with stages chosen trains as one process (float64, 4 ranks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import autodist
+import workloads as w
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self, around: bool = False) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(6, 32), nn.Linear(32, 3)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.around = around  # a residual around the blocks: no pipeline stage after the first can run it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = first = self.blocks[0](self.embed(x))
+        for block in self.blocks[1:]:
+            h = block(h)
+        return self.head(h + first if self.around else h)
+
+
+def _train(model: nn.Module, batches) -> dict:
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return w.state(model)
+
+
+@w.float64
+def _planned(pins: dict):
+    x, y = w.digits_like(48)
+    reference = _train(w.seeded(_Net, 0), w.loader(x, y, 16, shuffle=False))
+    plan = autodist.plan(w.seeded(_Net, 0), w.loader(x, y, 16, shuffle=False), **pins)
+    model, loader = autodist.parallelize(w.seeded(_Net, 0 if w.rank() == 0 else 3), w.loader(x, y, 16, shuffle=False),
+                                         plan=plan)
+    trained = _train(model, loader)
+    if any(hasattr(m, "dense_state") for m in model.modules()):
+        trained = dict(autodist.gather_state_dict(model, all_ranks=True))
+    return plan.to_json(), reference, trained
+
+
+@pytest.mark.slow
+def test_every_factorization_is_a_candidate_and_a_pipeline_chosen_trains_as_one_process(ranks):
+    results = ranks(4, _planned, {"pp": 2})
+    plan = autodist.ParallelPlan.from_json(results[0][0])
+    print(plan)
+    assert {(r.layout.dp, r.layout.pp, r.layout.mp) for r in plan.rows} == {(2, 2, 1), (1, 2, 2)}  # pp kept
+    assert plan.layout.pp == 2 and [r.status for r in plan.rows].count("chosen") == 1
+    measured = [r for r in plan.rows if r.measured_peak]
+    assert measured and all(abs(r.peak / r.measured_peak - 1) <= 0.10 for r in measured), \
+        [(str(r.layout), r.peak, r.measured_peak) for r in measured]
+    for _, reference, trained in results:
+        assert_close(trained, reference, rtol=0, atol=1e-10)
+
+
+def _candidates():
+    x, y = w.digits_like(48)
+    return autodist.plan(w.seeded(_Net, 0), w.loader(x, y, 16, shuffle=False), autodist.Auto(finalists=0)).to_json()
+
+
+@pytest.mark.slow
+def test_four_ranks_search_every_dp_pp_mp_factorization(ranks):
+    plan = autodist.ParallelPlan.from_json(ranks(4, _candidates)[0])
+    made = {(r.layout.dp, r.layout.pp, r.layout.mp) for r in plan.rows}
+    assert made == {(4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)}, made
+    four = [r for r in plan.rows if r.layout.pp == 4 and r.layout.shard is None]
+    assert four and all(not r.impossible and r.peak > 0 for r in four)  # 4 blocks: 4 stages of one
+
+
+def _around():
+    x, y = w.digits_like(48)
+    plan = autodist.plan(w.seeded(lambda: _Net(around=True), 0), w.loader(x, y, 16, shuffle=False),
+                         autodist.Auto(finalists=4))
+    return plan.to_json()
+
+
+def test_a_cut_no_stage_can_run_is_not_a_candidate_and_no_trial_waits_on_it(ranks):
+    """A trial of a cut that one stage cannot run would leave the other stage waiting on its sends: each cut is
+    run here first, stage by stage, and one that raises is named in the table."""
+    plan = autodist.ParallelPlan.from_json(ranks(2, _around)[0])
+    staged = [r for r in plan.rows if r.layout.pp == 2]
+    assert staged and all(r.impossible.startswith("pp=2 cannot run the model cut as the pipeline would cut it: "
+                                                  "stage 1: add on the output of blocks.0") for r in staged), \
+        [r.impossible for r in staged]
+    assert plan.layout.pp == 1
