@@ -107,9 +107,11 @@ def _ground_truth(model: nn.Module, loader: DataLoader, plan: autodist.ParallelP
     for row in (r for r in plan.rows if r.fits):
         layout = row.layout
         options = {"example": example} if layout.mp > 1 else {}
+        if row.stages:  # the cut the plan predicted and tried
+            options["stages"] = row.stages
         trial, _ = autodist.parallelize(copy.deepcopy(model), None, **layout.options(), **options)
         optimizer = torch.optim.Adam(trial.parameters(), lr=1e-4)
-        x = share(example, rank // layout.mp, layout.dp, 0)
+        x = share(example, rank // (layout.mp * layout.pp), layout.dp, 0)
 
         def step(trial=trial, optimizer=optimizer, x=x) -> float:
             start = time.perf_counter()

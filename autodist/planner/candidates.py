@@ -22,7 +22,7 @@ def _why_not(layout: Layout, profile: Profile) -> str:
         return (f"pp={layout.pp} stages need at least {layout.pp} blocks (the model has {len(profile.blocks)}; "
                 f"name finer ones with blocks=)")
     if layout.pp > 1 and profile.cut_refusals.get(layout.pp):
-        return f"pp={layout.pp} cannot run the model cut as the pipeline would cut it: {profile.cut_refusals[layout.pp]}"
+        return f"pp={layout.pp} cannot run the model (cut as the pipeline cuts it): {profile.cut_refusals[layout.pp]}"
     if layout.pp > 1 and layout.shard == "parameters":
         return f"pp={layout.pp} with shard='parameters' is not built (each stage holds its blocks whole)"
     if layout.shard is not None and layout.dp == 1:

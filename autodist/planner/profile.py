@@ -375,7 +375,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
             pipelined = measure_blocks(model, names, first, rows[0]) if len(names) > 1 and world_size > 1 else None
             degrees = [k for k in range(2, min(world_size, len(names)) + 1) if world_size % k == 0]
             cuts = {k: bounds_of(pipelined, k) for k in degrees} if pipelined is not None else {}
-            refused = {k: refusal(model, names, bounds, first) for k, bounds in cuts.items()}
+            refused = {k: refusal(model, names, bounds, first, batch_dim) for k, bounds in cuts.items()}
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
         splits = {k: _split(explained[k], k, rows_in, total, element, moved) for k in mps}
     step, transient, transient_bytes = _optimizer_step(model, states)

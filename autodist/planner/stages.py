@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from autodist.pp import cut as pp_cut
+from autodist.pp import micro
 from autodist.pp.hollow import hollow
 from autodist.pp.schedule import bubble
 from autodist.runtime import tree
@@ -101,12 +102,16 @@ class _StageEnds(BaseException):
     """Raised after a stage's last block in :func:`refusal`: the stage's forward ends there, as the pipeline's does."""
 
 
-def refusal(model: nn.Module, names: list[str], bounds: list[int], example: Any) -> str:
-    """Why the cut at ``bounds`` cannot run, in the words each stage's rank would raise, or "". Each stage after
+def refusal(model: nn.Module, names: list[str], bounds: list[int], example: Any, dim: int = 0) -> str:
+    """Why the cut at ``bounds`` cannot run, in the words each stage's rank would raise, or "". The outputs of two
+    micro-batches (``dim`` the batch's) must merge as the last stage merges them; each stage after
     the first is run here as its rank runs it, on one process: the blocks before it stand in (the one just before
     it gives its real output, as the stage receives it; the earlier ones a :func:`~autodist.pp.hollow.hollow`
     one, whose every use raises), its own blocks run, and its forward ends after its last block. A planner's
     trial of a cut that one stage cannot run would leave the other stages waiting on their sends."""
+    merging = _merge_refusal(model, example, dim)
+    if merging:
+        return merging
     modules = dict(model.named_modules())
     blocks = [modules[n] for n in names]
     outputs: list[Any] = [None] * len(blocks)
@@ -149,3 +154,20 @@ def refusal(model: nn.Module, names: list[str], bounds: list[int], example: Any)
 
 def _raise() -> None:
     raise _StageEnds
+
+
+def _merge_refusal(model: nn.Module, example: Any, dim: int) -> str:
+    """Why the outputs of the example's micro-batches cannot be put together as the last stage does, or ""."""
+    args, kwargs = (example if isinstance(example, tuple) else (example,)), {}
+    if isinstance(example, dict):
+        args, kwargs = (), example
+    try:
+        parts = micro.cut(args, kwargs, 2, dim)
+        if len(parts.rows) < 2:
+            return ""
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            outputs = [model(*a, **k) for a, k in parts.calls]
+        micro.merge(outputs, parts.rows, [float(r) for r in parts.rows], dim, lambda *_: None)
+    except (TypeError, ValueError) as err:
+        return f"the last stage: {str(err).splitlines()[0]}"
+    return ""

@@ -56,6 +56,11 @@ def _slowest(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+class PipelineTrialFailed(Exception):
+    """A finalist with pipeline stages failed on some of its stages: not a layout that merely cannot be made (the
+    others are inside its pipeline, waiting on the failed stage), so the search cannot go on."""
+
+
 class Trial:
     """A copy of ``model`` parallelized as ``layout``, warmed up (the optimizer's state made) and its peak
     measured; :meth:`step` times one more step (the slowest rank's time); :meth:`close` frees it."""
@@ -67,7 +72,15 @@ class Trial:
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.optimizer = make_optimizer(self.model.parameters(), states)
         self.times: list[float] = []
-        self._step()  # the optimizer's state; the first of everything
+        try:
+            self._step()  # the optimizer's state; the first of everything
+        except Exception as err:
+            if layout.pp > 1:  # the other stages wait on this one's sends: no agreement can be reached
+                raise PipelineTrialFailed(
+                    f"plan: the finalist {layout} failed on this rank inside its pipeline ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else ''}), and the other stages wait on it, so the "
+                    f"search stops here: choose the layout yourself (layout=autodist.Layout(...))") from err
+            raise
         self.optimizer.zero_grad()
         at_rest = memory(self.model, self.optimizer).total
         with LiveBytes() as live:

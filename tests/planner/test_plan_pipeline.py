@@ -23,17 +23,19 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    def __init__(self, around: bool = False) -> None:
+    def __init__(self, around: bool = False, flat: bool = False) -> None:
         super().__init__()
         self.embed, self.head = nn.Linear(6, 32), nn.Linear(32, 3)
         self.blocks = nn.ModuleList(_Block() for _ in range(4))
         self.around = around  # a residual around the blocks: no pipeline stage after the first can run it
+        self.flat = flat  # one row of the output per batch, not per sample: the micro-batches' cannot be merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = first = self.blocks[0](self.embed(x))
         for block in self.blocks[1:]:
             h = block(h)
-        return self.head(h + first if self.around else h)
+        out = self.head(h + first if self.around else h)
+        return out.reshape(1, -1) if self.flat else out
 
 
 def _train(model: nn.Module, batches) -> dict:
@@ -86,19 +88,23 @@ def test_four_ranks_search_every_dp_pp_mp_factorization(ranks):
     assert four and all(not r.impossible and r.peak > 0 for r in four)  # 4 blocks: 4 stages of one
 
 
-def _around():
+def _refused(options: dict):
     x, y = w.digits_like(48)
-    plan = autodist.plan(w.seeded(lambda: _Net(around=True), 0), w.loader(x, y, 16, shuffle=False),
+    plan = autodist.plan(w.seeded(lambda: _Net(**options), 0), w.loader(x, y, 16, shuffle=False),
                          autodist.Auto(finalists=4))
     return plan.to_json()
 
 
-def test_a_cut_no_stage_can_run_is_not_a_candidate_and_no_trial_waits_on_it(ranks):
+@pytest.mark.parametrize("options, words", [
+    ({"around": True}, "stage 1: add on the output of blocks.0"),
+    ({"flat": True}, "the last stage: output of the model's forward is a tensor of shape (1, "),
+], ids=["residual-around-blocks", "output-not-per-sample"])
+def test_a_cut_no_stage_can_run_is_not_a_candidate_and_no_trial_waits_on_it(ranks, options, words):
     """A trial of a cut that one stage cannot run would leave the other stage waiting on its sends: each cut is
-    run here first, stage by stage, and one that raises is named in the table."""
-    plan = autodist.ParallelPlan.from_json(ranks(2, _around)[0])
+    run here first, stage by stage, and the micro-batches' outputs merged as the last stage merges them; one
+    that raises is named in the table."""
+    plan = autodist.ParallelPlan.from_json(ranks(2, _refused, options)[0])
     staged = [r for r in plan.rows if r.layout.pp == 2]
-    assert staged and all(r.impossible.startswith("pp=2 cannot run the model cut as the pipeline would cut it: "
-                                                  "stage 1: add on the output of blocks.0") for r in staged), \
-        [r.impossible for r in staged]
+    said = "pp=2 cannot run the model (cut as the pipeline cuts it): " + words
+    assert staged and all(r.impossible.startswith(said) for r in staged), [r.impossible for r in staged]
     assert plan.layout.pp == 1
