@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what __getattr__ imports, for type checkers and readers (an
     from autodist.mp.gather import gather_state_dict
     from autodist.mp.rewrite import SplitPlan
     from autodist.planner.plan import Auto, ParallelPlan
+    from autodist.planner.target import Target
     from autodist.ps import EASGD, Downpour
     from autodist.runtime import comm
     from autodist.runtime.layout import Layout
@@ -48,6 +49,7 @@ _WHERE = {  # public name -> the module it lives in
     "ModelChanged": "autodist.dp.structure", "whole_batch": "autodist.dp.whole_batch", "Check": "autodist.dp.check",
     "gather_state_dict": "autodist.mp.gather",
     "SplitPlan": "autodist.mp.rewrite", "Auto": "autodist.planner.plan", "ParallelPlan": "autodist.planner.plan",
+    "Target": "autodist.planner.target",
     "EASGD": "autodist.ps", "Downpour": "autodist.ps", "Layout": "autodist.runtime.layout",
     **dict.fromkeys(("World", "init", "rank", "world_size"), "autodist.runtime.world"),
     "full_parameters": "autodist.sharded.parameters",
@@ -60,7 +62,7 @@ _MODULES = {"engine": "autodist.train.engine", "comm": "autodist.runtime.comm", 
 __all__ = ["init", "World", "parallelize", "synchronize_model", "no_sync", "explain", "SplitPlan", "gather_state_dict",
            "save", "load", "resume", "LocalSGD", "DiLoCo", "Gossip", "Hierarchical", "Downpour", "EASGD",
            "rank", "world_size", "engine", "ModelChanged", "memory", "full_parameters", "plan", "Auto",
-           "ParallelPlan", "Layout", "whole_batch", "Check"]
+           "ParallelPlan", "Layout", "Target", "whole_batch", "Check"]
 __version__ = "0.1.0"
 
 

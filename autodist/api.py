@@ -33,6 +33,7 @@ from autodist.planner import search as planner
 from autodist.planner.budget import default_budget
 from autodist.planner.memory import replicated_need
 from autodist.planner.plan import Auto, Layout, ParallelPlan, size_text
+from autodist.planner.target import Target
 from autodist.pp import cut as pp_cut
 from autodist.pp import pipeline as pp_pipeline
 from autodist.ps.strategy import ParameterServer
@@ -371,8 +372,10 @@ def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan
     return search_plan(model, data, Auto() if plan == "auto" else plan, given, trials)
 
 
-def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: dict, options: dict) -> ParallelPlan:
-    """Run the search with ``parallelize``'s options (the trials parallelize copies of the model with them)."""
+def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: dict, options: dict,
+                target: Target | None = None) -> ParallelPlan:
+    """Run the search with ``parallelize``'s options (the trials parallelize copies of the model with them);
+    for ``target``, the prediction for that world."""
     _check_model(model)
     if not isinstance(options["sync"], str) or options["sync"] not in ("backward", "manual"):
         raise ValueError(f"plan= chooses among the layouts that train as one process (sync='backward' or 'manual'); "
@@ -393,13 +396,14 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
     world = init(options["backend"])
     dim = 0 if options["batch_dim"] is None else options["batch_dim"]
     return planner.search(model, data, auto, world, _pins(given), partial(_build_chosen, announce=False), dim,
-                          options, options["bucket_mb"])
+                          options, options["bucket_mb"], target)
 
 
 def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = None, *, mp: int = 1, pp: int = 1,
          shard: Literal["optimizer", "gradients", "parameters"] | None = None, checkpoint: bool = False,
-         **options: object) -> ParallelPlan:
-    """Choose the layout ``parallelize(model, data, plan="auto")`` would, without parallelizing the model.
+         target: Target | None = None, **options: object) -> ParallelPlan:
+    """Choose the layout ``parallelize(model, data, plan="auto")`` would, without parallelizing the model; or,
+    with ``target``, predict it for a world that is not here.
 
     A collective: every rank calls it. The model, its gradients and the random streams are left as they were.
 
@@ -407,6 +411,9 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
         model / data: as for :func:`parallelize`.
         auto: the search's settings (:class:`autodist.Auto`: memory budget, optimizer states, batch size).
         mp / pp / shard / checkpoint: a value other than the default is kept; the search chooses the rest.
+        target: an :class:`autodist.Target` (ranks, their memory, the link, their speed against a rank here):
+            every layout of that world predicted from this one's measures (the stated cost model of
+            docs/plan.md), the fastest that fits chosen; nothing is tried, and the plan is for that world.
         options: any other keyword argument of :func:`parallelize` (``batch_dim``, ``example``, ``blocks``...).
 
     Returns:
@@ -426,8 +433,12 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
     if auto is not None and not isinstance(auto, Auto):
         raise TypeError(f"auto must be an autodist.Auto (the search's settings) or None, got {type(auto).__name__}")
     options = {**defaults, **options}
+    if target is not None and not isinstance(target, Target):
+        raise TypeError(f"target must be an autodist.Target (a world that is not here) or None, got "
+                        f"{type(target).__name__}")
     return search_plan(model, data, auto or Auto(), dict(mp=mp, pp=pp, shard=shard, checkpoint=checkpoint,
-                                                         mixed_precision=options["mixed_precision"]), options)
+                                                         mixed_precision=options["mixed_precision"]), options,
+                       target)
 
 
 def parallelize(

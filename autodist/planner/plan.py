@@ -107,6 +107,7 @@ class ParallelPlan:
     rows: list[Row]
     reason: str = ""
     search_seconds: float = 0.0
+    measured_on: int = 0  # a plan for another world (autodist.Target): the ranks it was measured on; 0: this one
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``parallelize`` the plan chose (with ``pp``, the cut it tried: ``stages=``)."""
@@ -130,7 +131,9 @@ class ParallelPlan:
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join([f"{self.line()}; {self.world_size} ranks, budget {size_text(self.budget)} per rank, "
+        where = f"{self.world_size} ranks" if not self.measured_on else \
+            f"{self.world_size} ranks (predicted from {self.measured_on})"
+        return "\n".join([f"{self.line()}; {where}, budget {size_text(self.budget)} per rank, "
                           f"global batch {self.batch_size}, {self.optimizer_states} optimizer states per parameter, "
                           f"{'computing in ' + self.layout.precision + ', ' if self.layout.precision else ''}"
                           f"searched in {self.search_seconds:.1f} s", *lines,

@@ -26,6 +26,7 @@ from autodist.planner.candidates import candidates
 from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
 from autodist.planner.profile import Profile, measure, nbytes
 from autodist.planner.stages import counts
+from autodist.planner.target import Target, carried
 from autodist.runtime import plain
 from autodist.runtime.world import World, log
 
@@ -45,13 +46,16 @@ def batch_size_of(data: Any, auto: Auto) -> int:
 
 
 def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget: float, bucket_mb: float,
-             world_size: int) -> None:
+             world_size: int, here: bool = True) -> None:
+    """Each row's memory, peak and time; ``here``: the world this process is in (its model-parallel buffers
+    already made count), else a :class:`Target`."""
     for row in rows:
         if row.impossible:
             row.status = f"not possible: {row.impossible}"
             continue
         per_rank = math.ceil(batch / row.layout.dp)
-        existing = memory.existing_mp_buffers(world_size, row.layout.mp, row.layout.pp) if row.layout.mp > 1 else 0.0
+        existing = memory.existing_mp_buffers(world_size, row.layout.mp, row.layout.pp) \
+            if row.layout.mp > 1 and here else 0.0
         row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb, existing)
         if row.layout.pp > 1:
             row.stages = counts(profile.cuts[row.layout.pp])
@@ -68,18 +72,18 @@ def _cut(options: dict[str, Any], row: Row) -> dict[str, Any]:
     return options
 
 
-def _nothing_fits(rows: list[Row], budget: float, world: World, batch: int, name: str) -> ValueError:
+def _nothing_fits(rows: list[Row], budget: float, ranks: int, batch: int, name: str) -> ValueError:
     possible = [r for r in rows if not r.impossible]
     if not possible:  # the pins leave no layout that can be made
         why = "; ".join(sorted({r.impossible for r in rows})) or "the pins given match no factorization"
-        return ValueError(f"no layout of {name} can be made on {world.size} ranks with the mp, shard and checkpoint "
+        return ValueError(f"no layout of {name} can be made on {ranks} ranks with the mp, shard and checkpoint "
                           f"given beside plan=: {why}")
     smallest = min(possible, key=lambda r: r.peak)
     helps = ["more ranks (sharding and mp divide the model's state by the ranks)",
              f"a smaller global batch than {batch} (activations grow with it)"]
     if not smallest.layout.checkpoint and any(r.layout.checkpoint for r in possible):
         helps.append("checkpoint=True")
-    return ValueError(f"no layout of {name} fits the memory budget on {world.size} ranks: the smallest, "
+    return ValueError(f"no layout of {name} fits the memory budget on {ranks} ranks: the smallest, "
                       f"{smallest.layout}, needs {size_text(smallest.peak)} per rank > budget {size_text(budget)}. "
                       f"What would help: {'; '.join(helps)}; or a larger budget (plan=autodist.Auto(budget_gb=...)) "
                       f"if more memory is free than autodist sees")
@@ -136,9 +140,24 @@ def _slower(row: Row, best: Row) -> str:
     return f"+{100 * (ratio - 1):.0f}% slower (modelled)"
 
 
+def _predicted(rows: list[Row], budget: float, auto: Auto, batch: int, ranks: int, world: World,
+               seconds: float) -> ParallelPlan:
+    """The plan for a target world: the fastest modelled layout that fits, none tried."""
+    best, why = _choose(rows, budget)
+    plan = ParallelPlan(ranks, budget, auto.optimizer_states, batch, best.layout, rows,
+                        f"predicted for {ranks} ranks from the measures of {world.size} here, none tried: {why}",
+                        seconds, measured_on=world.size)
+    if world.size > 1:
+        plan = ParallelPlan.from_json(plain.broadcast(plan.to_json(), src=0))
+    (log.info if world.rank == 0 else log.debug)("%s", plan.line())
+    return plan
+
+
 def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[str, Any], setup: trial.Setup,
-           batch_dim: int = 0, options: dict[str, Any] | None = None, bucket_mb: float = 25.0) -> ParallelPlan:
-    """Choose the layout of ``model`` for this world (a collective: every rank calls it alike)."""
+           batch_dim: int = 0, options: dict[str, Any] | None = None, bucket_mb: float = 25.0,
+           target: Target | None = None) -> ParallelPlan:
+    """Choose the layout of ``model`` for this world, or predict it for ``target`` from this one's measures
+    (nothing is tried there); a collective: every rank calls it alike."""
     start = time.perf_counter()
     batch = batch_size_of(data, auto)
     options = dict(options or {})
@@ -151,19 +170,26 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     say = log.info if world.rank == 0 else log.debug
     say("plan: measuring %s (a forward/backward at 2 batch sizes, the optimizer step, the all-reduce)",
         type(model).__name__)
-    small = max(1, batch // world.size)
-    profile = measure(model, example, (small, min(batch, 2 * small)), world.size, auto.optimizer_states,
+    ranks = world.size if target is None else target.ranks
+    small = max(1, batch // ranks)
+    profile = measure(model, example, (small, min(batch, 2 * small)), ranks, auto.optimizer_states,
                       options.get("blocks"), batch_dim, precision.compute_dtype(pinned.get("precision")))
+    if target is not None:
+        profile = carried(profile, target, world.size)
     held = nbytes([*model.parameters(), *model.buffers()])
     here = default_budget(model, world)
     available = min(plain.all_gather(here)) if world.size > 1 else here
     budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else available
-    rows = candidates(world.size, profile, pinned)
-    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, world.size)
+    if target is not None and target.memory_gb is not None:
+        budget = target.memory_gb * 1e9
+    rows = candidates(ranks, profile, pinned)
+    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, ranks, here=target is None)
     if world.size > 1:  # rank 0's predictions decide, on every rank
         rows = rows_from(plain.broadcast([asdict(r) for r in rows], src=0))
     if not any(r.fits for r in rows):
-        raise _nothing_fits(rows, budget, world, batch, type(model).__name__)
+        raise _nothing_fits(rows, budget, ranks, batch, type(model).__name__)
+    if target is not None:
+        return _predicted(rows, budget, auto, batch, ranks, world, time.perf_counter() - start)
     chosen = _finalists(rows, auto.finalists)
     trial_options = dict(options)
     if trial_options.get("example") is None:  # mp plans an untraceable model from a forward on it
@@ -193,7 +219,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         if result.peak > budget:
             row.status = f"does not fit: measured {size_text(result.peak)} > budget {size_text(budget)}"
     if not any(r.fits for r in rows):
-        raise _nothing_fits(rows, budget, world, batch, type(model).__name__)
+        raise _nothing_fits(rows, budget, ranks, batch, type(model).__name__)
     best, why = _choose(rows, budget)
     plan = ParallelPlan(world.size, budget, auto.optimizer_states, batch, best.layout, rows, why,
                         time.perf_counter() - start)
