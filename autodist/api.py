@@ -395,8 +395,17 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
                          f"beside them (the search keeps it), or leave them to the plan")
     world = init(options["backend"])
     dim = 0 if options["batch_dim"] is None else options["batch_dim"]
-    return planner.search(model, data, auto, world, _pins(given), partial(_build_chosen, announce=False), dim,
-                          options, options["bucket_mb"], target)
+    setup = partial(_build_chosen, announce=False)
+    here = None
+    if target is not None:  # this world's plan first: its measured layouts calibrate the time model
+        try:
+            here = planner.search(model, data, auto, world, _pins(given), setup, dim, options,
+                                  options["bucket_mb"]).rows
+        except ValueError as err:  # nothing fits here (the target may have more memory): the model alone
+            log.warning("plan: no layout could be measured here (%s): the target's times are the time model's, "
+                        "uncalibrated", str(err).splitlines()[0][:200])
+    return planner.search(model, data, auto, world, _pins(given), setup, dim, options, options["bucket_mb"], target,
+                          here)
 
 
 def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = None, *, mp: int = 1, pp: int = 1,

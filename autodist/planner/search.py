@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict
 from functools import partial
@@ -140,12 +141,43 @@ def _slower(row: Row, best: Row) -> str:
     return f"+{100 * (ratio - 1):.0f}% slower (modelled)"
 
 
+def _family(layout: Any, checkpoint: bool = True) -> tuple:
+    """What the time model misjudges alike: the shard level, whether layers or the model are split, and
+    (``checkpoint``) recomputation."""
+    return (layout.shard, layout.mp > 1, layout.pp > 1, layout.checkpoint if checkpoint else None)
+
+
+def calibrate(rows: list[Row], here: list[Row]) -> int:
+    """Each row's modelled time times measured over modelled of the layouts measured here of its family (the
+    closest one: the same shard level, split or not, staged or not, recomputing or not; else all of them, their
+    median); the number of layouts measured here it went by."""
+    measured = [r for r in here if r.measured_seconds is not None and r.seconds]
+    if not measured:
+        return 0
+    overall = statistics.median(r.measured_seconds / r.seconds for r in measured)
+    for row in rows:
+        if row.seconds is None:
+            continue
+        for exact in (True, False):
+            same = [r.measured_seconds / r.seconds for r in measured
+                    if _family(r.layout, exact) == _family(row.layout, exact)]
+            if same:
+                row.seconds *= statistics.median(same)
+                break
+        else:
+            row.seconds *= overall
+    return len(measured)
+
+
 def _predicted(rows: list[Row], budget: float, auto: Auto, batch: int, ranks: int, world: World,
-               seconds: float) -> ParallelPlan:
-    """The plan for a target world: the fastest modelled layout that fits, none tried."""
+               seconds: float, here: list[Row]) -> ParallelPlan:
+    """The plan for a target world: the fastest modelled layout that fits (each time calibrated by the layouts
+    measured here, :func:`calibrate`), none tried."""
+    calibrated = calibrate(rows, here)
     best, why = _choose(rows, budget)
+    by = f", the time model calibrated by the {calibrated} layouts measured here" if calibrated else ""
     plan = ParallelPlan(ranks, budget, auto.optimizer_states, batch, best.layout, rows,
-                        f"predicted for {ranks} ranks from the measures of {world.size} here, none tried: {why}",
+                        f"predicted for {ranks} ranks from the measures of {world.size} here{by}, none tried: {why}",
                         seconds, measured_on=world.size)
     if world.size > 1:
         plan = ParallelPlan.from_json(plain.broadcast(plan.to_json(), src=0))
@@ -155,9 +187,10 @@ def _predicted(rows: list[Row], budget: float, auto: Auto, batch: int, ranks: in
 
 def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[str, Any], setup: trial.Setup,
            batch_dim: int = 0, options: dict[str, Any] | None = None, bucket_mb: float = 25.0,
-           target: Target | None = None) -> ParallelPlan:
+           target: Target | None = None, here_rows: list[Row] | None = None) -> ParallelPlan:
     """Choose the layout of ``model`` for this world, or predict it for ``target`` from this one's measures
-    (nothing is tried there); a collective: every rank calls it alike."""
+    (nothing is tried there; ``here_rows``: this world's plan, whose measured layouts calibrate the time model);
+    a collective: every rank calls it alike."""
     start = time.perf_counter()
     batch = batch_size_of(data, auto)
     options = dict(options or {})
@@ -189,7 +222,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     if not any(r.fits for r in rows):
         raise _nothing_fits(rows, budget, ranks, batch, type(model).__name__)
     if target is not None:
-        return _predicted(rows, budget, auto, batch, ranks, world, time.perf_counter() - start)
+        return _predicted(rows, budget, auto, batch, ranks, world, time.perf_counter() - start, here_rows or [])
     chosen = _finalists(rows, auto.finalists)
     trial_options = dict(options)
     if trial_options.get("example") is None:  # mp plans an untraceable model from a forward on it
