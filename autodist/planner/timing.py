@@ -4,12 +4,11 @@ share of the work; checkpointing adds what it was measured to add), the optimize
 rank updates, and the collectives at the measured latency and ring bandwidth of the world's all-reduce:
 the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
 same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
-gathered for forward and backward under ``shard="parameters"``, and
-the model-parallel all-reduces of activations. With ``pp`` stages the slowest stage's share of the work,
-stretched by the pipeline's bubble, and each micro-batch's sends between stages. Communication is added to
-compute, not overlapped: on a
-machine whose cores both compute and move the data that is the closer guess, and the finalists are
-measured anyway.
+gathered for forward and backward under ``shard="parameters"``, and the model-parallel all-reduces of
+activations. With ``pp`` stages the slowest stage's share of the work, stretched by the pipeline's bubble,
+and a send between stages per step of the schedule. Communication is added to compute, not overlapped: on a
+machine whose cores both compute and move the data that is the closer guess, and the finalists are measured
+anyway.
 
 Example:
     >>> seconds(Layout(dp=2, mp=1, shard=None), profile, rows=16, states=2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
@@ -39,12 +38,7 @@ class _Net(nn.Module):
 
 
 def _train(model: nn.Module, batches) -> dict:
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for x, y in batches:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return w.state(model)
+    return w.state(w.train(model, batches, "adam", 1))
 
 
 @w.float64
