@@ -627,15 +627,16 @@ def parallelize(
         replaced (an optimizer holding the old ones refuses to step), and
         with pp a rank holds only its stage's blocks.
     """
-    chosen = Layout.of(layout, dict(mp=mp, pp=pp, cp=cp, shard=shard, checkpoint=checkpoint,
-                                    mixed_precision=mixed_precision))
-    if layout is not None and plan is not None:
-        raise ValueError("plan= and layout= were both given: a plan chooses the layout (plan.layout is one); give "
-                         "one or the other")
-    if chosen.dp is not None:
-        chosen.for_world(init(backend).size)
-    mp, pp, cp, shard, checkpoint = chosen.mp, chosen.pp, chosen.cp, chosen.shard, chosen.checkpoint
-    mixed_precision = chosen.precision
+    if layout is not None:  # the keywords are its shorthands (each checked below as given by them)
+        chosen = Layout.of(layout, dict(mp=mp, pp=pp, cp=cp, shard=shard, checkpoint=checkpoint,
+                                        mixed_precision=mixed_precision))
+        if plan is not None:
+            raise ValueError("plan= and layout= were both given: a plan chooses the layout (plan.layout is one); "
+                             "give one or the other")
+        if chosen.dp is not None:
+            chosen.for_world(init(backend).size)
+        mp, pp, cp, shard, checkpoint = chosen.mp, chosen.pp, chosen.cp, chosen.shard, chosen.checkpoint
+        mixed_precision = chosen.precision
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
