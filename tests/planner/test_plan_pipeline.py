@@ -3,12 +3,15 @@ stage's memory predicted from the cut the pipeline makes (tests/planner/test_pla
 ``pp=2``: within 10% there), and a layout with stages chosen trains as one process (float64, 4 ranks)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch import nn
-from torch.testing import assert_close
 
 import autodist
+import fresh
 import workloads as w
 
 
@@ -54,18 +57,27 @@ def _planned(pins: dict):
     return plan.to_json(), reference, trained
 
 
+def _launched(out: str) -> None:
+    """This file's script part (fresh.py): each rank writes the plan and its training's largest difference from
+    one process."""
+    autodist.init()
+    text, reference, trained = _planned({"pp": 2})
+    worst = max(float((trained[k] - reference[k]).abs().max()) for k in reference)
+    fresh.write(out, autodist.rank(), {"plan": text, "worst": worst, "keys": sorted(trained) == sorted(reference)})
+
+
 @pytest.mark.slow
-def test_every_factorization_is_a_candidate_and_a_pipeline_chosen_trains_as_one_process(ranks):
-    results = ranks(4, _planned, {"pp": 2})
-    plan = autodist.ParallelPlan.from_json(results[0][0])
+def test_every_factorization_is_a_candidate_and_a_pipeline_chosen_trains_as_one_process(tmp_path):
+    results = fresh.launched(os.path.abspath(__file__), 4, tmp_path / "result")  # not the pools: see fresh.py
+    plan = autodist.ParallelPlan.from_json(results[0]["plan"])
     print(plan)
     assert {(r.layout.dp, r.layout.pp, r.layout.mp) for r in plan.rows} == {(2, 2, 1), (1, 2, 2)}  # pp kept
     assert plan.layout.pp == 2 and [r.status for r in plan.rows].count("chosen") == 1
     measured = [r for r in plan.rows if r.measured_peak]
     assert measured and all(abs(r.peak / r.measured_peak - 1) <= 0.10 for r in measured), \
         [(str(r.layout), r.peak, r.measured_peak) for r in measured]
-    for _, reference, trained in results:
-        assert_close(trained, reference, rtol=0, atol=1e-10)
+    for result in results:
+        assert result["keys"] and result["worst"] <= 1e-10, result["worst"]
 
 
 def _candidates():
@@ -102,3 +114,7 @@ def test_a_cut_no_stage_can_run_is_not_a_candidate_and_no_trial_waits_on_it(rank
     said = "pp=2 cannot run the model (cut as the pipeline cuts it): " + words
     assert staged and all(r.impossible.startswith(said) for r in staged), [r.impossible for r in staged]
     assert plan.layout.pp == 1
+
+
+if __name__ == "__main__":
+    _launched(sys.argv[1])

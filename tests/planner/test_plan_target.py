@@ -1,8 +1,11 @@
 """A plan for a world that is not here (``autodist.plan(..., target=autodist.Target(...))``): every layout of that
 world predicted from this one's measures, none tried; its peaks within 10% of the ones measured when that world is
-launched (4 ranks from 2; the step times' error is benchmarks/bench_plan_target.py's to report, not a test's); bad
+launched (4 ranks from 2, measured on fresh processes; the step times' error is benchmarks/bench_plan_target.py's to report, not a test's); bad
 targets named."""
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autodist
+import fresh
 import workloads as w
 from outside.nanogpt import GPT, GPTConfig
 
@@ -29,7 +33,7 @@ def _plan(target: autodist.Target | None):
 
 
 @pytest.mark.slow
-def test_a_plan_for_4_ranks_made_on_2_predicts_the_peaks_4_ranks_measure(ranks):
+def test_a_plan_for_4_ranks_made_on_2_predicts_the_peaks_4_ranks_measure(ranks, tmp_path):
     predicted = autodist.ParallelPlan.from_json(ranks(2, _plan, autodist.Target(ranks=4, speed=0.5))[0])
     assert predicted.world_size == 4 and predicted.measured_on == 2
     assert "predicted for 4 ranks from the measures of 2 here, none tried" in predicted.reason
@@ -37,7 +41,7 @@ def test_a_plan_for_4_ranks_made_on_2_predicts_the_peaks_4_ranks_measure(ranks):
     assert all(r.measured_seconds is None for r in predicted.rows)
     made = {(r.layout.dp, r.layout.pp, r.layout.mp) for r in predicted.rows}
     assert made == {(4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)}, made
-    measured = autodist.ParallelPlan.from_json(ranks(4, _plan, None)[0])
+    measured = autodist.ParallelPlan.from_json(fresh.launched(os.path.abspath(__file__), 4, tmp_path / "plan")[0])
     guesses = {str(r.layout): r for r in predicted.rows}
     compared = [(str(r.layout), guesses[str(r.layout)].peak, r.measured_peak) for r in measured.rows
                 if r.measured_peak]
@@ -75,3 +79,8 @@ def test_a_plan_for_another_world_from_a_world_of_one_needs_the_link():
 def test_bad_targets_are_named(call, words):
     with pytest.raises((ValueError, TypeError), match=words):
         call()
+
+
+if __name__ == "__main__":  # the 4 ranks measured, on fresh processes (fresh.py)
+    autodist.init()
+    fresh.write(sys.argv[1], autodist.rank(), _plan(None))
