@@ -528,9 +528,12 @@ class Watchdog:
     def missing(self) -> str:
         """The ranks still running, and where each is (the lowest ones, at most NAMED); "" where every rank has
         arrived by now."""
-        digest, peers = self._unfinished()
-        if all(s is not None and s.state == "exited" for s in peers.values()):
+        arrived, left = self.store.multi_get(["arrived", "left_count"])
+        if int(arrived) >= self.size - int(left):  # what arrive() waits for: it returns at its next look
             return ""
+        digest, peers = self._unfinished()
+        if peers and all(s is not None and s.state == "exited" for s in peers.values()):
+            return ""  # they said so, and count themselves in next
         late = [f"rank {r} {where_is(s)}" if s is not None else f"rank {r} never reported its progress"
                 for r, s in sorted(peers.items()) if s is None or s.state == "running"]
         more = digest.unfinished_count - len(digest.unfinished) if digest is not None else 0

@@ -265,6 +265,7 @@ class _Bound:
     def __init__(self, meeting: Meeting | None, seconds: float) -> None:
         self.meeting, self.seconds, self.started = meeting, seconds, time.monotonic()
         self.busy = False  # past the bound, the missing ranks were found alive in their own code: waited for
+        self.again = False  # armed again once because every rank had arrived by the time it asked
         self.over = threading.Event()  # the meeting ended: no timer is armed again
         self.timer = self._arm(seconds)
 
@@ -302,11 +303,13 @@ class _Bound:
             who = self.meeting.missing() if self.meeting is not None else "the other ranks did not arrive"
         except Exception as exc:  # noqa: BLE001
             who = f"the other ranks cannot be asked ({exc})"
-        if not who:  # the last rank arrived just now, after busy_line looked: the meeting ends by itself
+        if not who and not self.again:  # the last rank arrived just now, after busy_line looked: the meeting
+            self.again = True  # ends by itself; once, so that a meeting that does not is still given up
             self._arm(min(60.0, self.seconds)).start()
             if self.over.is_set():
                 self.timer.cancel()
             return
+        who = who or "every rank said it arrived, yet the meeting did not end"
         limit = (f"AUTODIST_EXIT_TIMEOUT={self.seconds:g} s; raise it if a rank legitimately finishes this much "
                  f"later") if not self.busy else \
             f"{self.meeting.busy_words}: how long a rank alive in its own " \

@@ -259,12 +259,13 @@ def test_a_rank_stalled_in_user_code_is_waited_for_then_named_with_its_stack(tmp
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_rank_0_evaluating_alone_is_waited_for(tmp_path):
-    """nanoGPT's pattern: rank 0 evaluates alone (here for 3 x AUTODIST_TIMEOUT) while rank 1 waits in the next
+    """nanoGPT's pattern: rank 0 evaluates alone (here for 3 x AUTODIST_TIMEOUT and 2 s, so that rank 1's line at
+    3 x AUTODIST_TIMEOUT does not race the evaluation's end) while rank 1 waits in the next
     gradient sync. With the default busy limit the job finishes, rank 1 saying once per interval whom it waits
     for; with a busy limit shorter than the evaluation every rank stops with the named error, and no socket
     warning or C++ backtrace of torch's follows (rank 0, which holds the store, leaves last)."""
-    job = _run("evaluate", tmp_path, AUTODIST_BUSY_TIMEOUT="1800", EVALUATE_S=str(3 * TIMEOUT))
-    print(f"rank 0 evaluating for {3 * TIMEOUT} s: the job ended {job.seconds:.1f} s after it began")
+    job = _run("evaluate", tmp_path, AUTODIST_BUSY_TIMEOUT="1800", EVALUATE_S=str(3 * TIMEOUT + 2))
+    print(f"rank 0 evaluating for {3 * TIMEOUT + 2} s: the job ended {job.seconds:.1f} s after it began")
     assert job.codes == [0, 0], job.outputs
     assert job.lines(0) == [], job.outputs[0]
     lines = job.lines(1)

@@ -54,3 +54,19 @@ def test_a_missing_rank_at_the_deadline_is_named(monkeypatch):
                                 "legitimately finishes this much later)"]
     assert left == [1]
     bound.cancel()
+
+
+def test_a_meeting_that_does_not_end_though_every_rank_arrived_is_given_up_the_second_time(monkeypatch):
+    left = []
+    monkeypatch.setattr(ending, "leave", lambda code, message=None: left.append(code))
+    monkeypatch.setattr(ending.dist, "get_rank", lambda: 0)
+    meeting = _ArrivedMeanwhile(missing="")
+    bound = ending._Bound(meeting, 30.0)
+    bound._expired()
+    assert meeting.given_up == [] and bound.timer.is_alive()
+    bound.timer.cancel()
+    bound._expired()  # armed again once: the second time it gives up, saying so
+    assert len(meeting.given_up) == 1 and "every rank said it arrived, yet the meeting did not end" in \
+        meeting.given_up[0], meeting.given_up
+    assert left == [1]
+    bound.cancel()
