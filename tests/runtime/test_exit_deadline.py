@@ -6,6 +6,8 @@ arriving between the two questions was once reported as "every rank arrived" and
 """
 from __future__ import annotations
 
+import pytest
+
 from autodist.runtime import ending
 
 
@@ -42,10 +44,16 @@ def test_a_rank_arriving_at_the_deadline_ends_the_meeting_normally():
     assert not bound.timer.is_alive()
 
 
-def test_a_missing_rank_at_the_deadline_is_named(monkeypatch):
-    left = []
-    monkeypatch.setattr(ending, "leave", lambda code, message=None: left.append(code))
+@pytest.fixture
+def left(monkeypatch) -> list[int]:
+    """The exit statuses the deadline leaves with (recorded, not left with), as rank 1."""
+    codes: list[int] = []
+    monkeypatch.setattr(ending, "leave", lambda code, message=None: codes.append(code))
     monkeypatch.setattr(ending.dist, "get_rank", lambda: 1)
+    return codes
+
+
+def test_a_missing_rank_at_the_deadline_is_named(left):
     meeting = _ArrivedMeanwhile(missing="rank 0 is in its own code at train.py:12")
     bound = ending._Bound(meeting, 30.0)
     bound._expired()
@@ -56,10 +64,7 @@ def test_a_missing_rank_at_the_deadline_is_named(monkeypatch):
     bound.cancel()
 
 
-def test_a_meeting_that_does_not_end_though_every_rank_arrived_is_given_up_the_second_time(monkeypatch):
-    left = []
-    monkeypatch.setattr(ending, "leave", lambda code, message=None: left.append(code))
-    monkeypatch.setattr(ending.dist, "get_rank", lambda: 0)
+def test_a_meeting_that_does_not_end_though_every_rank_arrived_is_given_up_the_second_time(left):
     meeting = _ArrivedMeanwhile(missing="")
     bound = ending._Bound(meeting, 30.0)
     bound._expired()
