@@ -647,8 +647,6 @@ def parallelize(
     # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
     # registries every function taking a model looks in), and the wrapper returned, compiling it as before
     given, model = model, unwrapped(model)
-    if cp != 1 and given is not model:
-        cp_options.refuse_compiled(cp)
     if plan is None:
         built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     else:
@@ -786,6 +784,9 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         routing = cp_forward.attach(model, sequence_cut, cp_group, scale,
                                     (dims.dp_rank(world.rank) // cp, dims.dp // cp))
         recompute.within(model, routing.again)  # checkpoint=True: the blocks run again in backward, routed too
+        routing.not_compiled_with = [name for name, on in ((f"mp={dims.mp}", dims.mp > 1),
+                                                           ("checkpoint=True", bool(checkpoint))) if on]
+        sync_state.counts_compiled = True  # type: ignore[union-attr]  # cp routes a compiled forward's loss eagerly
     attach(model, Registration(dims.dp, dims.dp_rank(world.rank), groups.dp, sync_state))
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if elastic_job:

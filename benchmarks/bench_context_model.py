@@ -19,6 +19,7 @@ How to run
     python benchmarks/bench_context_model.py --quick             # smoke run of seconds, timing nothing
     python benchmarks/bench_context_model.py --budget 512 --layouts one,cp2   # the longest sequence in 512 MB
     python benchmarks/bench_context_model.py --layouts one,cp2 --padded 0.1  # a tenth of each sequence padding
+    python benchmarks/bench_context_model.py --layouts one,cp2,one-compiled,cp2-compiled --warmup 2  # compiled
 
 How to read it
     One row per length and layout: milliseconds a step, its ratio to one process's (lower is better), peak MB
@@ -47,6 +48,7 @@ from live_bytes import reset_peak, resident
 from torch.utils.data import DataLoader, TensorDataset
 
 LAYOUTS = ["one", "cp2", "mp2", "pp2"]
+COMPILED = ["one-compiled", "cp2-compiled"]  # torch.compile(model) after parallelize (asked for by name)
 VOCAB = 1024
 
 
@@ -74,7 +76,7 @@ def run_layout(layout: str, length: int, steps: int, warmup: int, padded: float 
     """This process's part of one layout: step seconds, peak bytes, losses."""
     import autodist
 
-    options = {"one": {}, "cp2": {"cp": 2}, "mp2": {"mp": 2}, "pp2": {"pp": 2}}[layout]
+    options = {"one": {}, "cp2": {"cp": 2}, "mp2": {"mp": 2}, "pp2": {"pp": 2}}[layout.removesuffix("-compiled")]
     import transformers  # noqa: F401 - imported before the idle process is measured
 
     idle = resident()  # torch and transformers imported (the process group joined), nothing of the model yet
@@ -83,6 +85,8 @@ def run_layout(layout: str, length: int, steps: int, warmup: int, padded: float 
     loader = DataLoader(data(length, steps + warmup, padded), batch_size=1)
     net, loader = autodist.parallelize(built, loader, **options)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    if layout.endswith("-compiled"):  # compiled in the warmup steps (give it two: --warmup 2)
+        net = torch.compile(net)
     seconds, losses = [], []
     for step, (x, y, *mask) in enumerate(loader):
         if dist.is_initialized():
@@ -125,7 +129,7 @@ def run_part(args) -> None:
 def _whole_loss(per_rank: list[list[tuple[float, int]]], layout: str) -> list[float]:
     """Each step's loss over the whole sequence: under cp the ranks' token-weighted means added up, else any
     rank's (every rank of mp and pp returns the whole batch's)."""
-    if layout != "cp2":
+    if not layout.startswith("cp2"):
         return [loss for loss, _ in per_rank[0]]
     return [sum(loss * n for loss, n in step) / sum(n for _, n in step) for step in zip(*per_rank)]
 
@@ -191,9 +195,9 @@ def launch(parser: harness.Parser, args) -> int:
             grown = f"{row['grown'] / base['grown']:.2f}" if base else "-"
             print(f"| {length} | {layout} | {1e3 * row['seconds']:.0f} | {speed} | {row['peak'] / 2**20:.0f} | "
                   f"{memory} | {row['grown'] / 2**20:.0f} | {grown} |")
-        if base and "cp2" in results:
-            gap = max(abs(a - b) for a, b in zip(results["cp2"][i]["loss"], base["loss"]))
-            assert gap < 1e-4, f"{length} tokens: cp=2's loss differs from one process's by {gap:.1e}"
+        for cp in (name for name in ("cp2", "cp2-compiled") if base and name in results):
+            gap = max(abs(a - b) for a, b in zip(results[cp][i]["loss"], base["loss"]))
+            assert gap < 1e-4, f"{length} tokens: {cp}'s loss differs from one process's by {gap:.1e}"
     return 0
 
 
@@ -201,15 +205,15 @@ def main() -> int:
     parser = harness.Parser(__file__, __doc__, ranks=2, solo=True)
     parser.add_argument("--lengths", type=lambda t: [int(v) for v in t.split(",")], default=[2048, 4096],
                         help="comma-separated sequence lengths in tokens (default 2048,4096)")
-    parser.add_argument("--layouts", type=harness.some_of(LAYOUTS), default=LAYOUTS,
-                        help=f"which of {','.join(LAYOUTS)} (default all)")
+    parser.add_argument("--layouts", type=harness.some_of(LAYOUTS + COMPILED), default=LAYOUTS,
+                        help=f"which of {','.join(LAYOUTS + COMPILED)} (default: the first four)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--padded", type=float, default=0.0,
                         help="this fraction of each sequence right padding (attention_mask 0, labels -100 there)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--budget", type=float, default=None,
                         help="MB above the idle process: find each layout's longest sequence within it")
-    parser.add_argument("--layout", choices=LAYOUTS, help=argparse_suppress())
+    parser.add_argument("--layout", choices=LAYOUTS + COMPILED, help=argparse_suppress())
     parser.add_argument("--out", help=argparse_suppress())
     args = parser.parse(quick={"lengths": [64], "steps": 2, "warmup": 1})
     if args.worker or args.solo:

@@ -54,6 +54,8 @@ from torch.overrides import TorchFunctionMode
 
 from autodist.cp import refusals, scores
 from autodist.cp.batches import SequenceCut
+from autodist.cp.compiled import (compiled_layers, eagerly, in_compiled_region, refuse_float_inputs, refuse_layout,
+                                  see_pads, skip_frames, traced, warn_eager)
 from autodist.cp.masks import Masks
 from autodist.cp.multihead import multihead
 from autodist.layers.context import context_attention
@@ -71,36 +73,14 @@ class _Routes(TorchFunctionMode):
         self.context = context
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self.context.attention(*args, **kwargs)
-        if self.context.wide and any(isinstance(a, torch.Tensor) and self.context.wide.get(id(a)) is a for a in args):
-            return scores.on_wide(self.context, func, args, kwargs)
-        if func in scores.PRODUCTS and self.context.local_scores(args):
-            self.context.routed += 1
-            return scores.wide_scores(self.context, func, args)
-        if func is torch.arange:
-            return self.context.positions(func(*args, **kwargs), args)
-        tracked = bool(args) and id(args[0]) in self.context.inputs
-        if func in (torch.diff, torch.Tensor.diff) and not tracked and args and self.context.are_positions(args[0]):
-            return func(self.context.consecutive(args[0]), *args[1:], **kwargs)
-        if tracked and func is torch.Tensor.__getitem__ and len(args) == 2:
-            index = self.context.local_index(args[0], args[1])
-            if index is not None:  # read at this rank's own positions: what one process reads there
-                return self.context.derived(func(args[0], index), args[0])
-        if tracked and func in refusals.ALONG and self.context.reaches_along(func, args, kwargs):
-            made = self.context.from_whole(func, args, kwargs)
-            if made is not NotImplemented:
-                return made
-            self.context.refuse_mixing(func, args, kwargs)
-        if func in refusals.REDUCTIONS and not tracked and args and self.context.pools(args, kwargs):
-            refusals.refuse_pooling(self.context.cut.parts, self.context.name, func, args[0])
-        if func is F.multi_head_attention_forward:
-            return multihead(self.context, *args, **kwargs)
-        made = func(*args, **kwargs)
-        if func in refusals.PRODUCTS:
-            self.context.refuse_local_scores(func, args, made)
-        return self.context.derived(made, args[0], func, args, kwargs) if tracked else made
+        if torch.compiler.is_compiling():  # dynamo traces this: what the trace cannot decide runs eagerly
+            return traced(self.context, func, args, kwargs or {})
+        if in_compiled_region():  # eagerly, between a compiled forward's graphs: no frame of it compiled
+            return eagerly(self.context, func, args, kwargs or {}, compiled=True)
+        return self.context.route(func, args, kwargs or {})
+
+
+skip_frames(_Routes.__torch_function__)  # called eagerly (between a compiled forward's graphs): not a frame to trace
 
 
 class Context:
@@ -108,9 +88,12 @@ class Context:
 
     def __init__(self, cut: SequenceCut, group: Any, name: str, scale: Callable[[], float]) -> None:
         self.cut, self.group, self.name, self.scale = cut, group, name, scale
-        self.mode: _Routes | None = None
+        self.mode: _Routes | None = None  # on the stack while a forward runs: self.routes, or None
+        self.routes = _Routes(self)  # the one object each forward puts there (dynamo guards on the mode stack)
         self.recomputing: nn.Module | None = None  # the submodule run again in backward that put the mode there
         self.window: int | None = None  # a Hugging Face model's sliding window (config.sliding_window), if it has one
+        self.not_compiled_with: list[str] = []  # what this layout has that a compiled forward is not built with
+        self.warned_eager = False
         self.logged = False
         self.routed = 0  # attention calls routed in the forward running now
         self.micro_batches = 0  # pp's micro-batches of the forward running now (or last run)
@@ -139,8 +122,17 @@ class Context:
 
     # -- the forward's bounds ------------------------------------------------------------------------------------
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling() or refusals.under_dynamo():
-            refusals.refuse_compiled(self.cut.parts, self.name)
+        if torch.compiler.is_compiling():  # traced: what follows runs eagerly, a break in the graph
+            return self._enter_eagerly(module, args, kwargs)
+        self._enter(module, args, kwargs, compiled=refusals.under_dynamo())
+
+    @torch.compiler.disable
+    def _enter_eagerly(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._enter(module, args, kwargs, compiled=True)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict, compiled: bool) -> None:
+        """The forward's routing on the stack: ``compiled``, the mode torch.compile can trace
+        (:mod:`autodist.cp.compiled`)."""
         if self.mode is not None:  # a forward inside this model's own (a model calling itself): already routed
             return
         if self.cut.split is None:
@@ -154,6 +146,13 @@ class Context:
                 f"with a sliding window yet (Hugging Face leaves the window out of a rank's mask where the rank holds "
                 f"fewer tokens than it, which would attend past it); use sequences of at most {self.window} tokens, "
                 f"or cp=1")
+        if compiled and self.not_compiled_with:
+            refuse_layout(self.cut.parts, self.name, self.not_compiled_with)
+        if not compiled and self.not_compiled_with and not self.warned_eager:  # once: a layer compiled by itself?
+            self.warned_eager = True
+            layers = compiled_layers(module)
+            if layers:
+                warn_eager(self.cut.parts, self.name, self.not_compiled_with, layers)
         self.rows = self.cut.rows(*args, **kwargs)  # raises where no input holds this rank's tokens of the batch
         held = self.cut.held
         tensors = [(path, t) for path, t in arguments(args, kwargs) if isinstance(t, torch.Tensor)]
@@ -162,17 +161,21 @@ class Context:
         self.wholes = {id(t): whole for path, t in tensors if id(t) in self.inputs and not t.is_floating_point()
                        and (whole := self.cut.whole(t, path)) is not None}
         self.masks = Masks.of(self.cut, self.name, tensors, self.wholes)
+        if compiled:
+            floats = [path for path, t in tensors if id(t) in self.inputs and t.is_floating_point()]
+            if floats:
+                self.inputs, self.held_inputs, self.wholes = {}, [], {}
+                refuse_float_inputs(self.cut.parts, self.name, floats)
         self.routed = self.micro_batches = 0
-        self.mode = _Routes(self)
+        self.mode = self.routes
         self.mode.__enter__()
 
+    @torch.compiler.disable  # under torch.compile: a break in the graph, as the forward began
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """The mode off the stack (before the gradient sync's hook, which may put its own there), and each output
         that carries a gradient replaced by one whose gradient is multiplied by ``scale()``: once per path from
         the loss, even where one output is computed from another inside the model (nanoGPT's loss from its
         logits), and asked when the sync, whose hooks are on the replacements, has weighed the backward."""
-        if torch.compiler.is_compiling():
-            refusals.refuse_compiled(self.cut.parts, self.name)
         mode, self.mode = self.mode, None
         if mode is None:
             return None
@@ -183,8 +186,7 @@ class Context:
             raise NotImplementedError(
                 f"cp={self.cut.parts}: {self.name}'s forward ran no attention autodist could route over the whole "
                 f"sequence: its attention is not F.scaled_dot_product_attention (a kernel of its own, flash-attn, "
-                f"xformers), or the forward was compiled (torch.compile traces past the routing; cp is not built "
-                f"with it yet). Each rank would attend to its own tokens only, so nothing is trained this way")
+                f"xformers). Each rank would attend to its own tokens only, so nothing is trained this way")
         if not torch.is_grad_enabled():
             return None
         return map_tensors(output, lambda _, t: _scaled(t, self.scale) if t.requires_grad else t)
@@ -200,7 +202,7 @@ class Context:
         saved, (self.masks, self.rows) = (self.masks, self.rows), (masks, rows)
         # recomputed inside a forward (nested checkpointing; pp's 1F1B, a micro-batch's backward amid the
         # others' forwards): already routed, with its own masks meanwhile
-        mode = None if self.mode is not None else _Routes(self)
+        mode = None if self.mode is not None else self.routes
         if mode is not None:
             self.mode = mode
             mode.__enter__()
@@ -268,7 +270,7 @@ class Context:
                     f"its own padding or documents: use parallelize(..., checkpoint=True) instead of the model's "
                     f"own (Hugging Face: gradient_checkpointing_disable())")
             self.masks, self.rows = found[1], found[2]
-        self.mode, self.recomputing, self.recompute_saved = _Routes(self), module, saved
+        self.mode, self.recomputing, self.recompute_saved = self.routes, module, saved
         self.mode.__enter__()
 
     def _first_runs(self, x: torch.Tensor) -> None:
@@ -374,6 +376,42 @@ class Context:
                     self.wholes[id(made)] = whole
         return made
 
+    def route(self, func: Any, args: tuple, kwargs: dict, compiled: bool = False) -> Any:
+        """``func(*args, **kwargs)`` as the routing runs it (the module docstring), eagerly: every tensor its own;
+        ``compiled``: between the graphs of a compiled forward (:mod:`autodist.cp.compiled`)."""
+        if func is F.scaled_dot_product_attention:
+            return self.attention(*args, **kwargs)
+        if self.wide and any(isinstance(a, torch.Tensor) and self.wide.get(id(a)) is a for a in args):
+            return scores.on_wide(self, func, args, kwargs)
+        if func in scores.PRODUCTS and self.local_scores(args):
+            if compiled:  # the scores are followed by identity, which a graph does not keep
+                refusals.refuse_compiled_scores(self.cut.parts, self.name, func)
+            self.routed += 1
+            return scores.wide_scores(self, func, args)
+        if func is torch.arange:
+            return self.positions(func(*args, **kwargs), args)
+        tracked = bool(args) and id(args[0]) in self.inputs
+        if func in (torch.diff, torch.Tensor.diff) and not tracked and args and self.are_positions(args[0]):
+            return func(self.consecutive(args[0]), *args[1:], **kwargs)
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and (tracked or not args[0].is_floating_point()):
+            index = self.local_index(args[0], args[1])
+            if index is not None:  # read at this rank's own positions: what one process reads there
+                made = func(args[0], index)
+                return self.derived(made, args[0]) if tracked else made
+        if tracked and func in refusals.ALONG and self.reaches_along(func, args, kwargs):
+            made = self.from_whole(func, args, kwargs)
+            if made is not NotImplemented:
+                return made
+            self.refuse_mixing(func, args, kwargs)
+        if func in refusals.REDUCTIONS and not tracked and args and self.pools(args, kwargs):
+            refusals.refuse_pooling(self.cut.parts, self.name, func, args[0])
+        if func is F.multi_head_attention_forward:
+            return multihead(self, *args, **kwargs)
+        made = func(*args, **kwargs)
+        if func in refusals.PRODUCTS:
+            self.refuse_local_scores(func, args, made)
+        return self.derived(made, args[0], func, args, kwargs) if tracked else made
+
     # -- what the mode reroutes ------------------------------------------------------------------------------------
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
@@ -403,14 +441,16 @@ class Context:
                                  key_padding=padding, documents=documents, scale=scale, enable_gqa=enable_gqa)
 
     def local_index(self, x: torch.Tensor, index: Any) -> Any:
-        """``index`` into the input ``x`` with its index tensor along the sequence, which holds this rank's global
-        positions (an ``arange`` replaced, broadcast: Hugging Face's ``padding_mask[batch, kv_idx]``), given their
-        places among this rank's tokens instead; None for any other index."""
+        """``index`` into ``x`` (an input, or an integer tensor over this rank's tokens) with its index tensor along
+        the sequence, which holds this rank's global positions (an ``arange`` replaced, broadcast: Hugging Face's
+        ``padding_mask[batch, kv_idx]``, and under torch.compile its ``position_ids[batch, q_idx]``), given their
+        places among this rank's tokens instead; None for any other index (a global position past this rank's
+        count of tokens would not index them)."""
         items = list(index) if isinstance(index, tuple) else [index]
         if any(item is None or item is Ellipsis for item in items):
             return None
         dim = self.cut.dim % x.ndim
-        if dim >= len(items) or not isinstance(items[dim], torch.Tensor):
+        if dim >= len(items) or not isinstance(items[dim], torch.Tensor) or x.shape[dim] != self.cut.held:
             return None
         item, held = items[dim], self.cut.held
         if item.is_floating_point() or item.numel() != held or held < 2:
@@ -471,6 +511,7 @@ def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], f
     Example:
         >>> attach(model, SequenceCut(rank % 2, 2), cp_group, sync.global_units())
     """
+    see_pads()
     context = Context(cut, group, type(model).__name__, scale)
     context.rows_of_data = rows
     context.window = sliding_window(model)

@@ -48,9 +48,3 @@ def loader_check(cp: int, data: Any) -> None:
                                   f"hands it over; got {type(data).__name__}: wrap the data in a DataLoader (a "
                                   f"TensorDataset of (batch, seq) tensors, say)")
 
-
-def refuse_compiled(cp: int) -> None:
-    """Raise: a model compiled before ``parallelize`` (torch.compile traces past the routing of its attention)."""
-    raise NotImplementedError(f"cp={cp} is not built with torch.compile yet (dynamo traces the forward past the "
-                              f"routing of its attention to the whole sequence): parallelize the model itself, "
-                              f"without compiling it")

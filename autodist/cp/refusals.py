@@ -34,13 +34,14 @@ REDUCTIONS = frozenset({torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.
                         torch.Tensor.all, torch.prod, torch.Tensor.prod, torch.count_nonzero,
                         torch.Tensor.count_nonzero, torch.argmax, torch.Tensor.argmax, torch.argmin,
                         torch.Tensor.argmin, torch.logsumexp, torch.Tensor.logsumexp})
-ALONG = frozenset({F.pad, torch.Tensor.__getitem__, torch.roll, torch.Tensor.roll, torch.narrow,
+PADS = frozenset({F.pad, torch._C._nn.pad})  # the second: what a compiled forward's F.pad calls (autodist.cp.compiled)
+ALONG = frozenset({*PADS, torch.Tensor.__getitem__, torch.roll, torch.Tensor.roll, torch.narrow,
                     torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum, torch.diff, torch.Tensor.diff}) | REDUCTIONS
 
 
 def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bool:
     """Whether ``func(x, *rest, **kwargs)`` reaches along dimension ``dim`` of ``x`` (one of ``ALONG``)."""
-    if func is F.pad:
+    if func in PADS:
         pad = rest[0] if rest else kwargs["pad"]
         at = x.ndim - 1 - dim  # pad lists the last dimension first
         return 2 * at + 1 < len(pad) and (pad[2 * at] != 0 or pad[2 * at + 1] != 0)
@@ -117,10 +118,14 @@ def under_dynamo() -> bool:
     return False
 
 
-def refuse_compiled(parts: int, name: str) -> None:
-    raise NotImplementedError(f"cp={parts}: {name} runs compiled (torch.compile): cp is not built with it yet "
-                              f"(dynamo traces the forward past the routing of its attention to the whole "
-                              f"sequence); run the model without torch.compile")
+def refuse_compiled_scores(parts: int, name: str, func: Any) -> None:
+    """Raise: attention scores written out by hand in a forward torch.compile traces (see
+    :mod:`autodist.cp.compiled`)."""
+    raise NotImplementedError(
+        f"cp={parts}: {name} runs compiled (torch.compile) and computes attention scores by hand "
+        f"({getattr(func, '__name__', func)} of two activations over this rank's tokens, at {caller()}): under "
+        f"compile cp routes F.scaled_dot_product_attention only (Hugging Face: attn_implementation='sdpa'); or run "
+        f"this model without torch.compile")
 
 
 def caller() -> str:

@@ -89,6 +89,9 @@ class GradSync:
         self.last_counted: Counted | None = None  # the last sync's count, for a backward that reached no output
         self.warned_uncounted = self.warned_compiled = False
         self.compiled = False  # a forward of the model was traced by torch.compile
+        # counted and its loss read at a compiled forward's end too (one graph break there): where the loss is
+        # computed eagerly even inside a compiled forward (context parallelism routes it out of the graph)
+        self.counts_compiled = False
         self.next_bucket = 0
         self.packing: Pack | None = None  # this backward's packing, fixed when its first bucket starts
         self.in_backward = False  # a backward through the model began and has not reached its end
@@ -206,7 +209,7 @@ class GradSync:
             return
         if torch.compiler.is_compiling():
             self.compiled = True
-            if self.counter.samples is not None:  # the user's count of the forward's arguments: one graph break
+            if self.counter.samples is not None or self.counts_compiled:  # one graph break
                 self._count_compiled(args, kwargs, output)
             return
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
@@ -216,8 +219,11 @@ class GradSync:
     @torch.compiler.disable
     def _count_compiled(self, args: tuple, kwargs: dict, output: Any) -> None:
         """``samples=fn`` under torch.compile: ``fn`` of this forward's arguments, run eagerly at the forward's
-        end (dynamo breaks the graph there, once a forward), so that its backward takes the user's count."""
+        end (dynamo breaks the graph there, once a forward), so that its backward takes the user's count; or,
+        with ``counts_compiled``, the forward counted and its loss read as uncompiled."""
         watch_outputs(output, lambda: self.counter(args, kwargs), self._reached)
+        if self.counter.samples is None:
+            loss_watch.arm(self._on_read)
 
     def _reached(self, counted: Counted, grad: torch.Tensor) -> torch.Tensor | None:
         """A backward reached an output of a forward counted ``counted``; a stand-in's output passes zeros on

@@ -43,9 +43,19 @@ class Recompute:
         block = self.block
         if torch.is_grad_enabled():
             args, kwargs = _without_a_cache(block, args, kwargs)
+        if self.again is not None and torch.compiler.is_compiling():
+            _refuse_compiled(block)
         options = {} if self.again is None else {"context_fn": lambda: (contextlib.nullcontext(), self.again())}
         return torch.utils.checkpoint.checkpoint(type(block).forward, block, *args, use_reentrant=False,
                                                  **options, **kwargs)
+
+
+@torch.compiler.disable
+def _refuse_compiled(block: nn.Module) -> None:
+    raise NotImplementedError(
+        f"checkpoint=True with cp is not built with torch.compile yet ({type(block).__name__} runs compiled, and "
+        f"torch's compiled checkpoint cannot run the block again inside context parallelism's routing): run this "
+        f"layout uncompiled, or compile it without checkpoint=True")
 
 
 _said_cache = [False]
