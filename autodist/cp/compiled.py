@@ -56,7 +56,8 @@ def traced(context: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     if context.not_compiled_with or func in EAGER or (func not in METADATA and _integral_first(args)):
         return eagerly(context, func, args, kwargs)
     if (func in scores.PRODUCTS and context.local_scores(args)) or \
-            (func in refusals.REDUCTIONS and args and context.pools(args, kwargs)):
+            (func in refusals.REDUCTIONS and args and context.pools(args, kwargs)) or \
+            (func in refusals.MIXING_TRACED and args and context.mixes(func, args, kwargs)):
         return eagerly(context, func, args, kwargs)  # refused there
     made = func(*args, **kwargs)
     if func in refusals.PRODUCTS and _square_over(made, context.cut.held) and \
@@ -87,9 +88,13 @@ def see_pads() -> None:
     forward (Hugging Face's causal-LM loss pads ``labels=``) would go unseen. Marked not to be put in a graph,
     each call is a break in it that the mode sees (for every compiled model in this process, once a model is
     context-parallel: a pad costs a graph break there)."""
+    import warnings
+
     import torch._dynamo
 
     torch._dynamo.disallow_in_graph(torch._C._nn.pad)
+    # dynamo then says, once per process, that it "does not know how to trace" it: by design here
+    warnings.filterwarnings("ignore", message=r"Dynamo does not know how to trace the builtin `torch\._C\._nn\.pad")
 
 
 def skip_frames(function: Any) -> None:

@@ -33,8 +33,10 @@ routing on the stack) is routed as it was the first time.
 
 What would reach past this routing is refused (:mod:`autodist.cp.refusals`). Every other op works on each token
 alone in the transformers this is for (linear layers, norms, activations, embeddings); an op on activations
-mixing along the sequence (a convolution over time, pooling over tokens) is not detected
-(docs/context-parallel.md).
+mixing along the sequence is refused where it is a pooling, a convolution over time, a running op, a roll or a
+pad (:func:`refusals.mixes`), not where it is a slice or an index (docs/context-parallel.md). Under
+torch.compile the same routing runs, split into what stays in the graphs and what runs eagerly
+(:mod:`autodist.cp.compiled`).
 
 Example:
     >>> attach(model, cut, group, sync.global_units())      # parallelize(model, loader, cp=K) does this
@@ -297,6 +299,11 @@ class Context:
         """Whether a reduction reduces an activation over this rank's tokens (see :func:`refusals.pools`)."""
         return refusals.pools(args[0], args[1:], kwargs, self.cut.dim, self.cut.held, self.cut.split.length)
 
+    def mixes(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` (one of ``refusals.MIXING``) mixes an activation's tokens (see
+        :func:`refusals.mixes`)."""
+        return refusals.mixes(func, args[0], args[1:], kwargs, self.cut.held, self.cut.split.length)
+
     def refuse_mixing(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Raise: ``func`` on an input of the batch reaches along the sequence, and its whole is not at hand."""
         refusals.refuse_mixing(self.cut.parts, self.name, func, self.inputs[id(args[0])], args[0])
@@ -405,6 +412,8 @@ class Context:
             self.refuse_mixing(func, args, kwargs)
         if func in refusals.REDUCTIONS and not tracked and args and self.pools(args, kwargs):
             refusals.refuse_pooling(self.cut.parts, self.name, func, args[0])
+        if func in refusals.MIXING and not tracked and args and self.mixes(func, args, kwargs):
+            refusals.refuse_mixing_activation(self.cut.parts, self.name, func, args[0], self.cut.held)
         if func is F.multi_head_attention_forward:
             return multihead(self, *args, **kwargs)
         made = func(*args, **kwargs)

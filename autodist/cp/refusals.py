@@ -4,8 +4,9 @@ A rank holds its own parts of each sequence, so what reaches from one token to o
 routing of :mod:`autodist.cp.forward`; these are the ways a model can reach past it, each refused with the line
 that did it and the fix: an op along the sequence of an input of the batch (:func:`along`: a shift of the
 labels, a padding mask indexed by position), a reduction of an activation over the tokens (:func:`pools`),
-attention scores written out by hand (:data:`PRODUCTS`: a square product of two activations over this rank's
-tokens), and a forward run by torch.compile (:func:`under_dynamo`).
+another op mixing an activation's tokens (:func:`mixes`: a convolution over time, a running sum, a roll, a pad),
+and attention scores written out by hand (:data:`PRODUCTS`: a square product of two activations over this rank's
+tokens; under torch.compile every such product: :func:`refuse_compiled_scores`).
 
 Example:
     >>> along(F.pad, labels, 1, ((0, 1),), {})      # Hugging Face's shift of labels=: along the sequence
@@ -39,12 +40,64 @@ ALONG = frozenset({*PADS, torch.Tensor.__getitem__, torch.roll, torch.Tensor.rol
                     torch.Tensor.narrow, torch.cumsum, torch.Tensor.cumsum, torch.diff, torch.Tensor.diff}) | REDUCTIONS
 
 
+# Ops on an activation that mix its tokens other than attention: a convolution or pooling over time (a
+# (batch, channels, tokens) tensor), a running sum or product, a roll, a pad along the tokens. Under cp each rank would mix its own
+# tokens only, wrong at its parts' edges and across them: refused where they reach along the rank's tokens.
+WINDOWS = frozenset({torch.conv1d, torch.conv_transpose1d, torch.avg_pool1d, F.max_pool1d, torch.max_pool1d,
+                     F.lp_pool1d, torch.adaptive_avg_pool1d, torch.adaptive_max_pool1d, F.adaptive_max_pool1d})
+RUNNING = frozenset({torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod, torch.cummax,
+                     torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin, torch.logcumsumexp,
+                     torch.Tensor.logcumsumexp, torch.roll, torch.Tensor.roll})
+MIXING = WINDOWS | RUNNING | PADS  # a pad along the tokens: what a causal convolution over time starts with
+# what a traced forward checks: a pad there is handed to the routing's mode eagerly (autodist.cp.compiled), and
+# dynamo cannot hash the pad it is told not to put in a graph (each membership test would break the graph)
+MIXING_TRACED = WINDOWS | RUNNING
+
+
+def mixes(func: Any, x: Any, rest: tuple, kwargs: dict, held: int, length: int) -> bool:
+    """Whether ``func`` (one of :data:`MIXING`) on the float activation ``x`` (three dimensions or more: a mask
+    over the tokens is not one) mixes its tokens: a window over
+    time of more than one of them (the last dimension, of this rank's ``held`` tokens of ``length``), a running op,
+    a roll or a pad along a dimension of ``held``. (A dimension of features as long as the rank's tokens reads as
+    them: refused too; loud, not silent.)"""
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.ndim >= 3 and 1 < held != length):
+        return False
+    if func in WINDOWS:
+        if x.shape[-1] != held:
+            return False
+        if func in (torch.adaptive_avg_pool1d, torch.adaptive_max_pool1d, F.adaptive_max_pool1d):
+            return True
+        window = rest[0] if rest else kwargs.get("weight", kwargs.get("kernel_size"))
+        if func in (torch.conv1d, torch.conv_transpose1d):
+            return isinstance(window, torch.Tensor) and window.shape[-1] > 1
+        return not (window == 1 or window == (1,) or window == [1])
+    if func in PADS:
+        return any(x.shape[d] == held and along(func, x, d, rest, kwargs) for d in range(x.ndim))
+    if func in (torch.roll, torch.Tensor.roll):
+        dims = rest[1] if len(rest) > 1 else kwargs.get("dims")
+        dims = range(x.ndim) if dims is None else (dims,) if isinstance(dims, int) else dims
+        return any(x.shape[d] == held for d in dims)
+    dim = rest[0] if rest else kwargs.get("dim")
+    return isinstance(dim, int) and x.shape[dim] == held
+
+
+def refuse_mixing_activation(parts: int, name: str, func: Any, x: torch.Tensor, held: int) -> None:
+    """Raise: ``func`` mixes the tokens of an activation (see :func:`mixes`)."""
+    raise NotImplementedError(
+        f"cp={parts}: {name}'s forward calls {getattr(func, '__name__', func)} on an activation of shape "
+        f"{list(x.shape)} along this rank's {held} tokens, at {caller()}: a convolution or pooling over time (and "
+        f"the pad before it), a running sum or a roll would mix this rank's parts of the sequence only, wrong at their edges: cp is built "
+        f"for models whose only op across tokens is attention; train this model with cp=1")
+
+
 def along(func: Any, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> bool:
     """Whether ``func(x, *rest, **kwargs)`` reaches along dimension ``dim`` of ``x`` (one of ``ALONG``)."""
     if func in PADS:
         pad = rest[0] if rest else kwargs["pad"]
         at = x.ndim - 1 - dim  # pad lists the last dimension first
         return 2 * at + 1 < len(pad) and (pad[2 * at] != 0 or pad[2 * at + 1] != 0)
+    if func in PADS:
+        return any(x.shape[d] == held and along(func, x, d, rest, kwargs) for d in range(x.ndim))
     if func in (torch.roll, torch.Tensor.roll):
         dims = rest[1] if len(rest) > 1 else kwargs.get("dims")
         return dims is None or dim in [d % x.ndim for d in ((dims,) if isinstance(dims, int) else dims)]

@@ -2,7 +2,9 @@
 lengths) computed on the whole batch's, as one process computes it (a model scaling its embeddings by its rows'
 lengths trains as one process, float64 within 1e-10; dropping the routing of it fails); of an activation
 (pooling over tokens: ``h.mean(1)``, ``h.amax(dim=1)``) refused, naming the line, where before each rank pooled
-its own tokens silently. A reduction of every element (a rank's loss term) is not one."""
+its own tokens silently. A reduction of every element (a rank's loss term) is not one. Other ops mixing an
+activation's tokens are refused alike, compiled or not: a convolution over time (Mamba's causal conv), a running
+sum, a roll; a convolution of kernel 1 (per token) trains as one process."""
 from __future__ import annotations
 
 import pytest
@@ -84,3 +86,52 @@ def _pooled(how: str) -> str:
 def test_pooling_an_activation_over_the_tokens_is_refused(ranks, how):
     for said in ranks(2, _pooled, how):
         assert "reduces an activation of shape" in said and "test_reductions.py" in said, said
+
+
+class _Mixed(nn.Module):
+    """Attention, then an op over the tokens of its output (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.embed, self.qkv, self.head, self.how = nn.Embedding(32, 8), nn.Linear(8, 24), nn.Linear(8, 32), how
+        self.conv = nn.Conv1d(8, 8, 1 if how == "pointwise conv" else 3, groups=8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        x = self.embed(input_ids)
+        q, k, v = (z.view(b, t, 2, 4).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 8)
+        if self.how == "running sum":
+            y = y.cumsum(1)
+        elif self.how == "roll":
+            y = torch.roll(y, 1, dims=1)
+        else:  # Mamba's causal convolution over time: (batch, channels, tokens), padded, cut to the tokens
+            pad = self.conv.kernel_size[0] - 1
+            y = F.pad(y.transpose(1, 2), (pad, 0))
+            y = self.conv(y)[..., :t].transpose(1, 2)
+        return self.head(x + y)
+
+
+def _mixed(how: str, compiled: bool) -> str | float:
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    train = (lambda model, loader: _train(torch.compile(model, backend="aot_eager"), loader)) if compiled else _train
+    try:
+        return _against_one_process(_Mixed(how).double(), _samples(13, 3), 3, train, cp=2)
+    except NotImplementedError as error:
+        return str(error)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how, compiled", [("causal conv", False), ("running sum", False),
+                                           pytest.param("roll", False, marks=pytest.mark.slow),
+                                           pytest.param("causal conv", True, marks=pytest.mark.slow)])
+def test_an_op_mixing_an_activations_tokens_is_refused(ranks, how, compiled):
+    for said in ranks(2, _mixed, how, compiled):
+        assert "on an activation of shape" in said and "test_reductions.py" in said, said
+
+
+def test_a_pointwise_convolution_trains_as_one_process(ranks):
+    assert max(ranks(2, _mixed, "pointwise conv", False)) <= ATOL
