@@ -653,8 +653,9 @@ def parallelize(
         picked = _planned(model, data, plan, dict(mp=mp, pp=pp, shard=shard, checkpoint=checkpoint,
                                                   mixed_precision=mixed_precision), options)
         chosen = picked.options()
-        if options["stages"] is not None:  # the user's cut, kept
-            chosen.pop("stages", None)
+        for kept in ("stages", "microbatches"):  # the user's cut and micro-batches, kept
+            if options[kept] is not None:
+                chosen.pop(kept, None)
         built, data = _build_chosen(model, data, **{**options, **chosen})
     return (given if built is model else built), data
 

@@ -1,5 +1,6 @@
 """The layouts a world allows: every ``dp x pp x mp`` factorization of it, x each ``shard`` level, x
-checkpointing the blocks or not; a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
+checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe, exact at any count: a smaller
+bubble against more sends); a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
 data-parallel rank, checkpointing without blocks). Dimensions the user pins are kept as given, and so is the
 precision (``mixed_precision=``), which every candidate computes in.
 
@@ -33,9 +34,14 @@ def _why_not(layout: Layout, profile: Profile) -> str:
     return ""
 
 
-def candidates(world_size: int, profile: Profile, pinned: dict[str, Any]) -> list[Row]:
+def candidates(world_size: int, profile: Profile, pinned: dict[str, Any],
+               microbatches: int | None = None) -> list[Row]:
     """One row per layout of ``world_size`` ranks that agrees with ``pinned`` (keys "mp", "pp", "shard",
-    "checkpoint", "precision": the layout's fields), each with ``impossible`` set where it cannot be made."""
+    "checkpoint", "precision": the layout's fields), each with ``impossible`` set where it cannot be made; with
+    ``pp``, one per count of micro-batches a step (``2 * pp``: parallelize's default, and ``4 * pp``; or the
+    ``microbatches`` the user gave). Not ``pp`` itself: half its step is the bubble, and its peak is what the
+    memory model misses most (a micro-batch's transients grow with its rows: 15-19% under the measured peak
+    for bench_plan.py's CNN, where ``2 * pp`` and ``4 * pp`` are within -4..+12%)."""
     rows = []
     for pp in (k for k in range(1, world_size + 1) if world_size % k == 0):
         for mp in (k for k in range(1, world_size // pp + 1) if world_size // pp % k == 0):
@@ -45,5 +51,7 @@ def candidates(world_size: int, profile: Profile, pinned: dict[str, Any]) -> lis
                                     precision=pinned.get("precision"))
                     if any(getattr(layout, key) != value for key, value in pinned.items()):
                         continue
-                    rows.append(Row(layout, impossible=_why_not(layout, profile)))
+                    why = _why_not(layout, profile)
+                    counts = [None] if pp == 1 or why else [microbatches] if microbatches else [2 * pp, 4 * pp]
+                    rows.extend(Row(layout, impossible=why, microbatches=m) for m in counts)
     return rows

@@ -59,19 +59,19 @@ def existing_mp_buffers(world_size: int, mp: int, pp: int = 1) -> float:
 
 
 def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0,
-            mp_buffers: float = 0.0) -> tuple[dict[str, float], float]:
+            mp_buffers: float = 0.0, microbatches: int | None = None) -> tuple[dict[str, float], float]:
     """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step;
     ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`).
-    With ``pp`` stages, the fullest stage's."""
+    With ``pp`` stages, the fullest stage's (``microbatches`` a step: None, ``parallelize``'s default)."""
     if layout.pp == 1 or profile.block_measures is None:
         return _predict(layout, profile, rows, states, bucket_mb, mp_buffers, None)
-    each = [_predict(layout, profile, rows, states, bucket_mb, mp_buffers, stage)
+    each = [_predict(layout, profile, rows, states, bucket_mb, mp_buffers, stage, microbatches)
             for stage in stages_of(profile.block_measures, layout.pp)]
     return max(each, key=lambda kinds_peak: kinds_peak[1])
 
 
 def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float, mp_buffers: float,
-             stage: Stage | None) -> tuple[dict[str, float], float]:
+             stage: Stage | None, microbatches: int | None = None) -> tuple[dict[str, float], float]:
     dp, mp = layout.dp, layout.mp
     params, trainable, own = profile.per_rank(layout)
     if stage is not None:
@@ -83,7 +83,7 @@ def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_
         if stage is None:
             return made
         # each micro-batch's forward casts the stage's float32 parameters anew, and keeps its casts for its backward
-        casts = (pieces(layout.pp, rows) - 1) * params / 2 if layout.precision is not None else 0.0
+        casts = (pieces(layout.pp, rows, microbatches) - 1) * params / 2 if layout.precision is not None else 0.0
         return profile.stage_share(made, stage, rows, layout.checkpoint) + casts
     gathered = 0.0
     if layout.shard == "parameters" and dp > 1:

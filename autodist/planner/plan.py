@@ -77,6 +77,7 @@ class Row:
     impossible: str = ""  # why this layout cannot be made ("" where it can)
     status: str = ""
     stages: list[int] | None = None  # with pp: the blocks of each stage, as predicted and tried (stages=)
+    microbatches: int | None = None  # with pp: the micro-batches a step, as predicted and tried (microbatches=)
 
     @property
     def fits(self) -> bool:
@@ -110,10 +111,13 @@ class ParallelPlan:
     measured_on: int = 0  # a plan for another world (autodist.Target): the ranks it was measured on; 0: this one
 
     def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``parallelize`` the plan chose (with ``pp``, the cut it tried: ``stages=``)."""
+        """The keyword arguments of ``parallelize`` the plan chose (with ``pp``, the cut and the micro-batches it
+        tried: ``stages=``, ``microbatches=``)."""
         chosen = next((r for r in self.rows if r.status == "chosen"), None)
-        stages = chosen.stages if chosen is not None and chosen.layout == self.layout else None
-        return {**self.layout.options(), **({"stages": stages} if stages else {})}
+        if chosen is None or chosen.layout != self.layout:
+            return self.layout.options()
+        staged = {"stages": chosen.stages, "microbatches": chosen.microbatches}
+        return {**self.layout.options(), **{k: v for k, v in staged.items() if v}}
 
     def line(self) -> str:
         """The choice and why, in one line."""
@@ -124,8 +128,9 @@ class ParallelPlan:
         dims = ["dp", *(d for d in ("pp", "cp") if any(getattr(r.layout, d) > 1 for r in self.rows)), "mp"]
         head = (*dims, "shard", "ckpt", *(_short(k) for k in kinds), "peak", "fits", "time/step", "status")
         table = [head]
-        for r in self.rows:
-            table.append((*(str(getattr(r.layout, d)) for d in dims), str(r.layout.shard),
+        for r in self.rows:  # with pp, its micro-batches a step: "2 x4"
+            table.append((*(str(getattr(r.layout, d)) + (f" x{r.microbatches}" if d == "pp" and r.microbatches
+                                                         else "") for d in dims), str(r.layout.shard),
                           "yes" if r.layout.checkpoint else "no", *(_mb(r.memory.get(k)) for k in kinds), _peak(r),
                           "-" if r.impossible else ("yes" if r.fits else "no"), _time(r), r.status))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -138,7 +143,8 @@ class ParallelPlan:
                           f"{'computing in ' + self.layout.precision + ', ' if self.layout.precision else ''}"
                           f"searched in {self.search_seconds:.1f} s", *lines,
                           "memory in MB per rank (predicted; peak: predicted / measured); time: m = measured on a "
-                          "copy of the model, ~ = modelled"])
+                          "copy of the model, ~ = modelled" + ("; pp: stages x micro-batches a step" if "pp" in dims
+                                                              else "")])
 
     # -- JSON ----------------------------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -57,20 +57,20 @@ def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget:
         per_rank = math.ceil(batch / row.layout.dp)
         existing = memory.existing_mp_buffers(world_size, row.layout.mp, row.layout.pp) \
             if row.layout.mp > 1 and here else 0.0
-        row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb, existing)
+        row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb, existing,
+                                              row.microbatches)
         if row.layout.pp > 1:
             row.stages = counts(profile.cuts[row.layout.pp])
-        row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb)
+        row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb, row.microbatches)
         if row.peak > budget:
             row.status = f"does not fit: needs {size_text(row.peak)} > budget {size_text(budget)}"
 
 
 def _cut(options: dict[str, Any], row: Row) -> dict[str, Any]:
-    """A trial's options: with ``pp``, the cut its memory was predicted for and checked to run (``stages=``),
-    unless the user gave one."""
-    if row.stages and options.get("stages") is None:
-        return {**options, "stages": row.stages}
-    return options
+    """A trial's options: with ``pp``, the cut its memory was predicted for and checked to run (``stages=``) and
+    its micro-batches (``microbatches=``), each unless the user gave it."""
+    staged = {"stages": row.stages, "microbatches": row.microbatches}
+    return {**options, **{k: v for k, v in staged.items() if v and options.get(k) is None}}
 
 
 def _nothing_fits(rows: list[Row], budget: float, ranks: int, batch: int, name: str) -> ValueError:
@@ -215,7 +215,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else available
     if target is not None and target.memory_gb is not None:
         budget = target.memory_gb * 1e9
-    rows = candidates(ranks, profile, pinned)
+    rows = candidates(ranks, profile, pinned, options.get("microbatches"))
     _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, ranks, here=target is None)
     if world.size > 1:  # rank 0's predictions decide, on every rank
         rows = rows_from(plain.broadcast([asdict(r) for r in rows], src=0))

@@ -93,9 +93,9 @@ def pieces(pp: int, rows: float, microbatches: int | None = None) -> int:
     return max(1, min(int(rows), microbatches or 2 * pp))
 
 
-def stretch(pp: int, rows: float) -> float:
+def stretch(pp: int, rows: float, microbatches: int | None = None) -> float:
     """How much longer a stage's work takes in the pipeline than alone: ``1 / (1 - bubble)``."""
-    return 1.0 / (1.0 - bubble(pp, pieces(pp, rows)))
+    return 1.0 / (1.0 - bubble(pp, pieces(pp, rows, microbatches)))
 
 
 class _StageEnds(BaseException):

@@ -5,8 +5,8 @@ rank updates, and the collectives at the measured latency and ring bandwidth of 
 the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
 same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
 gathered for forward and backward under ``shard="parameters"``, and the model-parallel all-reduces of
-activations. With ``pp`` stages the slowest stage's share of the work, stretched by the pipeline's bubble,
-and a send between stages per step of the schedule. Communication is added to compute, not overlapped: on a
+activations. With ``pp`` stages the slowest stage's share of the work, stretched by the pipeline's bubble
+(smaller with more micro-batches), and a send between stages per step of the schedule (more with more). Communication is added to compute, not overlapped: on a
 machine whose cores both compute and move the data that is the closer guess, and the finalists are measured
 anyway.
 
@@ -27,8 +27,10 @@ def _ring(nbytes: float, ranks: int, profile: Profile, calls: int = 1) -> float:
     return calls * profile.latency + 2 * (ranks - 1) / ranks * nbytes / profile.bandwidth
 
 
-def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25.0) -> float:
-    """Modelled seconds of one training step of ``layout``, ``rows`` rows a rank."""
+def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25.0,
+            microbatches: int | None = None) -> float:
+    """Modelled seconds of one training step of ``layout``, ``rows`` rows a rank; ``microbatches``: with
+    ``pp``, the micro-batches a step (None: ``parallelize``'s default)."""
     dp, mp = layout.dp, layout.mp
     split = profile.splits[mp] if mp > 1 else None
     work = 1.0 if split is None else (1 - split.split_fraction) + split.split_fraction / mp
@@ -42,12 +44,13 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
         measures = profile.block_measures
         total = sum(measures.seconds) + measures.head
         slowest = max(stages, key=lambda s: s.seconds_per_row)
-        compute *= (slowest.seconds_per_row / total if total else 1.0 / layout.pp) * stretch(layout.pp, rows)
+        compute *= (slowest.seconds_per_row / total if total else 1.0 / layout.pp) * \
+            stretch(layout.pp, rows, microbatches)
         fullest = max(profile.stage_fraction(s) for s in stages)
         params, trainable, own = params * fullest, trainable * fullest, own * fullest
         # a hop between stages per step of the schedule (m + pp - 1 of them), forward and back: a micro-batch's
         # activations, or their gradients
-        m = pieces(layout.pp, rows)
+        m = pieces(layout.pp, rows, microbatches)
         received = max(s.received_per_row for s in stages)
         comm_p2p = 2 * (m + layout.pp - 1) * (profile.send_latency + received * rows / m / profile.bandwidth)
     step = profile.step_per_byte * own

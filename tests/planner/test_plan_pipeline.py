@@ -118,3 +118,23 @@ def test_a_cut_no_stage_can_run_is_not_a_candidate_and_no_trial_waits_on_it(rank
 
 if __name__ == "__main__":
     _launched(sys.argv[1])
+
+
+def _micro_batches(pins: dict):
+    x, y = w.digits_like(48)
+    return autodist.plan(w.seeded(_Net, 0), w.loader(x, y, 16, shuffle=False), autodist.Auto(finalists=0),
+                         **pins).to_json()
+
+
+@pytest.mark.parametrize("pins, counts", [({"pp": 2}, {4, 8}), ({"pp": 2, "microbatches": 3}, {3})])
+def test_the_micro_batches_a_step_are_searched(ranks, pins, counts):
+    """Each pipeline layout once per count of micro-batches (2 x pp, 4 x pp), each modelled with its own
+    bubble and sends; the count chosen is what parallelize runs (``plan.options()``); a count the user gives is
+    kept."""
+    plan = autodist.ParallelPlan.from_json(ranks(2, _micro_batches, pins)[0])
+    staged = [r for r in plan.rows if r.layout.pp == 2 and not r.impossible]
+    assert {r.microbatches for r in staged} == counts, [(str(r.layout), r.microbatches) for r in staged]
+    same = [r for r in staged if r.layout.shard is None and not r.layout.checkpoint]
+    assert len({r.seconds for r in same}) == len(counts), [(r.microbatches, r.seconds) for r in same]
+    chosen = next(r for r in plan.rows if r.status == "chosen")
+    assert plan.options()["microbatches"] == chosen.microbatches and "x" in str(plan)
