@@ -151,3 +151,15 @@ def refuse_layout(parts: int, name: str, with_: list[str]) -> None:
         f"cp={parts} with {' and '.join(with_)} is not built with torch.compile yet ({name} runs compiled: whole, or "
         f"its layers): run this layout uncompiled, or compile it with cp and data parallelism, any shard= level "
         f"and pp")
+
+
+def refuse_own_checkpointing(parts: int, name: str) -> None:
+    """Raise: a model compiled whole that checkpoints its own layers (Hugging Face's
+    ``gradient_checkpointing_enable()``): dynamo traces ``torch.utils.checkpoint`` as one operator whose body
+    the torch function modes do not see, so the attention inside would escape the routing."""
+    raise NotImplementedError(
+        f"cp={parts}: {name} runs compiled (torch.compile) and checkpoints its own layers "
+        f"(gradient_checkpointing_enable()): dynamo traces torch.utils.checkpoint as one operator whose inside the "
+        f"routing of attention does not see, so each rank would attend to its own tokens only. Under compile "
+        f"turn it off (gradient_checkpointing_disable()), or run this model uncompiled (autodist's "
+        f"checkpoint=True is not built with compile under cp yet either)")

@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from autodist.cp import refusals, scores
 from autodist.cp.batches import SequenceCut
 from autodist.cp.compiled import (compiled_layers, eagerly, in_compiled_region, refuse_float_inputs, refuse_layout,
-                                  see_pads, skip_frames, traced, warn_eager)
+                                  refuse_own_checkpointing, see_pads, skip_frames, traced, warn_eager)
 from autodist.cp.masks import Masks
 from autodist.cp.multihead import multihead
 from autodist.layers.context import context_attention
@@ -150,6 +150,8 @@ class Context:
                 f"or cp=1")
         if compiled and self.not_compiled_with:
             refuse_layout(self.cut.parts, self.name, self.not_compiled_with)
+        if compiled and getattr(module, "is_gradient_checkpointing", False):
+            refuse_own_checkpointing(self.cut.parts, self.name)
         if not compiled and self.not_compiled_with and not self.warned_eager:  # once: a layer compiled by itself?
             self.warned_eager = True
             layers = compiled_layers(module)

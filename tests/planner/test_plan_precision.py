@@ -58,8 +58,8 @@ def _nanogpt_plans():
     for option in (None, "bf16"):
         plans[option] = autodist.plan(w.seeded(lambda: GPT(config), 0), loader, autodist.Auto(finalists=4),
                                       mixed_precision=option)
-    return {option: ([(str(r.layout), r.memory.get("activations"), r.peak, r.measured_peak) for r in plan.rows
-                      if not r.impossible], str(plan)) for option, plan in plans.items()}
+    return {option: ([(str(r.layout), r.memory.get("activations"), r.peak, r.measured_peak, r.microbatches)
+                      for r in plan.rows if not r.impossible], str(plan)) for option, plan in plans.items()}
 
 
 @pytest.mark.slow
@@ -67,12 +67,14 @@ def test_bf16_is_planned_with_its_bytes_within_10_percent_of_the_measured(ranks)
     plans = ranks(2, _nanogpt_plans)[0]
     print(plans["bf16"][1])
     rows = plans["bf16"][0]
-    measured = [(layout, peak, real) for layout, _, peak, real in rows if real]
+    measured = [(layout, peak, real) for layout, _, peak, real, _ in rows if real]
     assert len(measured) == 4
     for layout, predicted, real in measured:
         assert abs(predicted / real - 1) <= 0.10, (layout, predicted, real)
     # the activations measured in bfloat16: well under float32's (about 0.6x here), the layouts the same; a
-    # pipeline's stage keeps each micro-batch's casts of its parameters on top
-    for (layout, low, _, _), (same, full, _, _) in zip(rows, plans[None][0]):
-        assert layout == same + ", precision='bf16'", (layout, same)
-        assert low < (0.75 if "pp=" not in layout else 0.9) * full, (layout, low, full)
+    # pipeline's stage keeps each micro-batch's casts of its parameters on top (at 2 x pp micro-batches under
+    # 0.9x; at 4 x pp the casts of 8 micro-batches outgrow what bfloat16 saves on this small model)
+    for (layout, low, _, _, m), (same, full, _, _, m_same) in zip(rows, plans[None][0]):
+        assert layout == same + ", precision='bf16'" and m == m_same, (layout, same)
+        if "pp=" not in layout or m == 4:
+            assert low < (0.75 if "pp=" not in layout else 0.9) * full, (layout, low, full)
