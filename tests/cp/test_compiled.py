@@ -148,3 +148,33 @@ def _refusal(case: str) -> str:
 def test_what_a_compiled_forward_refuses(ranks, case, world, says):
     for message in ranks(world, _refusal, case):
         assert says in message, message
+
+
+def _mixed_precision() -> tuple[float, int]:
+    """nanoGPT in float32 under ``mixed_precision="bf16"``: compiled against the same layout uncompiled (bfloat16
+    rounds both alike; one process's float64 is not the reference here), and the graphs compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import autodist
+
+    data = _data(13, 3, "prompt")
+    states = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model, loader = autodist.parallelize(_gpt(13).float(), DataLoader(data, batch_size=3), cp=2,
+                                             mixed_precision="bf16")
+        _train(torch.compile(model, backend=BACKEND) if compiled else model, loader)
+        states.append(autodist.gather_state_dict(model, all_ranks=True))
+        graphs = counters["stats"]["unique_graphs"]
+        del model, loader
+        torch._dynamo.reset()
+        gc.collect()
+    return max((states[0][k] - states[1][k]).abs().max().item() for k in states[0]), graphs
+
+
+@pytest.mark.slow
+def test_mixed_precision_compiled_trains_as_uncompiled(ranks):
+    for difference, graphs in ranks(2, _mixed_precision):
+        assert difference <= 1e-6 and graphs > 0, (difference, graphs)
