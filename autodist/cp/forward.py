@@ -126,7 +126,7 @@ class Context:
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():  # traced: what follows runs eagerly, a break in the graph
             return self._enter_eagerly(module, args, kwargs)
-        self._enter(module, args, kwargs, compiled=refusals.under_dynamo())
+        self._enter(module, args, kwargs, compiled=in_compiled_region())  # run eagerly inside a compiled call?
 
     @torch.compiler.disable
     def _enter_eagerly(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -160,17 +160,6 @@ def _indexes(index: Any, ndim: int, dim: int, size: int) -> bool:
     return not (isinstance(item, slice) and item.indices(size) == (0, size, 1))
 
 
-def under_dynamo() -> bool:
-    """Whether this call comes through torch.compile's frame evaluation (a model compiled after parallelize:
-    its hooks may run eagerly while the forward between them runs as a traced graph)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if "_dynamo" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def refuse_compiled_scores(parts: int, name: str, func: Any) -> None:
     """Raise: attention scores written out by hand in a forward torch.compile traces (see
     :mod:`autodist.cp.compiled`)."""
