@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -93,7 +94,7 @@ class Context:
         self.mode: _Routes | None = None  # on the stack while a forward runs: self.routes, or None
         self.routes = _Routes(self)  # the one object each forward puts there (dynamo guards on the mode stack)
         self.recomputing: nn.Module | None = None  # the submodule run again in backward that put the mode there
-        self.window: int | None = None  # a Hugging Face model's sliding window (config.sliding_window), if it has one
+        self.window: int | None = None  # the sliding window of the attention layer running now (windows())
         self.not_compiled_with: list[str] = []  # what this layout has that a compiled forward is not built with
         self.warned_eager = False
         self.logged = False
@@ -141,13 +142,6 @@ class Context:
             raise RuntimeError(f"cp={self.cut.parts}: {self.name} ran before the loader parallelize returned handed "
                                f"out a batch; a context-parallel model runs on that loader's batches, each cut to "
                                f"this rank's tokens")
-        if self.window is not None and self.window < self.cut.split.length:
-            raise NotImplementedError(
-                f"cp={self.cut.parts}: {self.name} attends within a sliding window of {self.window} tokens "
-                f"(config.sliding_window), shorter than the {self.cut.split.length}-token sequence: cp is not built "
-                f"with a sliding window yet (Hugging Face leaves the window out of a rank's mask where the rank holds "
-                f"fewer tokens than it, which would attend past it); use sequences of at most {self.window} tokens, "
-                f"or cp=1")
         if compiled and self.not_compiled_with:
             refuse_layout(self.cut.parts, self.name, self.not_compiled_with)
         if compiled and getattr(module, "is_gradient_checkpointing", False):
@@ -428,7 +422,8 @@ class Context:
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
         parts, held = self.cut.parts, self.cut.held
-        is_causal, documents = self.masks.decide(attn_mask, is_causal, self.group, query.device)
+        window = self.window
+        is_causal, documents = self.masks.decide(attn_mask, is_causal, self.group, query.device, window)
         if dropout_p:
             raise NotImplementedError(f"cp={parts}: {self.name}'s attention has dropout_p={dropout_p} in training, "
                                       f"which would draw a different mask than one process: set attention dropout "
@@ -449,7 +444,8 @@ class Context:
         if padding is None and attn_mask is not None:  # the masked kernel, as every rank of the group takes it
             padding = torch.ones(query.shape[0], self.cut.split.length, dtype=torch.bool, device=query.device)
         return context_attention(query, key, value, split=self.cut.split, group=self.group, causal=is_causal,
-                                 key_padding=padding, documents=documents, scale=scale, enable_gqa=enable_gqa)
+                                 key_padding=padding, documents=documents, window=window, scale=scale,
+                                 enable_gqa=enable_gqa)
 
     def local_index(self, x: torch.Tensor, index: Any) -> Any:
         """``index`` into ``x`` (an input, or an integer tensor over this rank's tokens) with its index tensor along
@@ -525,7 +521,6 @@ def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], f
     see_pads()
     context = Context(cut, group, type(model).__name__, scale)
     context.rows_of_data = rows
-    context.window = sliding_window(model)
     _contexts[model] = context
     model.register_forward_pre_hook(context.enter, with_kwargs=True)
     model.register_forward_hook(context.leave, always_call=True, prepend=True)  # before the sync's: see leave
@@ -533,18 +528,37 @@ def attach(model: nn.Module, cut: SequenceCut, group: Any, scale: Callable[[], f
         if module is not model:
             module.register_forward_pre_hook(context.recomputed_begins)
             module.register_forward_hook(context.recomputed_ends, always_call=True)
+    for module, window in windows(model).items():  # each attention layer's sliding window, while it runs
+        module.register_forward_pre_hook(partial(_set_window, context, window))
+        module.register_forward_hook(partial(_set_window, context, None), always_call=True)
     return context
 
 
-def sliding_window(model: nn.Module) -> int | None:
-    """A Hugging Face model's sliding attention window, where a layer of it uses one: ``config.sliding_window``
-    (Mistral's every layer, Gemma 2's every other one per ``config.layer_types``); None otherwise."""
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None)
-    layers = getattr(config, "layer_types", None)
-    if not isinstance(window, int) or (layers is not None and "sliding_attention" not in layers):
-        return None
-    return window
+def _set_window(context: Context, window: int | None, *_: Any) -> None:
+    context.window = window
+
+
+def windows(model: nn.Module) -> dict[nn.Module, int]:
+    """The attention layers of a Hugging Face model that attend within a sliding window, and its width: the layer's
+    own ``sliding_window`` where it has one (Qwen2's, None on its full-attention layers), else its config's for a
+    config without ``layer_types`` (Mistral's: every layer), or for the layers ``layer_types`` names
+    ``"sliding_attention"`` (by ``layer_idx``). A layer is an attention module: its class name ends in
+    "Attention"."""
+    found = {}
+    for module in model.modules():
+        if not type(module).__name__.endswith("Attention"):
+            continue
+        if "sliding_window" in vars(module) or hasattr(type(module), "sliding_window"):
+            window = getattr(module, "sliding_window", None)
+        else:
+            config = getattr(module, "config", None)
+            window = getattr(config, "sliding_window", None)
+            layers, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+            if layers is not None and (index is None or layers[index] != "sliding_attention"):
+                window = None
+        if isinstance(window, int) and not isinstance(window, bool):
+            found[module] = window
+    return found
 
 
 def _storage_of(x: torch.Tensor) -> tuple[int, tuple[int, ...]]:

@@ -46,7 +46,7 @@ class Masks:
     padding: torch.Tensor | None = None
     documents: torch.Tensor | None = None
     padded_here: bool = False
-    last: tuple[torch.Tensor, list[bool]] | None = None  # the latest mask read and what fits it: a model passes
+    last: tuple[torch.Tensor, list[bool], int | None] | None = None  # the latest mask read and what fits it: a model passes
     # one mask to every layer (Hugging Face's), read once
 
     @classmethod
@@ -88,17 +88,20 @@ class Masks:
         return whole
 
     def decide(self, attn_mask: torch.Tensor | None, is_causal: bool, group: Any,
-               device: torch.device) -> tuple[bool, torch.Tensor | None]:
+               device: torch.device, window: int | None = None) -> tuple[bool, torch.Tensor | None]:
         """``(causal, documents)``: how an attention call masks the whole sequence (with :attr:`padding`), from the
         mask the model built over this rank's tokens (or, with none, ``is_causal``); raises where no such mask
         fits, or two that fit differ at a token (see the module docstring). Where the batch holds padding or
         documents, the kinds that fit are agreed over the group (one small all-reduce): a rank's own tokens may
-        not tell them apart, and every rank must take the same, or refuse with the others."""
+        not tell them apart, and every rank must take the same, or refuse with the others. ``window``: the
+        calling layer attends within a sliding window (its attention module says so: see
+        :func:`autodist.cp.forward.windows`), which the mask over this rank's tokens may show or not (Hugging
+        Face leaves it out where the rank's keys are fewer than it): either fits, and the window is applied."""
         kinds = [(causal, documents) for causal in (True, False)
                  for documents in ((self.documents, None) if self.documents is not None else (None,))]
         if attn_mask is not None:
-            if self.last is None or self.last[0] is not attn_mask:
-                self.last = (attn_mask, self._fits(attn_mask, kinds))
+            if self.last is None or self.last[0] is not attn_mask or self.last[2] != window:
+                self.last = (attn_mask, self._fits(attn_mask, kinds, window), window)
             fits = list(self.last[1])
         else:  # the model passed no mask: with padding among this rank's tokens, it does not mask the padding
             fits = [not self.padded_here and kind == (is_causal, None) for kind in kinds]
@@ -118,12 +121,14 @@ class Masks:
             f"whole sequence ({what}, with the batch's padding{'' if self.padding is not None else ': none'}); a "
             f"model that takes an attention_mask with padding must mask its attention with it. With cp the mask "
             f"must come from the whole sequence: use is_causal=True without attn_mask, Hugging Face's "
-            f"attention_mask for padding, or its position_ids for packed documents (a sliding window is not taken "
-            f"from a model's mask)")
+            f"attention_mask for padding, or its position_ids for packed documents (a sliding window is taken where "
+            f"the attention layer names it: sliding_window, or its config's)")
 
-    def _fits(self, attn_mask: torch.Tensor, kinds: list[tuple[bool, torch.Tensor | None]]) -> list[bool]:
+    def _fits(self, attn_mask: torch.Tensor, kinds: list[tuple[bool, torch.Tensor | None]],
+              window: int | None = None) -> list[bool]:
         """Which ``kinds`` of mask equal, over every pair of this rank's tokens, the mask the model built (True:
-        attend; a float mask 0 there and at most half the dtype's lowest elsewhere)."""
+        attend; a float mask 0 there and at most half the dtype's lowest elsewhere); with ``window``, with it or
+        without it."""
         held, split = self.cut.held, self.cut.split
         if attn_mask.is_floating_point():
             allowed = attn_mask == 0
@@ -136,7 +141,9 @@ class Masks:
             allowed = attn_mask
         mine = split.positions(self.cut.rank).to(attn_mask.device)
         shape = torch.broadcast_shapes(allowed.shape, (1, 1, held, held))
-        return [torch.equal(allowed.expand(shape), self._allowed(mine, mine, *kind).expand(shape)) for kind in kinds]
+        windows = (None,) if window is None else (window, None)
+        return [any(torch.equal(allowed.expand(shape), self._allowed(mine, mine, *kind, w).expand(shape))
+                    for w in windows) for kind in kinds]
 
     def _differ_at_tokens(self, one: tuple, other: tuple, device: torch.device) -> bool:
         """Whether two kinds of mask differ over the whole sequence at a row that is a token (a padded row's output
@@ -150,10 +157,11 @@ class Masks:
         return bool(rows.any())
 
     def _allowed(self, rows: torch.Tensor, keys: torch.Tensor, causal: bool,
-                 documents: torch.Tensor | None) -> torch.Tensor:
+                 documents: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
         """Which of ``keys`` each of ``rows`` (global positions) attends to, with the batch's padding: a bool
         tensor that broadcasts to ``(rows of the batch, 1, len(rows), len(keys))``."""
-        mask = attention_mask(rows, keys, causal=causal, window=None, documents=documents, key_padding=self.padding)
+        mask = attention_mask(rows, keys, causal=causal, window=window, documents=documents,
+                              key_padding=self.padding)
         if mask is None:
             return torch.ones(1, 1, len(rows), len(keys), dtype=torch.bool, device=rows.device)
         return mask if mask.ndim == 4 else mask[None, None]

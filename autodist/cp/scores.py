@@ -111,9 +111,9 @@ def _whole_rows(context: Any, mask: torch.Tensor, wide: torch.Tensor) -> torch.T
 def _allowed(context: Any, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Which keys of the whole sequence each of this rank's rows attends to (bool, broadcasting to the scores),
     from the mask the model built over its tokens (as ``F.scaled_dot_product_attention`` takes one)."""
-    causal, documents = context.masks.decide(mask, False, context.group, device)
+    causal, documents = context.masks.decide(mask, False, context.group, device, context.window)
     split = context.cut.split
     mine = split.positions(context.cut.rank).to(device)
-    allowed = attention_mask(mine, torch.arange(split.length, device=device), causal=causal, window=None,
+    allowed = attention_mask(mine, torch.arange(split.length, device=device), causal=causal, window=context.window,
                              documents=documents, key_padding=context.masks.padding)
     return torch.ones((), dtype=torch.bool, device=device) if allowed is None else allowed

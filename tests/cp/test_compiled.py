@@ -2,7 +2,7 @@
 floor: the model compiled whole after parallelize (or before it, or its blocks one by one), trained 20 AdamW steps
 on nanoGPT (its loss inside the forward, a token-mean over masked labels) and Hugging Face's Llama and Qwen2 (sdpa
 attention; one sequence a batch, padded batches and packed documents, the masks Hugging Face builds under compile),
-every weight within 1e-10 of one process's. Each run compiles graphs (it does not fall back to eager) and compiles
+every weight within 1e-10 of one process's; Mistral within its sliding window. Each run compiles graphs (it does not fall back to eager) and compiles
 them once: no graph is made after the second step. What a compiled cp forward refuses, with its reason."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_context_parallel import ATOL, _data, _gpt, _hugging_face, _train, _train_outside
-from test_masks import _packed, _padded, _train_hf
+from test_masks import _packed, _padded, _train_hf, _windowed_model
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -74,6 +74,9 @@ def _case(case: str, how: str = "whole", backend: str = BACKEND, options: dict |
     if case == "padded":
         return _run(functools.partial(_hugging_face, "llama"), _padded(13, 3, "left"), 3, _train_hf, how, backend,
                     **options)
+    if case == "window":  # Mistral within a sliding window of 5 of the 13 tokens
+        return _run(functools.partial(_windowed_model, "mistral", 5), _data(13, 3, "prompt"), 3, _train_outside,
+                    how, backend, **options)
     if case == "packed":
         return _run(functools.partial(_hugging_face, "qwen2"), _packed(13, 2), 2, _train_hf, how, backend, **options)
     return _run(functools.partial(_hugging_face, "llama"), _data(13, 3, "prompt"), 3, _train_outside, how, backend,
@@ -86,6 +89,7 @@ def _case(case: str, how: str = "whole", backend: str = BACKEND, options: dict |
     pytest.param("llama", "whole", 2, {}, marks=pytest.mark.slow),
     pytest.param("padded", "whole", 2, {}, marks=pytest.mark.slow),
     pytest.param("packed", "whole", 2, {}, marks=pytest.mark.slow),
+    pytest.param("window", "whole", 2, {}, marks=pytest.mark.slow),  # Mistral's sliding window
     pytest.param("one row qwen2", "blocks", 2, {}, marks=pytest.mark.slow),
     pytest.param("nanogpt", "before", 2, {}, marks=pytest.mark.slow),
     pytest.param("nanogpt", "whole", 2, {"shard": "parameters"}, marks=pytest.mark.slow),

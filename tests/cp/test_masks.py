@@ -5,8 +5,8 @@ attends over the whole sequence with it: Llama and Qwen2, right and left padding
 padding on a rank included), trained 20 AdamW steps in float64 within 1e-10 of one process. (Right padding under a
 causal mask changes no token's output, so only the left-padded cases fail where the padding is dropped: checked.) A
 model building its own causal mask from its tokens, boolean or additive, trains as one process too; a mask that is
-neither causal nor none (a sliding window), a bias in a float mask, and padding the model's attention never takes,
-are refused with the reason."""
+neither causal nor none (nor the layer's sliding window), a bias in a float mask, and padding the model's attention
+never takes, are refused with the reason. Sliding windows (Mistral's, Qwen2's per layer) train as one process."""
 from __future__ import annotations
 
 import contextlib
@@ -233,28 +233,40 @@ def test_padding_sharding_own_checkpointing_accumulation_and_clipping_together(r
     assert max(differences) <= ATOL, differences
 
 
-def _mistral(window: int) -> str | float:
+def _windowed_model(family: str, window: int, attention: str = "sdpa") -> nn.Module:
+    """Mistral (every layer within ``config.sliding_window``) or Qwen2 (its second layer only: ``layer_types``)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        sliding_window=window, attn_implementation="sdpa", use_cache=False)
-    try:
-        return _against_one_process(transformers.MistralForCausalLM(config).double(), _data(13, 3, "prompt"), 3,
-                                    _train_outside, cp=2)
-    except NotImplementedError as error:
-        return str(error)
+    options = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64, sliding_window=window,
+                   attn_implementation=attention, use_cache=False)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**options))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**options, use_sliding_window=True,
+                                                                       max_window_layers=1))
+    return model.double()
 
 
-@pytest.mark.parametrize("window", [pytest.param(4, marks=pytest.mark.slow), 8,  # 8: more than a rank holds (6, 7)
-                                    pytest.param(16, marks=pytest.mark.slow)])
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_a_longer_one_trains(ranks, window):
-    """Mistral attends within config.sliding_window: shorter than the 13 tokens, refused (a rank holding fewer
-    tokens than the window gets no window in its mask from Hugging Face, and would attend past it: at 8, without
-    the refusal, silently); at least as long, it never binds and the training is one process's."""
-    for outcome in ranks(2, _mistral, window):
-        if window < 13:
-            assert isinstance(outcome, str) and f"sliding window of {window} tokens" in outcome, outcome
-        else:
-            assert isinstance(outcome, float) and outcome <= ATOL, outcome
+def _windowed(family: str, window: int, attention: str = "sdpa", padded: bool = False) -> float:
+    model = _windowed_model(family, window, attention)
+    data, train = (_padded(13, 3, "left"), _train_hf) if padded else (_data(13, 3, "prompt"), _train_outside)
+    return _against_one_process(model, data, 3, train, cp=2)
+
+
+@pytest.mark.parametrize("family, window, attention, padded", [
+    ("mistral", 8, "sdpa", False),  # 8: more than a rank holds (6, 7): Hugging Face leaves it out of their masks
+    pytest.param("mistral", 4, "sdpa", False, marks=pytest.mark.slow),
+    pytest.param("mistral", 16, "sdpa", False, marks=pytest.mark.slow),  # longer than the sequence: never binds
+    pytest.param("qwen2", 4, "sdpa", False, marks=pytest.mark.slow),  # a full layer, then a sliding one
+    pytest.param("mistral", 5, "sdpa", True, marks=pytest.mark.slow),  # left padding
+    pytest.param("mistral", 5, "eager", False, marks=pytest.mark.slow),  # attention written by hand
+])
+def test_a_sliding_window_trains_as_one_process(ranks, family, window, attention, padded):
+    """Each attention layer's sliding window (the layer's own or its config's: the layer says which) bounds its
+    attention over the whole sequence, whatever mask Hugging Face built over a rank's tokens (with the window, or,
+    where the rank holds fewer tokens than it, without): one process's training. Before, refused where the
+    window was shorter than the sequence (at 8, without the refusal, silently wrong: a rank attended past it)."""
+    differences = ranks(2, _windowed, family, window, attention, padded)
+    assert max(differences) <= ATOL, differences
