@@ -84,7 +84,7 @@ def _case(case: str, how: str = "whole", backend: str = BACKEND, options: dict |
 
 
 @pytest.mark.parametrize("case, how, world, options", [
-    ("nanogpt", "whole", 2, {}),
+    pytest.param("nanogpt", "whole", 2, {}, marks=pytest.mark.slow),  # torch.compile takes seconds: the full tier
     pytest.param("one row llama", "whole", 2, {}, marks=pytest.mark.slow),
     pytest.param("llama", "whole", 2, {}, marks=pytest.mark.slow),
     pytest.param("padded", "whole", 2, {}, marks=pytest.mark.slow),

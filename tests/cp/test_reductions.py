@@ -125,7 +125,8 @@ def _mixed(how: str, compiled: bool) -> str | float:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("how, compiled", [("causal conv", False), ("running sum", False),
+@pytest.mark.parametrize("how, compiled", [("causal conv", False),
+                                           pytest.param("running sum", False, marks=pytest.mark.slow),
                                            pytest.param("roll", False, marks=pytest.mark.slow),
                                            pytest.param("causal conv", True, marks=pytest.mark.slow)])
 def test_an_op_mixing_an_activations_tokens_is_refused(ranks, how, compiled):
@@ -133,5 +134,6 @@ def test_an_op_mixing_an_activations_tokens_is_refused(ranks, how, compiled):
         assert "on an activation of shape" in said and "test_reductions.py" in said, said
 
 
+@pytest.mark.slow
 def test_a_pointwise_convolution_trains_as_one_process(ranks):
     assert max(ranks(2, _mixed, "pointwise conv", False)) <= ATOL
