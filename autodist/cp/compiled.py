@@ -13,8 +13,9 @@ eagerly through the mode, exactly as an uncompiled forward runs it (:meth:`autod
   them: where the inputs of the batch are), so that a shift of the labels or a mask read along the sequence is
   found and refused (or read whole) as uncompiled; ``F.pad``, which dynamo traces past the modes, is made a
   break too (:func:`see_pads`);
-* what would be refused (a reduction of an activation along the tokens; attention scores written by hand,
-  refused under compile as they are followed by identity, which a graph does not keep).
+* what would be refused (a reduction or another op mixing an activation's tokens: a convolution over time, a
+  running sum, a roll; attention scores written by hand, refused under compile as they are followed by
+  identity, which a graph does not keep).
 
 The per-token float work of the blocks (linear layers, norms, activations, rotary products) stays in the graphs.
 A floating-point input of this rank's tokens (``inputs_embeds``) is refused: what reads it along the sequence
