@@ -35,7 +35,6 @@ import copy
 import statistics
 import sys
 import time
-from typing import Any
 
 import harness  # benchmarks/harness.py, next to this file
 import timing  # benchmarks/timing.py
@@ -99,11 +98,6 @@ def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, DataLoader, a
     return model, DataLoader(data, batch_size=batch), auto
 
 
-def _name(row: Any) -> str:
-    """A row's layout, with pp its micro-batches a step (rows differing only in them are layouts apart)."""
-    return str(row.layout) + (f", microbatches={row.microbatches}" if row.microbatches else "")
-
-
 def _ground_truth(model: nn.Module, loader: DataLoader, plan: autodist.ParallelPlan, args: argparse.Namespace
                   ) -> dict[str, tuple[float, list[float]]]:
     """Every fitting layout on a copy: its measured peak and its step times, interleaved with the others."""
@@ -135,7 +129,7 @@ def _ground_truth(model: nn.Module, loader: DataLoader, plan: autodist.ParallelP
             step()
         t = torch.tensor([at_rest + live.peak])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        peaks[_name(row)], steps[_name(row)] = float(t), step
+        peaks[row.label], steps[row.label] = float(t), step
     times, _ = timing.interleave(steps, args.steps, args.rounds, args.warmup)
     slowest = {}
     for name, ts in times.items():  # the slowest rank's median
@@ -152,17 +146,17 @@ def bench(name: str, args: argparse.Namespace) -> tuple[float, float, float, flo
     searched = time.perf_counter() - start
     truth = _ground_truth(model, loader, plan, args)
     best = min(t[0] for _, t in truth.values())
-    chosen = truth[_name(next(r for r in plan.rows if r.status == "chosen"))][1][0]
+    chosen = truth[next(r for r in plan.rows if r.status == "chosen").label][1][0]
     errors = []
     if autodist.rank() == 0:
         print(f"\n== {name}: {sum(p.numel() for p in model.parameters()):,} parameters, {args.ranks} ranks ==")
         print(plan)
         print("ground truth (every fitting layout, interleaved; peak predicted / measured, MB per rank):")
         for row in (r for r in plan.rows if r.fits):
-            peak, (median,) = truth[_name(row)]
+            peak, (median,) = truth[row.label]
             errors.append(row.peak / peak - 1)
             mark = "  <- chosen" if row.status == "chosen" else ""
-            print(f"  {_name(row):<62} peak {row.peak / 1e6:8.1f} / {peak / 1e6:8.1f} ({100 * errors[-1]:+5.1f}%)"
+            print(f"  {row.label:<62} peak {row.peak / 1e6:8.1f} / {peak / 1e6:8.1f} ({100 * errors[-1]:+5.1f}%)"
                   f"  median {1e3 * median:8.2f} ms  x{median / best:.2f}{mark}")
         worst = max(errors, key=abs)
         print(f"{name}: chosen {plan.layout}: x{chosen / best:.2f} the fastest (goal <= 1.10: "

@@ -23,7 +23,6 @@ import os
 import pathlib
 import sys
 import tempfile
-from typing import Any
 
 import harness  # benchmarks/harness.py, next to this file
 from gpt_block import GPT  # benchmarks/gpt_block.py
@@ -61,28 +60,24 @@ def worker(args) -> None:
         (out / f"measured-{autodist.world_size()}.json").write_text(plan.to_json())
 
 
-def _key(row: Any) -> str:
-    return str(row.layout) + (f", microbatches={row.microbatches}" if row.microbatches else "")
-
-
 def _report(out: pathlib.Path, ranks: int) -> None:
     predicted = autodist.ParallelPlan.from_json((out / f"predicted-{ranks}.json").read_text())
     measured = autodist.ParallelPlan.from_json((out / f"measured-{ranks}.json").read_text())
-    by_layout = {_key(r): r for r in predicted.rows}  # with pp, each count of micro-batches a layout of its own
+    by_layout = {r.label: r for r in predicted.rows}  # with pp, each count of micro-batches a layout of its own
     rows = [r for r in measured.rows if r.measured_seconds is not None]
     fastest = min(rows, key=lambda r: r.measured_seconds)
     print(f"\n== {ranks} ranks, predicted from 2 (speed {speed(ranks):.2f}): predicted pick {predicted.layout}; "
           f"measured fastest {fastest.layout} ==")
     peaks, times = [], []
     for r in rows:
-        guess = by_layout[_key(r)]
+        guess = by_layout[r.label]
         peaks.append(guess.peak / r.measured_peak - 1)
         times.append(guess.seconds / r.measured_seconds - 1)
-        print(f"  {_key(r):<62} peak {guess.peak / 1e6:7.1f} / {r.measured_peak / 1e6:7.1f} MB "
+        print(f"  {r.label:<62} peak {guess.peak / 1e6:7.1f} / {r.measured_peak / 1e6:7.1f} MB "
               f"({100 * peaks[-1]:+5.1f}%)  step {1e3 * guess.seconds:7.1f} / {1e3 * r.measured_seconds:7.1f} ms "
               f"({100 * times[-1]:+4.0f}%)")
-    pick = _key(next(r for r in predicted.rows if r.status == "chosen"))
-    chosen = next((r for r in rows if _key(r) == pick), None)
+    pick = next(r for r in predicted.rows if r.status == "chosen").label
+    chosen = next((r for r in rows if r.label == pick), None)
     ratio = f"x{chosen.measured_seconds / fastest.measured_seconds:.2f} the fastest" if chosen else "not measured"
     print(f"{ranks} ranks: worst peak error {100 * max(peaks, key=abs):+.1f}% (goal within 10%), worst step error "
           f"{100 * max(times, key=abs):+.0f}% (goal within 20%), the predicted pick {ratio}")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
 from autodist.cp import refusals, scores
 
@@ -61,16 +62,14 @@ def traced(context: Any, func: Any, args: tuple, kwargs: dict) -> Any:
             (func in refusals.MIXING_TRACED and args and context.mixes(func, args, kwargs)):
         return eagerly(context, func, args, kwargs)  # refused there
     made = func(*args, **kwargs)
-    if func in refusals.PRODUCTS and _square_over(made, context.cut.held) and \
-            not any(isinstance(a, torch.nn.Parameter) for a in args):
+    if func in refusals.PRODUCTS and context.square_over_tokens(args, made):
         return eagerly(context, func, args, kwargs)  # refused there
     return made
 
 
 def in_compiled_region() -> bool:
-    """Whether this eager call runs inside a call torch.compile compiles (between its graphs)."""
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
+    """Whether this eager call runs inside a call torch.compile compiles (between its graphs): asked for every op
+    of a context-parallel forward, so the callback's getter is imported once, with this module."""
     return get_eval_frame_callback() not in (None, False)
 
 
@@ -131,10 +130,6 @@ def _integral_first(args: tuple) -> bool:
     """Whether the first argument is a tensor of integers or booleans (where the batch's inputs are)."""
     return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point() and \
         not args[0].is_complex()
-
-
-def _square_over(made: Any, held: int) -> bool:
-    return isinstance(made, torch.Tensor) and made.ndim >= 2 and held > 1 and tuple(made.shape[-2:]) == (held, held)
 
 
 def refuse_float_inputs(parts: int, name: str, paths: list[str]) -> None:

@@ -358,11 +358,16 @@ class Context:
                 and args[0].shape[-2] == held and args[1].shape[-1] == held
                 and not any(isinstance(a, nn.Parameter) for a in args))
 
+    def square_over_tokens(self, args: tuple, made: Any) -> bool:
+        """Whether ``made``, a product of ``args`` (no parameter among them), is a square over this rank's
+        tokens: attention scores written by hand (by their shape alone, as a trace can tell)."""
+        held = self.cut.held
+        return isinstance(made, torch.Tensor) and made.ndim >= 2 and tuple(made.shape[-2:]) == (held, held) and \
+            held > 1 and not any(isinstance(a, nn.Parameter) for a in args)
+
     def refuse_local_scores(self, func: Any, args: tuple, made: Any) -> None:
         """Raise where a product of activations (no parameter) is a square over this rank's tokens."""
-        held = self.cut.held
-        if isinstance(made, torch.Tensor) and made.ndim >= 2 and tuple(made.shape[-2:]) == (held, held) and \
-                held > 1 and not any(isinstance(a, nn.Parameter) for a in args):
+        if self.square_over_tokens(args, made):
             refusals.refuse_local_scores(self.cut.parts, self.name, func, made)
 
     def derived(self, made: Any, source: Any, func: Any = None, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -80,6 +80,11 @@ class Row:
     microbatches: int | None = None  # with pp: the micro-batches a step, as predicted and tried (microbatches=)
 
     @property
+    def label(self) -> str:
+        """The layout, with ``pp`` its micro-batches a step: rows differing only in them are layouts apart."""
+        return str(self.layout) + (f", microbatches={self.microbatches}" if self.microbatches else "")
+
+    @property
     def fits(self) -> bool:
         return not self.impossible and not self.status.startswith("does not fit")
 
