@@ -378,7 +378,10 @@ class Context:
             self.held_inputs.append(made)
             if func is not None and id(source) in self.wholes:  # made from the batch's inputs alone
                 swapped = self._swapped(args, kwargs or {})
-                whole = func(*swapped[0], **swapped[1]) if swapped is not None else None
+                try:  # a call with this rank's shape in its arguments (a view to its tokens) has no whole
+                    whole = func(*swapped[0], **swapped[1]) if swapped is not None else None
+                except (RuntimeError, ValueError, IndexError, TypeError):
+                    whole = None
                 if isinstance(whole, torch.Tensor) and whole.ndim == made.ndim and \
                         whole.shape[self.cut.dim] == self.cut.split.length:
                     self.wholes[id(made)] = whole
