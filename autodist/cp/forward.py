@@ -63,7 +63,8 @@ from autodist.cp.masks import Masks
 from autodist.cp.multihead import multihead
 from autodist.layers.context import context_attention
 from autodist.runtime.held import Held
-from autodist.runtime.tree import arguments, map_tensors
+from autodist.runtime.tree import arguments
+from autodist.runtime.units import scaled_outputs
 
 log = logging.getLogger("autodist")
 
@@ -187,7 +188,7 @@ class Context:
                 f"xformers). Each rank would attend to its own tokens only, so nothing is trained this way")
         if not torch.is_grad_enabled():
             return None
-        return map_tensors(output, lambda _, t: _scaled(t, self.scale) if t.requires_grad else t)
+        return scaled_outputs(output, self.scale)
 
     def again(self) -> contextlib.AbstractContextManager:
         """The routing for a block's forward run again in backward (``checkpoint=True``), asked as the block
@@ -578,12 +579,3 @@ def _in_backward() -> bool:
     """Whether autograd's backward is running on this thread (a checkpointed block recomputed)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
-
-
-def _scaled(tensor: torch.Tensor, scale: Callable[[], float]) -> torch.Tensor:
-    """A view of ``tensor`` whose gradient is multiplied by ``scale()`` (asked in backward) before it flows on: a
-    view, which the reading of the loss passes through (:mod:`autodist.dp.loss_reading`), and a pre-hook of its
-    node, which runs after the sync's hooks on the view itself."""
-    view = tensor.view_as(tensor)
-    view.grad_fn.register_prehook(lambda grads: tuple(g * scale() if g is not None else g for g in grads))
-    return view
