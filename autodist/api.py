@@ -344,7 +344,7 @@ def _pins(given: dict) -> dict:
     """The layout options given other than their defaults, by the names of :class:`Layout`'s fields: the
     dimensions a search keeps (and the precision every candidate computes in)."""
     layout = Layout.of(None, given)
-    return {k: getattr(layout, k) for k in ("mp", "pp", "shard", "checkpoint", "precision")
+    return {k: getattr(layout, k) for k in ("mp", "pp", "cp", "shard", "checkpoint", "precision")
             if getattr(layout, k) != getattr(Layout(), k)}
 
 
@@ -419,7 +419,8 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
     Args:
         model / data: as for :func:`parallelize`.
         auto: the search's settings (:class:`autodist.Auto`: memory budget, optimizer states, batch size).
-        mp / pp / shard / checkpoint: a value other than the default is kept; the search chooses the rest.
+        mp / pp / shard / checkpoint (and cp, among the options): a value other than the default is kept; the
+            search chooses the rest.
         target: an :class:`autodist.Target` (ranks, their memory, the link, their speed against a rank here):
             every layout of that world predicted from this one's measures (the stated cost model of
             docs/plan.md), the fastest that fits chosen; nothing is tried, and the plan is for that world.
@@ -445,7 +446,8 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
     if target is not None and not isinstance(target, Target):
         raise TypeError(f"target must be an autodist.Target (a world that is not here) or None, got "
                         f"{type(target).__name__}")
-    return search_plan(model, data, auto or Auto(), dict(mp=mp, pp=pp, shard=shard, checkpoint=checkpoint,
+    return search_plan(model, data, auto or Auto(), dict(mp=mp, pp=pp, cp=options["cp"], shard=shard,
+                                                         checkpoint=checkpoint,
                                                          mixed_precision=options["mixed_precision"]), options,
                        target)
 
@@ -641,16 +643,13 @@ def parallelize(
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
                    mixed_precision=mixed_precision, batch_norm=batch_norm, check=check, cp=cp)
-    if plan is not None and cp != 1:
-        raise ValueError(f"plan= chooses among layouts without context parallelism; with cp={cp} choose the rest "
-                         f"yourself")
     # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
     # registries every function taking a model looks in), and the wrapper returned, compiling it as before
     given, model = model, unwrapped(model)
     if plan is None:
         built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     else:
-        picked = _planned(model, data, plan, dict(mp=mp, pp=pp, shard=shard, checkpoint=checkpoint,
+        picked = _planned(model, data, plan, dict(mp=mp, pp=pp, cp=cp, shard=shard, checkpoint=checkpoint,
                                                   mixed_precision=mixed_precision), options)
         chosen = picked.options()
         for kept in ("stages", "microbatches"):  # the user's cut and micro-batches, kept

@@ -5,6 +5,9 @@ What it measures
 
     * ``mlp``: 8 x Linear(1024, 1024) with ReLU, a global batch of 64;
     * ``gpt``: a nanoGPT-style decoder, 4 layers of width 256, 4 heads, 64 tokens, a global batch of 16;
+    * ``long``: the same decoder at width 128 on long sequences (``--long-seq``, 1,024 tokens) and a global batch
+      of ``--long-batch`` rows (1): context parallelism's case;
+    (the decoders are planned with ``Auto(cp=True)``: their ``cp`` layouts among the candidates.)
     * ``cnn``: a stem and 4 residual blocks of 3x3 convolutions (64 channels) on 32x32 images, a Linear
       head, a global batch of 32;
     * ``tight``: the mlp under a memory budget of ``--tight-gb`` per rank, which its replicated layout does
@@ -22,7 +25,7 @@ What it measures
     ``--billion-steps`` steps.
 
 How to run
-    python benchmarks/bench_plan.py                       # 2 ranks, all four models, a few minutes on 2 cores
+    python benchmarks/bench_plan.py                       # 2 ranks, all five models, a few minutes on 2 cores
     python benchmarks/bench_plan.py --ranks 4
     python benchmarks/bench_plan.py --models gpt,tight
     python benchmarks/bench_plan.py --billion             # 2 ranks, about 20 GB of memory
@@ -31,7 +34,6 @@ How to run
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -45,12 +47,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autodist
 from autodist.mp import observe
-from autodist.planner.live import LiveBytes
-from autodist.planner.step import loss_of
-from autodist.planner.trial import share
-from autodist.runtime import tree
+from autodist.planner import trial
 
-MODELS = ["mlp", "gpt", "cnn", "tight"]
+MODELS = ["mlp", "gpt", "long", "cnn", "tight"]
 
 
 class ConvBlock(nn.Module):
@@ -90,46 +89,38 @@ def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, DataLoader, a
         model = GPT(vocab=256, width=args.gpt_width, heads=4, layers=4, seq=64)
         data = TensorDataset(torch.randint(0, 256, (4 * args.gpt_batch, 64), generator=g))
         batch = args.gpt_batch
+    elif name == "long":
+        model = GPT(vocab=256, width=args.gpt_width // 2, heads=4, layers=4, seq=args.long_seq)
+        data = TensorDataset(torch.randint(0, 256, (4 * args.long_batch, args.long_seq), generator=g))
+        batch = args.long_batch
     else:
         model = CNN(args.cnn_channels)
         data = TensorDataset(torch.randn(4 * args.cnn_batch, 3, 32, 32, generator=g))
         batch = args.cnn_batch
-    auto = autodist.Auto(budget_gb=args.tight_gb if name == "tight" else None)
+    auto = autodist.Auto(budget_gb=args.tight_gb if name == "tight" else None, cp=name in ("gpt", "long"))
     return model, DataLoader(data, batch_size=batch), auto
 
 
 def _ground_truth(model: nn.Module, loader: DataLoader, plan: autodist.ParallelPlan, args: argparse.Namespace
                   ) -> dict[str, tuple[float, list[float]]]:
-    """Every fitting layout on a copy: its measured peak and its step times, interleaved with the others."""
+    """Every fitting layout on a copy, made and cut as the plan's trials make them (``cp``'s rows cut to this
+    rank's tokens): its measured peak and its step times, interleaved with the others."""
     example = observe.example_of(loader, rows=plan.batch_size)
-    rank = autodist.rank()
     steps, peaks = {}, {}
     for row in (r for r in plan.rows if r.fits):
-        layout = row.layout
-        options = {"example": example} if layout.mp > 1 else {}
+        options = {"example": example} if row.layout.mp > 1 else {}
         if row.stages:  # the cut the plan predicted and tried, and its micro-batches
             options["stages"] = row.stages
         if row.microbatches:
             options["microbatches"] = row.microbatches
-        trial, _ = autodist.parallelize(copy.deepcopy(model), None, **layout.options(), **options)
-        optimizer = torch.optim.Adam(trial.parameters(), lr=1e-4)
-        x = share(example, rank // (layout.mp * layout.pp), layout.dp, 0)
+        made = trial.Trial(model, example, row.layout, autodist.parallelize, 2, autodist.rank(), 0, options)
 
-        def step(trial=trial, optimizer=optimizer, x=x) -> float:
+        def step(made=made) -> float:
             start = time.perf_counter()
-            optimizer.zero_grad()
-            loss_of(tree.call(trial, x)).backward()
-            optimizer.step()
+            made.run()
             return time.perf_counter() - start
 
-        step()
-        optimizer.zero_grad()
-        at_rest = autodist.memory(trial, optimizer).total
-        with LiveBytes() as live:
-            step()
-        t = torch.tensor([at_rest + live.peak])
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        peaks[row.label], steps[row.label] = float(t), step
+        peaks[row.label], steps[row.label] = made.peak, step
     times, _ = timing.interleave(steps, args.steps, args.rounds, args.warmup)
     slowest = {}
     for name, ts in times.items():  # the slowest rank's median
@@ -208,6 +199,8 @@ def main() -> int:
     parser.add_argument("--mlp-batch", type=int, default=64)
     parser.add_argument("--gpt-width", type=int, default=256)
     parser.add_argument("--gpt-batch", type=int, default=16)
+    parser.add_argument("--long-seq", type=int, default=1024, help="the long model's tokens per row")
+    parser.add_argument("--long-batch", type=int, default=1, help="the long model's rows per global batch")
     parser.add_argument("--cnn-channels", type=int, default=64)
     parser.add_argument("--cnn-batch", type=int, default=32)
     parser.add_argument("--tight-gb", type=float, default=0.12, help="the budget per rank of the 'tight' model")
@@ -215,7 +208,7 @@ def main() -> int:
     parser.add_argument("--billion-batch", type=int, default=8)
     parser.add_argument("--billion-steps", type=int, default=2)
     args = parser.parse(quick={"steps": 1, "rounds": 2, "warmup": 1, "width": 128, "mlp_batch": 16,
-                               "gpt_width": 64, "gpt_batch": 8, "cnn_channels": 8, "cnn_batch": 8,
+                               "gpt_width": 64, "gpt_batch": 8, "long_seq": 128, "cnn_channels": 8, "cnn_batch": 8,
                                "tight_gb": 0.0022, "billion_steps": 1})
     return harness.run(parser, args, worker)
 

@@ -1,7 +1,8 @@
-"""The layouts a world allows: every ``dp x pp x mp`` factorization of it, x each ``shard`` level, x
-checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe, exact at any count: a smaller
-bubble against more sends); a layout that cannot be made says why (``mp`` that splits nothing, sharding over a single
-data-parallel rank, checkpointing without blocks). Dimensions the user pins are kept as given, and so is the
+"""The layouts a world allows: every ``dp x cp x pp x mp`` factorization of it (``cp`` for a model with attention
+calls), x each ``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe,
+exact at any count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that splits
+nothing, sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on data that is not a
+DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that says so). Dimensions the user pins are kept as given, and so is the
 precision (``mixed_precision=``), which every candidate computes in.
 
 Example:
@@ -17,6 +18,13 @@ from autodist.planner.profile import Profile
 
 
 def _why_not(layout: Layout, profile: Profile) -> str:
+    if layout.cp > 1 and layout.cp not in profile.contexts:
+        return f"cp={layout.cp} finds no attention call in the model's forward to split the sequence for"
+    if layout.cp > 1 and profile.contexts[layout.cp].impossible:
+        return profile.contexts[layout.cp].impossible
+    if layout.cp > 1 and layout.pp > 1:
+        return (f"cp={layout.cp} with pp={layout.pp} is not modelled by the planner: give "
+                f"layout=autodist.Layout(cp={layout.cp}, pp={layout.pp}, ...) to parallelize without plan=")
     if layout.mp > 1 and profile.splits[layout.mp].impossible:
         return profile.splits[layout.mp].impossible
     if layout.pp > 1 and len(profile.blocks) < layout.pp:
@@ -26,7 +34,7 @@ def _why_not(layout: Layout, profile: Profile) -> str:
         return f"pp={layout.pp} cannot run the model (cut as the pipeline cuts it): {profile.cut_refusals[layout.pp]}"
     if layout.pp > 1 and layout.shard == "parameters":
         return f"pp={layout.pp} with shard='parameters' is not built (each stage holds its blocks whole)"
-    if layout.shard is not None and layout.dp == 1:
+    if layout.shard is not None and layout.dp * layout.cp == 1:
         return f"shard={layout.shard!r} needs 2 or more data-parallel ranks (here dp=1)"
     if layout.checkpoint and not profile.blocks:
         return ("checkpointing needs blocks (the model has no run of repeated members in a ModuleList or "
@@ -37,21 +45,31 @@ def _why_not(layout: Layout, profile: Profile) -> str:
 def candidates(world_size: int, profile: Profile, pinned: dict[str, Any],
                microbatches: int | None = None) -> list[Row]:
     """One row per layout of ``world_size`` ranks that agrees with ``pinned`` (keys "mp", "pp", "shard",
-    "checkpoint", "precision": the layout's fields), each with ``impossible`` set where it cannot be made; with
+    "checkpoint", "cp", "precision": the layout's fields), each with ``impossible`` set where it cannot be made; with
     ``pp``, one per count of micro-batches a step (``2 * pp``: parallelize's default, and ``4 * pp``; or the
     ``microbatches`` the user gave). Not ``pp`` itself: half its step is the bubble, and its peak is what the
     memory model misses most (a micro-batch's transients grow with its rows: 15-19% under the measured peak
     for bench_plan.py's CNN, where ``2 * pp`` and ``4 * pp`` are within -4..+12%)."""
     rows = []
-    for pp in (k for k in range(1, world_size + 1) if world_size % k == 0):
-        for mp in (k for k in range(1, world_size // pp + 1) if world_size // pp % k == 0):
-            for shard in SHARDS:
-                for checkpoint in (False, True):
-                    layout = Layout(world_size // (mp * pp), mp, shard, checkpoint, pp=pp,
-                                    precision=pinned.get("precision"))
-                    if any(getattr(layout, key) != value for key, value in pinned.items()):
-                        continue
-                    why = _why_not(layout, profile)
-                    counts = [None] if pp == 1 or why else [microbatches] if microbatches else [2 * pp, 4 * pp]
-                    rows.extend(Row(layout, impossible=why, microbatches=m) for m in counts)
+    for pp, cp, mp in _factors(world_size, searched=bool(profile.contexts) or pinned.get("cp", 1) > 1):
+        for shard in SHARDS:
+            for checkpoint in (False, True):
+                layout = Layout(world_size // (mp * pp * cp), mp, shard, checkpoint, pp=pp, cp=cp,
+                                precision=pinned.get("precision"))
+                if any(getattr(layout, key) != value for key, value in pinned.items()):
+                    continue
+                if cp > 1 and pp > 1 and (shard, checkpoint) != (None, False) and "cp" not in pinned:
+                    continue  # not modelled: one row says so
+                why = _why_not(layout, profile)
+                counts = [None] if pp == 1 or why else [microbatches] if microbatches else [2 * pp, 4 * pp]
+                rows.extend(Row(layout, impossible=why, microbatches=m) for m in counts)
     return rows
+
+
+def _factors(world_size: int, searched: bool) -> list[tuple[int, int, int]]:
+    """Every ``(pp, cp, mp)`` whose product divides ``world_size`` (``cp`` 1 unless ``searched``: a model with
+    attention calls, or ``cp`` pinned)."""
+    def divisors(n: int) -> list[int]:
+        return [k for k in range(1, n + 1) if n % k == 0]
+    return [(pp, cp, mp) for pp in divisors(world_size) for cp in (divisors(world_size // pp) if searched else [1])
+            for mp in divisors(world_size // (pp * cp))]

@@ -37,6 +37,11 @@ class Auto:
             model ranks first (0: none, the model decides).
         steps: timed steps of each finalist, after two that make the optimizer's state and measure the peak;
             the median is its time.
+        cp: search context parallelism too (``cp=K`` layouts, for a model whose forward makes attention calls;
+            docs/context-parallel.md). Off unless asked, as it trains as one process only where the code around
+            the model is per token: a loss that shifts or slices the logits or labels along the sequence outside
+            the model (``logits[:, :-1]``) sees a rank's tokens, which cp cannot tell. ``cp=K`` given beside
+            ``plan=`` searches it at that degree.
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, plan=autodist.Auto(budget_gb=6, optimizer_states=1))
@@ -47,6 +52,7 @@ class Auto:
     batch_size: int | None = None
     finalists: int = 4
     steps: int = 8
+    cp: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_gb is not None and (isinstance(self.budget_gb, bool) or not isinstance(
@@ -56,6 +62,9 @@ class Auto:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.cp, bool):
+            raise ValueError(f"cp must be True (search context parallelism too) or False, got {self.cp!r}: a degree "
+                             f"is given as cp= beside plan= (parallelize(..., plan='auto', cp=2)), which keeps it")
         if self.batch_size is not None and (not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool)
                                             or self.batch_size < 1):
             raise ValueError(f"batch_size must be a positive int (rows of one global batch) or None, "

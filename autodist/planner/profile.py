@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autodist.dp import precision
 from autodist.dp.buckets import sum_dtype
 from autodist.mp import rewrite
+from autodist.planner.context import Context
 from autodist.planner.live import LiveBytes
 from autodist.planner.stages import Blocks, Stage, bounds_of, measure_blocks, refusal
 from autodist.planner.step import loss_of, make_optimizer, untouched
@@ -95,6 +96,7 @@ class Profile:
     send_latency: float = 0.0  # seconds of a small send from one rank to another
     cuts: dict[int, list[int]] = field(default_factory=dict)  # by pp: where each stage begins, and the end
     cut_refusals: dict[int, str] = field(default_factory=dict)  # by pp: why that cut cannot run ("" where it can)
+    contexts: dict[int, Context] = field(default_factory=dict)  # by cp: what it sends and keeps (none: no attention)
 
     def stage_fraction(self, stage: Stage) -> float:
         """The share of the model's parameter bytes a rank of ``stage`` holds: every parameter outside the
@@ -120,10 +122,11 @@ class Profile:
 
     def per_rank(self, layout: Any) -> tuple[float, float, float]:
         """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the
-        trainable bytes it updates itself (its 1/dp under ``shard=``)."""
+        trainable bytes it updates itself (its 1/dp under ``shard=``, over the data- and context-parallel ranks)."""
         params = self.splits[layout.mp].param_bytes if layout.mp > 1 else self.param_bytes
         trainable = params * (self.trainable_bytes / self.param_bytes if self.param_bytes else 1.0)
-        own = trainable / layout.dp if layout.shard is not None and layout.dp > 1 else trainable
+        over = layout.dp * layout.cp
+        own = trainable / over if layout.shard is not None and over > 1 else trainable
         return params, trainable, own
 
 
@@ -204,7 +207,7 @@ class _Watch:
             h.remove()
 
 
-def _rows(example: Any, n: int, dim: int) -> Any:
+def first_rows(example: Any, n: int, dim: int) -> Any:
     """The first ``n`` rows of every tensor of the example (along ``dim``)."""
     return tree_map(lambda t: t.narrow(dim, 0, min(n, t.shape[dim])) if isinstance(t, torch.Tensor)
                     and t.dim() > dim else t, example)
@@ -357,7 +360,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
     names = [n for n, _ in found]
     largest = max((nbytes(m.parameters()) for _, m in found), default=0.0)
     mps = [k for k in range(2, world_size + 1) if world_size % k == 0]
-    first = _rows(example, rows[0], batch_dim)
+    first = first_rows(example, rows[0], batch_dim)
     measured = []
     dropped: list[LiveBytes] = []
     with untouched(model, dropped):
@@ -371,11 +374,12 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         with precision.computing_in(model, compute):
             _pass(model, first)  # warm
             for r in rows:
-                measured.append(_measure_rows(model, _rows(example, r, batch_dim), names, roles, dropped))
+                measured.append(_measure_rows(model, first_rows(example, r, batch_dim), names, roles, dropped))
             pipelined = measure_blocks(model, names, first, rows[0]) if len(names) > 1 and world_size > 1 else None
             degrees = [k for k in range(2, min(world_size, len(names)) + 1) if world_size % k == 0]
             cuts = {k: bounds_of(pipelined, k) for k in degrees} if pipelined is not None else {}
-            refused = {k: refusal(model, names, bounds, first, batch_dim) for k, bounds in cuts.items()}
+            two = first_rows(example, max(2, rows[0]), batch_dim)  # micro-batches to merge, however small the share
+            refused = {k: refusal(model, names, bounds, two, batch_dim) for k, bounds in cuts.items()}
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
         splits = {k: _split(explained[k], k, rows_in, total, element, moved) for k in mps}
     step, transient, transient_bytes = _optimizer_step(model, states)

@@ -21,11 +21,11 @@ from torch.utils.data import DataLoader
 
 from autodist.dp import precision
 from autodist.mp import observe
-from autodist.planner import memory, timing, trial
+from autodist.planner import context, memory, timing, trial
 from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
 from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
-from autodist.planner.profile import Profile, measure, nbytes
+from autodist.planner.profile import Profile, first_rows, measure, nbytes
 from autodist.planner.stages import counts
 from autodist.planner.target import Target, carried
 from autodist.runtime import plain
@@ -91,19 +91,19 @@ def _nothing_fits(rows: list[Row], budget: float, ranks: int, batch: int, name: 
 
 
 def _finalists(rows: list[Row], count: int) -> list[int]:
-    """The rows to measure: the fastest modelled fitting row of each family (dp, mp, pp, shard level); first the
-    best family of each mp and pp degree, then the other families fastest by the model, ``count`` in all. The model
+    """The rows to measure: the fastest modelled fitting row of each family (dp, cp, mp, pp, shard level); first
+    the best family of each mp, pp and cp degree, then the other families fastest by the model, ``count`` in all. The model
     ranks structurally different layouts roughly (communication most of all): measuring the best of each
     degree and family lets the measurement decide among them."""
     best: dict[tuple, int] = {}
     for i, r in enumerate(rows):
-        family = (r.layout.dp, r.layout.mp, r.layout.pp, r.layout.shard)
+        family = (r.layout.dp, r.layout.cp, r.layout.mp, r.layout.pp, r.layout.shard)
         if r.fits and r.seconds is not None and (family not in best or r.seconds < rows[best[family]].seconds):
             best[family] = i
     ranked = sorted(best.values(), key=lambda i: rows[i].seconds)  # type: ignore[arg-type, return-value]
     first = {}
     for i in ranked:
-        first.setdefault((rows[i].layout.mp, rows[i].layout.pp), i)
+        first.setdefault((rows[i].layout.mp, rows[i].layout.pp, rows[i].layout.cp), i)
     picked = sorted(first.values(), key=ranked.index)[:count]
     return picked + [i for i in ranked if i not in picked][:max(0, count - len(picked))]
 
@@ -118,7 +118,7 @@ def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:
             r.status = "chosen"
         elif r in fitting and not r.status:
             r.status = _slower(r, best)
-    replicated = next((r for r in rows if r.layout.mp == r.layout.pp == 1 and r.layout.shard is None
+    replicated = next((r for r in rows if r.layout.mp == r.layout.pp == r.layout.cp == 1 and r.layout.shard is None
                        and not r.layout.checkpoint), None)
     how = f"the fastest of {len(measured)} measured" if measured else "the fastest modelled"
     possible = sum(1 for r in rows if not r.impossible)
@@ -142,9 +142,9 @@ def _slower(row: Row, best: Row) -> str:
 
 
 def _family(layout: Any, checkpoint: bool = True) -> tuple:
-    """What the time model misjudges alike: the shard level, whether layers or the model are split, and
-    (``checkpoint``) recomputation."""
-    return (layout.shard, layout.mp > 1, layout.pp > 1, layout.checkpoint if checkpoint else None)
+    """What the time model misjudges alike: the shard level, whether layers, the model or the sequence are split,
+    and (``checkpoint``) recomputation."""
+    return (layout.shard, layout.mp > 1, layout.pp > 1, layout.cp > 1, layout.checkpoint if checkpoint else None)
 
 
 def calibrate(rows: list[Row], here: list[Row]) -> int:
@@ -207,6 +207,10 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     small = max(1, batch // ranks)
     profile = measure(model, example, (small, min(batch, 2 * small)), ranks, auto.optimizer_states,
                       options.get("blocks"), batch_dim, precision.compute_dtype(pinned.get("precision")))
+    if auto.cp or pinned.get("cp", 1) > 1:  # asked for: the code around the model must be per token
+        profile.contexts = context.contexts(model, first_rows(example, small, batch_dim), small,
+                                            [k for k in range(2, ranks + 1) if ranks % k == 0],
+                                            isinstance(data, DataLoader), batch_dim)
     if target is not None:
         profile = carried(profile, target, world.size)
     held = nbytes([*model.parameters(), *model.buffers()])
@@ -243,8 +247,9 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     together = sum(rows[i].peak for i in measurable) <= room
     for i, result in zip(measurable, trial.run_all(make, auto.steps, together)):
         row = rows[i]
-        if isinstance(result, str):  # a model-parallel plan that does not fit its forward fails at every shard=
-            same = [r for r in rows if r.layout.mp == row.layout.mp] if row.layout.mp > 1 else [row]
+        if isinstance(result, str):  # a model-parallel plan (or cp's routing) the forward refuses fails at every shard=
+            same = [r for r in rows if (row.layout.mp > 1 and r.layout.mp == row.layout.mp)
+                    or (row.layout.cp > 1 and r.layout.cp == row.layout.cp)] or [row]
             for r in same:
                 r.impossible, r.status = f"could not be made: {result}", f"not possible: could not be made: {result}"
             continue

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+from autodist.planner.context import flat
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile
 from autodist.planner.stages import pieces, stages_of, stretch
@@ -30,7 +31,14 @@ def _ring(nbytes: float, ranks: int, profile: Profile, calls: int = 1) -> float:
 def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25.0,
             microbatches: int | None = None) -> float:
     """Modelled seconds of one training step of ``layout``, ``rows`` rows a rank; ``microbatches``: with
-    ``pp``, the micro-batches a step (None: ``parallelize``'s default)."""
+    ``pp``, the micro-batches a step (None: ``parallelize``'s default). With ``cp``, the data-parallel layout over
+    ``dp x cp`` ranks at ``rows / cp`` rows, plus attention's exchange: an all-gather forward and an all-reduce
+    backward per call, their bytes read from the model's calls (:mod:`~autodist.planner.context`; under ``mp``
+    each rank exchanges its heads)."""
+    if layout.cp > 1:
+        context = profile.contexts[layout.cp]
+        exchange = 2 * context.calls * profile.latency + context.sent_per_row * rows / layout.mp / profile.bandwidth
+        return seconds(flat(layout), profile, rows / layout.cp, bucket_mb, microbatches) + exchange
     dp, mp = layout.dp, layout.mp
     split = profile.splits[mp] if mp > 1 else None
     work = 1.0 if split is None else (1 - split.split_fraction) + split.split_fraction / mp

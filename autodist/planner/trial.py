@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader
 
+from autodist.cp import forward as cp_forward
 from autodist.planner.live import LiveBytes
 from autodist.planner.plan import Layout
 from autodist.planner.step import loss_of, make_optimizer, rng_state, set_rng_state
@@ -30,6 +32,7 @@ from autodist.runtime import plain, tree
 from autodist.train.memory import memory
 
 Setup = Callable[..., tuple[nn.Module, Any]]  # parallelize without its log line
+_UNREAD = 1024  # rows of the loader a context-parallel trial is given and never reads
 
 
 @dataclass
@@ -40,11 +43,14 @@ class Result:
 
 
 def share(example: Any, index: int, parts: int, dim: int) -> Any:
-    """Part ``index`` of ``parts`` of every tensor of the batch along ``dim``, as the data is sharded."""
+    """Part ``index`` of ``parts`` of every tensor of the batch along ``dim``, as the data is sharded; a part
+    with no row is the first row, as a sharded loader hands a rank left with none a stand-in row (whose gradient
+    counts zero) to run the step with the others."""
     def cut(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() <= dim:
             return t
-        return torch.tensor_split(t, parts, dim=dim)[index]
+        part = torch.tensor_split(t, parts, dim=dim)[index]
+        return part if part.shape[dim] or not t.shape[dim] else t.narrow(dim, 0, 1)
     return tree_map(cut, example)
 
 
@@ -67,13 +73,17 @@ class Trial:
 
     def __init__(self, model: nn.Module, batch: Any, layout: Layout, setup: Setup, states: int, rank: int,
                  dim: int = 0, options: dict[str, Any] | None = None) -> None:
-        self.model, _ = setup(copy.deepcopy(model), None, **{**(options or {}), **layout.options()})
+        # cp cuts the batches a DataLoader hands over: one is given (never read), and the rows cut as it would
+        loader = DataLoader(range(_UNREAD), batch_size=_UNREAD) if layout.cp > 1 else None
+        self.model, _ = setup(copy.deepcopy(model), loader, **{**(options or {}), **layout.options()})
         self.x = share(batch, rank // (layout.mp * layout.pp * layout.cp), layout.dp, dim)
+        if layout.cp > 1:
+            self.x = cp_forward.context_of(self.model).cut(self.x)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.optimizer = make_optimizer(self.model.parameters(), states)
         self.times: list[float] = []
         try:
-            self._step()  # the optimizer's state; the first of everything
+            self.run()  # the optimizer's state; the first of everything
         except Exception as err:
             if layout.pp > 1:  # the other stages wait on this one's sends: no agreement can be reached
                 raise PipelineTrialFailed(
@@ -84,18 +94,19 @@ class Trial:
         self.optimizer.zero_grad()
         at_rest = memory(self.model, self.optimizer).total
         with LiveBytes() as live:
-            self._step()
+            self.run()
         self.kinds = dict(memory(self.model, self.optimizer))
         self.peak = _slowest(at_rest + live.peak, self.device)
 
-    def _step(self) -> None:
+    def run(self) -> None:
+        """One step, untimed."""
         self.optimizer.zero_grad()
         loss_of(tree.call(self.model, self.x)).backward()
         self.optimizer.step()
 
     def step(self) -> None:
         start = time.perf_counter()
-        self._step()
+        self.run()
         self.times.append(_slowest(time.perf_counter() - start, self.device))
 
     def result(self) -> Result:

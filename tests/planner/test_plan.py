@@ -190,9 +190,10 @@ def test_the_search_leaves_model_gradients_buffers_and_random_streams_alone(rank
 
 def _nanogpt_peaks():
     config = GPTConfig(block_size=32, vocab_size=96, n_layer=3, n_head=4, n_embd=64, dropout=0.0)
-    tokens = torch.randint(0, 96, (64, 32), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=16)
-    plan = autodist.plan(w.seeded(lambda: GPT(config), 0), loader, autodist.Auto(finalists=4))
+    tokens = torch.randint(0, 96, (48, 32), generator=torch.Generator().manual_seed(0))
+    # 12 rows: at 16, cp=2's 16 tokens a rank would be as many as the rows, which cp refuses (an ambiguous arange)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=12)
+    plan = autodist.plan(w.seeded(lambda: GPT(config), 0), loader, autodist.Auto(finalists=4, cp=True))
     return [(str(r.layout), r.peak, r.measured_peak) for r in plan.rows if r.measured_peak], str(plan)
 
 
@@ -200,7 +201,7 @@ def _nanogpt_peaks():
 def test_predicted_peaks_are_within_10_percent_of_the_measured_on_nanogpt(ranks):
     (peaks, table), _ = ranks(2, _nanogpt_peaks)
     print(table)
-    assert len(peaks) == 4
+    assert len(peaks) == 4 and any("cp=2" in layout for layout, _, _ in peaks)  # cp's finalist among them
     for layout, predicted, measured in peaks:
         assert abs(predicted / measured - 1) <= 0.10, (layout, predicted, measured)
 
