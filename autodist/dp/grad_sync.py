@@ -72,14 +72,16 @@ class GradSync:
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, hooks: bool,
                  first_bucket_mb: float = 1.0, bucket_mb: float = 25.0, sync_buffers: bool = True,
-                 counter: SampleCounter | None = None, scatter: Scatter | None = None) -> None:
+                 counter: SampleCounter | None = None, scatter: Scatter | None = None,
+                 own: frozenset[int] = frozenset()) -> None:
         self.elastic = elastic.current()  # under autodist run --elastic: summed over the ranks alive together
         self.group = group if self.elastic is None else self.elastic.group
         self.failed: BaseException | None = None  # elastic: this sync's all-reduce failed (a rank was lost)
         self.scatter = scatter  # shard="gradients": buckets reduce-scattered, each rank keeps its part
         self.hooks = hooks
         self.caps = (int(first_bucket_mb * MB), int(bucket_mb * MB))
-        self.named = list(model.named_parameters())
+        # the parameters summed here: not those each rank holds its own of (expert parallelism's experts)
+        self.named = [(n, p) for n, p in model.named_parameters() if id(p) not in own]
         self.model = weakref.ref(model)
         self.counter = counter or SampleCounter()
         self.buffer_sync = BufferSync(model, sync_buffers, keep=self.elastic is not None)
@@ -109,7 +111,7 @@ class GradSync:
         self.units_share: float | None = None  # global units (context parallel): this backward's D_r / D
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
-        self.structure = Watch(model, [p for _, p in self.named])
+        self.structure = Watch(model, list(model.parameters()))  # the ones each rank holds its own of too
         self._build()
         if self.elastic is not None:
             self.buffer_sync.keep_counts()
@@ -739,8 +741,10 @@ def synchronize_model(model: nn.Module, what: Literal["gradients", "parameters"]
     registration = _registry.get(model) or _unparallelized_registration(model, world)
     if registration.dp == 1:
         return
-    if what == "parameters":
-        params = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+    if what == "parameters":  # not those each rank holds its own of (expert parallelism's experts)
+        synced = None if registration.sync is None else {id(p) for _, p in registration.sync.named}
+        params = [p for p in model.parameters() if synced is None or id(p) in synced] + \
+            [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad(), waiting("parameters"):
             average_([p.data for p in params], 1.0, registration.dp_group)
         return

@@ -182,6 +182,19 @@ def context_ranks(dims: ParallelDims, cp: int, rank: int) -> list[int]:
     return dims.dp_ranks(rank)[first:first + cp]
 
 
+def expert_groups(dims: ParallelDims, ep: int, rank: int) -> tuple[object | None, object | None]:
+    """Expert parallelism's groups for ``rank``: the ``ep`` consecutive data-parallel ranks its experts are placed
+    over (None: the whole world), and the ranks holding the same experts in the other such groups (None: there are
+    none, ``dp == ep``). Collective over the world; made once per layout."""
+    key = (dims, f"ep={ep}")
+    if key not in _second_cache:
+        places = [ranks[i:i + ep] for ranks in dims.all_groups("dp") for i in range(0, dims.dp, ep)]
+        copies = [ranks[i::ep] for ranks in dims.all_groups("dp") for i in range(ep)]
+        _second_cache[key] = (_made_of(places, rank) if len(places) > 1 else None,
+                              _made_of(copies, rank) if dims.dp > ep else None)
+    return _second_cache[key]  # type: ignore[return-value]
+
+
 def context_group(dims: ParallelDims, cp: int, rank: int) -> object | None:
     """A process group over :func:`context_ranks` (None: the whole world). Collective over the world; made once
     per layout."""

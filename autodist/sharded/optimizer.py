@@ -72,9 +72,10 @@ class OptimizerSharding:
     and the hooks around the steps of every optimizer that holds them."""
 
     def __init__(self, model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None,
-                 at_rest: Any = None, bucket_bytes: int = 25 << 20) -> None:
+                 at_rest: Any = None, bucket_bytes: int = 25 << 20, own: frozenset[int] = frozenset()) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # not those each rank holds its own of (expert parallelism's experts): stepped whole where they are
+        self.params = [p for p in model.parameters() if p.requires_grad and id(p) not in own]
         # shard="parameters": the pieces are views of the blocks' shards, which nothing gathers after a step
         self.at_rest = at_rest
         for p in self.params if at_rest is None else ():
@@ -354,14 +355,15 @@ def _unplain(value: Any) -> Any:
 
 
 def setup(model: nn.Module, group: Any, rank: int, ranks: int, sync: Any = None,
-          at_rest: Any = None, bucket_bytes: int = 25 << 20) -> OptimizerSharding:
+          at_rest: Any = None, bucket_bytes: int = 25 << 20, own: frozenset[int] = frozenset()) -> OptimizerSharding:
     """Shard the optimizer state of ``model`` over the ``ranks`` data-parallel ranks of ``group`` (this one is
     ``rank``); the model keeps the sharding alive. ``sync``: the gradient sync whose buckets' parts the ranks
     keep (``shard="gradients"``), whose cut the optimizer's pieces then follow; ``at_rest``: the
     :class:`~autodist.sharded.parameters.ParameterSharding` whose shards the pieces are
     (``shard="parameters"``); ``bucket_bytes``: the gradient buckets' size, which bounds the shared windows the
-    updated parameters are gathered through."""
-    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync, at_rest, bucket_bytes)
+    updated parameters are gathered through; ``own``: ids of parameters each rank holds its own of (ep's experts),
+    left whole to each rank's optimizer."""
+    sharding = _by_model[model] = OptimizerSharding(model, group, rank, ranks, sync, at_rest, bucket_bytes, own)
     return sharding
 
 

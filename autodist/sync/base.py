@@ -26,6 +26,7 @@ class SyncContext:
     first_bucket_mb: float = 1.0
     sync_buffers: bool = True
     scatter: Any = None  # shard="gradients": the buckets each rank keeps its part of (autodist.sharded.scatter)
+    own: frozenset[int] = frozenset()  # ids of parameters each rank holds its own of (ep's experts): not synced here
 
 
 class Strategy:

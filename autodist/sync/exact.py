@@ -22,7 +22,7 @@ class Exact(Strategy):
     def _start(self, model: nn.Module, ctx: SyncContext) -> GradSync:
         return GradSync(model, ctx.group, hooks=self.hooks, first_bucket_mb=ctx.first_bucket_mb,
                         bucket_mb=ctx.bucket_mb, sync_buffers=ctx.sync_buffers, counter=ctx.counter,
-                        scatter=ctx.scatter)
+                        scatter=ctx.scatter, own=ctx.own)
 
     def __repr__(self) -> str:
         return self.name

@@ -1,0 +1,125 @@
+"""What ``parallelize(model, loader, ep=K)`` would do to a model, read from one forward of a global batch in this
+process: which rank holds which experts of each layer, how many (token, expert) pairs of the batch each expert
+gets, and the bytes a rank sends for each layer in a training step.
+
+The example's tokens are taken as the loader deals them: the batch's rows split evenly over the ``K`` ranks of an
+expert group, in order (a layer's tokens are its rows x positions, as Hugging Face flattens them). A pair whose
+expert is on another rank is sent there with its hidden state, its expert's number and its weight, and its output
+comes back (forward); backward sends the output's gradient there and the hidden state's and weight's back. The
+pairs a rank keeps for its own experts move nothing.
+
+Example:
+    >>> plan = explain(mixtral, 2, (ids,))              # ids: one global batch, (rows, tokens)
+    >>> print(plan)                                      # each layer: the experts per rank, the pairs, the bytes
+    >>> plan.sent()                                      # bytes the busiest rank sends per step (forward, backward)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autodist.ep import experts
+from autodist.runtime import tree
+
+
+@dataclass
+class Layer:
+    """One module of experts on the example: its name, its experts, ``k``, the hidden width and element size, how
+    many pairs each expert got, and the pairs each rank sends to each rank (``moved[source][owner]``)."""
+
+    name: str
+    experts: int
+    k: int
+    width: int
+    element: int
+    weight_element: int
+    per_expert: list[int]
+    moved: list[list[int]]
+
+    def sent(self, rank: int) -> tuple[float, float]:
+        """Bytes ``rank`` sends for this layer in a step: (forward, backward)."""
+        parts = len(self.moved)
+        out = sum(self.moved[rank][o] for o in range(parts) if o != rank)  # its pairs to other ranks
+        back = sum(self.moved[s][rank] for s in range(parts) if s != rank)  # the others' pairs it computes
+        row = self.width * self.element
+        forward = out * (row + self.weight_element + 8) + back * row
+        backward = out * row + back * (row + self.weight_element)
+        return float(forward), float(backward)
+
+
+@dataclass
+class ExpertPlan:
+    """The placement of every module of experts over ``parts`` ranks; ``print`` it for the table."""
+
+    parts: int
+    layers: list[Layer] = field(default_factory=list)
+
+    def sent(self) -> tuple[float, float]:
+        """Bytes the busiest rank sends per step over every layer: (forward, backward)."""
+        each = [[layer.sent(r) for layer in self.layers] for r in range(self.parts)]
+        return max(((sum(f for f, _ in s), sum(b for _, b in s)) for s in each), key=sum, default=(0.0, 0.0))
+
+    def __str__(self) -> str:
+        if not self.layers:
+            return f"ep={self.parts}: the model has no module of experts (parallelize(ep=...) refuses it)"
+        first = self.layers[0]
+        per = first.experts // self.parts
+        holds = "; ".join(f"rank {r}: experts {r * per}-{(r + 1) * per - 1}" for r in range(self.parts))
+        lines = [f"ep={self.parts}: the {first.experts} experts of each of {len(self.layers)} layers placed over "
+                 f"{self.parts} ranks ({holds}); each pair (token, one of its top-{first.k} experts) goes to the "
+                 f"rank holding its expert and back, dropless",
+                 "  | layer | pairs per expert (this batch) | pairs leaving their rank | bytes sent (busiest rank, "
+                 "forward + backward) |", "  |---|---|---|---|"]
+        for layer in self.layers:
+            leaving = sum(layer.moved[s][o] for s in range(self.parts) for o in range(self.parts) if s != o)
+            busiest = max((sum(layer.sent(r)) for r in range(self.parts)), default=0.0)
+            lines.append(f"  | {layer.name} | {', '.join(map(str, layer.per_expert))} | {leaving} of "
+                         f"{sum(layer.per_expert)} | {busiest / 1e6:.3f} MB |")
+        forward, backward = self.sent()
+        lines.append(f"  total: {forward / 1e6:.3f} MB forward, {backward / 1e6:.3f} MB backward by the busiest rank "
+                     f"per step (the other parameters' gradient sync comes on top)")
+        return "\n".join(lines)
+
+
+def explain(model: nn.Module, parts: int, example: Any) -> ExpertPlan:
+    """The plan of ``parallelize(model, loader, ep=parts)`` for ``example`` (one global batch's forward arguments),
+    read by running that forward once here, without gradients (no process group needed)."""
+    found = experts.find(model)
+    for name, module in found:
+        if experts.count(module) % parts:
+            raise ValueError(f"ep={parts}: {name} holds {experts.count(module)} experts, which do not split evenly "
+                             f"over {parts} ranks")
+    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    def watch(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            calls.setdefault(name, []).append(experts.check_call(name, experts.count(module), args, kwargs))
+        return hook
+
+    handles = [m.register_forward_pre_hook(watch(name), with_kwargs=True) for name, m in found]
+    try:
+        with torch.no_grad():
+            tree.call(model, example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    plan = ExpertPlan(parts)
+    for name, module in found:
+        for hidden, index, weights in calls.get(name, []):
+            plan.layers.append(_layer(name, experts.count(module), parts, hidden, index, weights))
+    return plan
+
+
+def _layer(name: str, total: int, parts: int, hidden: torch.Tensor, index: torch.Tensor,
+           weights: torch.Tensor) -> Layer:
+    per = total // parts
+    moved = [[0] * parts for _ in range(parts)]
+    for source, chunk in enumerate(torch.tensor_split(index, parts)):
+        owners = torch.bincount(chunk.flatten() // per, minlength=parts).tolist()
+        for owner, n in enumerate(owners):
+            moved[source][owner] += int(n)
+    return Layer(name, total, index.shape[1], hidden.shape[1], hidden.element_size(), weights.element_size(),
+                 torch.bincount(index.flatten(), minlength=total).tolist(), moved)

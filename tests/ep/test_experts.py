@@ -1,0 +1,268 @@
+"""Expert parallelism, ``parallelize(model, loader, ep=K)``: the experts of each mixture-of-experts layer placed over K
+ranks, tokens sent to their experts and back by all-to-all. Hugging Face Mixtral and Qwen2-MoE (shared expert and
+its gate beside the routed ones; 8 experts, top-2), float64, 10 AdamW steps against one process: every weight within
+10x the float64 control (the same training with each global batch run in two halves in one process, whose row
+blocking is what the ranks' is); experts that get no token of a step, the load-balancing loss, checkpoint=True,
+dp 2 x ep 2, torch.compile; in bfloat16 as near one process as data parallelism is. The state dict holds every
+expert whole (a collective) and a whole one loads into an ep model; a copy is the whole model, pickling is refused;
+the bytes each rank sends are what explain counts from the routing. Refused, named: what ep is not built with, an
+ep that does not divide the ranks or the experts, a model without experts."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import workloads as w
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, ROWS, LENGTH = 10, 4, 6
+
+
+def _moe(family: str = "mixtral", experts: int = 8, aux: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=32, attn_implementation="eager", use_cache=False,
+                  experts_implementation="eager", output_router_logits=aux, router_aux_loss_coef=0.1 if aux else 0.0)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=experts, **common)
+        return transformers.MixtralForCausalLM(config)
+    config = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12, num_experts=experts,
+                                         shared_expert_intermediate_size=20, decoder_sparse_step=1, **common)
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def _loader() -> DataLoader:
+    ids = torch.randint(0, 32, (ROWS * STEPS, LENGTH), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(ids), batch_size=ROWS)
+
+
+def _train(model: torch.nn.Module, loader, halves: bool = False) -> dict[str, torch.Tensor]:
+    """AdamW steps on the loader's batches (``halves``: each batch's loss and gradient as two halves' mean, in one
+    process: the control, the rounding a split batch brings)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for (x,) in loader:
+        opt.zero_grad()
+        for part in (x.chunk(2) if halves else [x]):
+            (model(input_ids=part, labels=part).loss * (len(part) / len(x) if halves else 1.0)).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _idle_experts(model: torch.nn.Module) -> list[int]:
+    """Per forward of each layer, how many experts its router gave no token of this rank (hooks on the routers)."""
+    idle: list[int] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(lambda m, a, out: idle.append(
+                int((torch.bincount(out[2].flatten(), minlength=m.num_experts) == 0).sum())))
+    return idle
+
+
+@w.float64
+def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tuple[float, float, int, dict]:
+    import autodist
+
+    plain = _train(_moe(family), _loader())  # the control without the load-balancing loss, which halves change
+    control = max(float((v - plain[k]).abs().max()) for k, v in _train(_moe(family), _loader(), halves=True).items())
+    reference = _train(_moe(family, aux=aux), _loader())
+    model, loader = autodist.parallelize(_moe(family, aux=aux), _loader(), ep=ep, **options)
+    idle = _idle_experts(model)
+    trained = _train(model, loader)
+    worst = max(float((trained[k] - v).abs().max()) for k, v in reference.items())
+    shapes = {k: tuple(v.shape) for k, v in trained.items() if tuple(v.shape) != tuple(reference[k].shape)}
+    return worst, control, max(idle), shapes
+
+
+@pytest.mark.parametrize("family, world, ep, aux, options", [
+    ("mixtral", 2, 2, False, {}),
+    ("qwen2_moe", 2, 2, True, {}),  # a shared expert beside the routed ones; the load-balancing loss
+    pytest.param("mixtral", 4, 4, True, {}, marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", 4, 2, False, {}, marks=pytest.mark.slow),  # dp 2 x ep 2: each expert's groups summed
+    pytest.param("mixtral", 2, 2, False, {"checkpoint": True}, marks=pytest.mark.slow),
+])
+def test_experts_placed_over_ranks_train_as_one_process(ranks, family, world, ep, aux, options):
+    for worst, control, idle, shapes in ranks(world, _against_one_process, family, ep, aux, options):
+        print(f"ep={ep} {family}: {worst:.2e} (control {control:.2e}), idle experts {idle}")
+        assert not shapes, shapes  # the state dict holds every expert
+        assert worst <= 10 * max(control, 1e-15), (worst, control)
+        assert idle > 0  # some expert got no token of this rank in some step
+
+
+@w.float64
+def _state_round_trip() -> tuple[bool, float]:
+    import autodist
+
+    model, _ = autodist.parallelize(_moe(), _loader(), ep=2)
+    whole = _moe().state_dict()
+    with torch.no_grad():
+        whole = {k: v + 1.0 for k, v in whole.items()}  # not what the model holds
+    model.load_state_dict(whole)
+    back = model.state_dict()
+    experts = model.model.layers[0].mlp.experts
+    mine = experts.gate_up_proj.shape[0] == 4
+    return mine, max(float((back[k] - v).abs().max()) for k, v in whole.items())
+
+
+def test_a_whole_state_dict_loads_and_reads_back_whole(ranks):
+    for mine, difference in ranks(2, _state_round_trip):
+        assert mine and difference == 0.0
+
+
+@w.float64
+def _bytes() -> tuple[tuple[float, float], tuple[float, float]]:
+    import autodist
+    from autodist.ep.place import placement_of
+
+    (ids,) = next(iter(_loader()))
+    plan = autodist.explain(_moe(), ep=2, example=(ids,))
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    (x,) = next(iter(loader))
+    model(input_ids=x, labels=x).loss.backward()
+    meters = [placed.meter for placed in placement_of(model).modules]
+    rank = autodist.rank()
+    predicted = [layer.sent(rank) for layer in plan.layers]
+    return ((sum(m.forward for m in meters), sum(m.backward for m in meters)),
+            (sum(f for f, _ in predicted), sum(b for _, b in predicted)))
+
+
+def test_the_bytes_sent_are_the_count_explain_reads_from_the_routing(ranks):
+    for measured, predicted in ranks(2, _bytes):
+        assert measured == predicted and measured[0] > 0, (measured, predicted)
+
+
+@w.float64
+def _copied() -> tuple[float, dict, str]:
+    import copy
+
+    import autodist
+
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    (x,) = next(iter(loader))
+    dense = copy.deepcopy(model)  # the model as one process holds it: every expert, its own forward
+    plain = _moe()
+    plain.load_state_dict(model.state_dict())
+    shapes = {k: tuple(v.shape) for k, v in dense.state_dict().items() if "experts" in k}
+    try:
+        torch.save(model, "/dev/null")
+        pickled = "pickled"
+    except RuntimeError as err:
+        pickled = str(err)
+    return float((dense(input_ids=x).logits - plain(input_ids=x).logits).abs().max()), shapes, pickled
+
+
+def test_a_copy_is_the_whole_model_and_pickling_is_refused_by_name(ranks):
+    for difference, shapes, pickled in ranks(2, _copied):
+        assert difference == 0.0
+        assert shapes["model.layers.0.mlp.experts.gate_up_proj"][0] == 8
+        assert "each rank holds only its experts" in pickled
+
+
+@w.float64
+def _compiled() -> float:
+    import autodist
+
+    torch._dynamo.reset()
+    reference = _train(_moe(), _loader())
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    trained = _train(torch.compile(model, backend="aot_eager"), loader)
+    torch._dynamo.reset()
+    return max(float((trained[k.replace("_orig_mod.", "")] - v).abs().max()) if k in trained else
+               float((trained["_orig_mod." + k] - v).abs().max()) for k, v in reference.items())
+
+
+@pytest.mark.slow
+def test_a_compiled_model_runs_the_experts_eagerly_between_its_graphs(ranks):
+    for worst in ranks(2, _compiled):
+        assert worst <= 1e-13, worst
+
+
+def _in_bf16() -> tuple[float, float]:
+    import autodist
+    from autodist.dp import precision
+
+    one = _moe()
+    precision.setup(one, torch.bfloat16)  # one process in the same precision: the reference
+    reference = _train(one, _loader())
+    distances = []
+    for ep in (2, 1):
+        model, loader = autodist.parallelize(_moe(), _loader(), ep=ep, mixed_precision="bf16")
+        trained = _train(model, loader)
+        distances.append(max(float((trained[k] - v).abs().max()) for k, v in reference.items()))
+    return distances[0], distances[1]
+
+
+@pytest.mark.slow
+def test_in_bf16_experts_placed_over_ranks_are_as_near_one_process_as_data_parallelism(ranks):
+    for placed, data_parallel in ranks(2, _in_bf16):  # bfloat16's rounding, amplified by 10 steps at lr 1e-2
+        assert placed <= 1.5 * data_parallel, (placed, data_parallel)
+
+
+def _clipped_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loader, stop: int | None = None) -> None:
+    for step, (x,) in enumerate(loader, 1):
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the norm over every expert, on every rank
+        opt.step()
+        if step == stop:
+            return
+
+
+@w.float64
+def _save_mid_epoch(path: str) -> None:
+    import autodist
+
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _clipped_steps(model, opt, loader, stop=4)
+    autodist.save(path, model, opt)
+
+
+@w.float64
+def _resumed_in_one_process(path: str) -> float:
+    import autodist
+
+    model = _moe()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # other weights: the checkpoint's replace them
+    model, loader = autodist.parallelize(model, _loader())  # one process
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    autodist.load(path, model, opt)  # the weights, the optimizer's state, and where the loader stood
+    _clipped_steps(model, opt, loader)
+    reference = _moe()
+    _clipped_steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), _loader())
+    return max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_checkpoint_saved_at_ep2_with_clipping_resumes_in_one_process(ranks, tmp_path):
+    """Saved after 4 of 10 steps with clip_grad_norm_ (the norm over every expert); resumed in one process, it ends
+    the epoch where the uninterrupted one-process run does: every expert and its optimizer state whole."""
+    path = str(tmp_path / "ep2.pt")
+    ranks(2, _save_mid_epoch, path)
+    assert _resumed_in_one_process(path) <= 1e-12
+
+
+def _refused(case: str) -> str:
+    import autodist
+
+    options = {"mp": dict(ep=2, mp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="optimizer")}.get(case, {"ep": 2})
+    model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8)
+    try:
+        autodist.parallelize(model, _loader(), **options)
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return "not refused"
+
+
+@pytest.mark.parametrize("case, words", [
+    ("mp", "not built with mp=2"),
+    ("shard", "not built with shard='optimizer'"),
+    ("three", "ep=3 does not divide the 2 data-parallel ranks"),
+    ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
+    ("plain", "has none"),
+])
+def test_what_ep_cannot_do_is_named(ranks, case, words):
+    for said in ranks(2, _refused, case):
+        assert words in said, said
