@@ -17,6 +17,9 @@ from autodist.cp import explain as cp_explain
 from autodist.cp import forward as cp_forward
 from autodist.cp import options as cp_options
 from autodist.cp.batches import SequenceCut
+from autodist.ep import explain as ep_explain
+from autodist.ep import options as ep_options
+from autodist.ep import place as ep_place
 from autodist.dp import batch_layout, elastic_data, joining, loader_position, precision, wrappers
 from autodist.dp import batch_norm as bn_layers
 from autodist.dp import data as data_mod
@@ -40,7 +43,8 @@ from autodist.ps.strategy import ParameterServer
 from autodist.runtime import environment
 from autodist.runtime.compiled import unwrapped
 from autodist.runtime.environment import busy_timeout, hang_timeout
-from autodist.runtime.mesh import Groups, ParallelDims, build_groups, context_group, replica_group, second_dp_group
+from autodist.runtime.mesh import (Groups, ParallelDims, build_groups, context_group, expert_groups, replica_group,
+                                   second_dp_group)
 from autodist.runtime.rng import share_rng_state
 from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
@@ -479,6 +483,7 @@ def parallelize(
     check: Check | LossOf | None = None,
     cp: int = 1,
     layout: Layout | None = None,
+    ep: int = 1,
 ) -> tuple[nn.Module, data_mod.DataLike]:
     """Make a single-process model and its data parallel: data parallel, model parallel (mp) or both.
 
@@ -594,6 +599,13 @@ def parallelize(
             ``precision``), the object a plan chooses (``plan.layout``), written by hand: the keywords above of
             those names are its shorthands (one given beside it must agree with it), and a ``dp`` it names must
             make the world with the others.
+        ep: expert parallelism (docs/experts.md): the experts of each mixture-of-experts layer (Hugging Face's
+            experts interface) placed over ``ep`` data-parallel ranks, each token sent to the ranks holding its
+            top-k experts and their outputs back by all-to-all, dropless, exactly one process's training; the
+            expert groups of ``ep`` consecutive ranks replicas of each other (``ep`` divides the data-parallel
+            ranks). With ``checkpoint=True``, ``shard="optimizer"`` / ``"gradients"``, ``mixed_precision=`` and
+            torch.compile; not yet with ``mp``, ``pp``, ``cp``, ``shard="parameters"``, ``sync="manual"`` or
+            ``plan=``.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -642,7 +654,10 @@ def parallelize(
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
-                   mixed_precision=mixed_precision, batch_norm=batch_norm, check=check, cp=cp)
+                   mixed_precision=mixed_precision, batch_norm=batch_norm, check=check, cp=cp, ep=ep)
+    if plan is not None and ep != 1:
+        raise NotImplementedError(f"plan= does not search expert parallelism yet: with ep={ep} choose the rest by hand "
+                                  f"(layout=autodist.Layout(...), or the keywords), or leave ep=1 beside plan=")
     # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
     # registries every function taking a model looks in), and the wrapper returned, compiling it as before
     given, model = model, unwrapped(model)
@@ -674,8 +689,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
            backend: str | None, shard: str | None, blocks: sharded_blocks.Choice, checkpoint: bool,
            pp: int = 1, stages: pp_cut.Stages = None, microbatches: int | None = None,
            loss_fn: Callable[..., Any] | None = None, mixed_precision: precision.Precision = None,
-           batch_norm: str = "global", check: Check | LossOf | None = None, announce: bool = True, cp: int = 1
-           ) -> tuple[nn.Module, data_mod.DataLike]:
+           batch_norm: str = "global", check: Check | LossOf | None = None, announce: bool = True, cp: int = 1,
+           ep: int = 1) -> tuple[nn.Module, data_mod.DataLike]:
     """``parallelize`` once its layout is known; ``announce=False`` for the planner's trials (no log line)."""
     _check_model(model)
     compute = precision.compute_dtype(mixed_precision)
@@ -694,6 +709,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                      one_f_one_b=pp > 1 and loss_fn is not None)
     if cp > 1:
         cp_options.loader_check(cp, data)
+    ep_options.check(ep, dp=None, mp=mp, pp=pp, cp=cp, shard=shard, exact=isinstance(strategy, sync_mod.Exact),
+                     hooks=getattr(strategy, "hooks", True), elastic=environment.elastic())
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
@@ -749,7 +766,14 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                           (replica_group(dims, world.rank),) if dims.mp > 1 else None, dims.mp_rank(world.rank))
         blocks = cut.stage_names(dims.stage(world.rank))  # what this rank recomputes (checkpoint=True)
     recomputed = recompute.setup(model, blocks) if checkpoint else []
-    sync_state = at_rest = None
+    placement = sync_state = None
+    if ep > 1:  # each rank keeps its slice of every expert, taken from the weights just made identical
+        ep_options.check(ep, dp=dims.dp, mp=dims.mp, pp=dims.pp, cp=cp, shard=shard, exact=True, hooks=True,
+                         elastic=False)
+        place_group, copies_group = expert_groups(dims, ep, world.rank)
+        placement = ep_place.setup(model, place_group, dims.dp_rank(world.rank) % ep, ep, copies_group,
+                                   lambda: sync_state is not None and sync_state.enabled)
+    at_rest = None
     if dims.dp > 1:
         dp_rank = dims.dp_rank(world.rank)
         scatter = None
@@ -766,10 +790,11 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             groups.dp, dp_ranks, dp_rank,
             SampleCounter(dim, samples, None if sequence_cut is None else sequence_cut.tokens), bucket_mb,
             first_bucket_mb,
-            sync_buffers, scatter=scatter))
+            sync_buffers, scatter=scatter, own=frozenset() if placement is None else frozenset(placement.params)))
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
-                                    at_rest, int(bucket_mb * MB))
+                                    at_rest, int(bucket_mb * MB),
+                                    frozenset() if placement is None else frozenset(placement.params))
         if batch_norm == "global" and cut is None and isinstance(strategy, sync_mod.Exact):
             sync_state.couple_batch_norm()  # type: ignore[union-attr]
         elif batch_norm == "global" and world.rank == 0 and announce and bn_layers.layers(model):
@@ -791,6 +816,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if elastic_job:
         _elastic_loader(model, data_shard, sync_state)
+    if placement is not None:  # a rank's experts take gradients from every rank's tokens: in global units
+        placement.scale_outputs(model, sync_state.global_units())  # type: ignore[union-attr]
     if dims.dp > 1 and batch_dim is None and samples is None and cp == 1:
         batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
@@ -802,12 +829,13 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     wrappers.watch(model)  # and a wrapper around it fails at its first forward
     if world.rank == 0 and announce:
         log.info("parallelized %s over %d ranks (%s, backend %s%s): %d data-parallel x %s%d model-parallel, "
-                 "sync=%s%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
+                 "sync=%s%s%s%s%s%s, model on %s", type(model).__name__, world.size, world.launcher, world.backend,
                  f": {world.reason}" if world.reason else "", dims.dp // cp,
                  _staged(cut, microbatches or 2 * dims.pp, loss_fn) + (f"{cp} context-parallel x " if cp > 1 else ""),
                  dims.mp, strategy, _through(sync_state),
                  _sharded(shard, dims.dp, at_rest, cp),
                  f", {len(recomputed)} blocks recomputed in backward" if recomputed else "",
+                 "" if placement is None else f", {placement}",
                  f", mixed_precision={mixed_precision!r} (float32 master weights)" if compute is not None else "",
                  _device_of(model, world))
         if elastic_job:
@@ -820,10 +848,11 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
 
 def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", batch_size: int | None = None,
             example: observe.Example | None = None, *, pp: int = 1, stages: pp_cut.Stages = None,
-            blocks: sharded_blocks.Choice = None,
-            cp: int = 1) -> rewrite.SplitPlan | pp_cut.Cut | cp_explain.ContextPlan:
-    """What ``parallelize(model, mp=mp, pp=pp)`` or ``parallelize(model, loader, cp=cp)`` would do, without needing a
-    process group (``cp``: the example's forward runs once, here).
+            blocks: sharded_blocks.Choice = None, cp: int = 1,
+            ep: int = 1) -> rewrite.SplitPlan | pp_cut.Cut | cp_explain.ContextPlan | ep_explain.ExpertPlan:
+    """What ``parallelize(model, mp=mp, pp=pp)``, ``parallelize(model, loader, cp=cp)`` or ``parallelize(model,
+    loader, ep=ep)`` would do, without needing a process group (``cp``, ``ep``: the example's forward runs once,
+    here).
 
     Args:
         model: the single-process model.
@@ -838,21 +867,32 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
         cp: the context-parallel degree: with ``example`` (one global batch's whole sequences), the plan shows
             which positions each rank holds, the attention work per rank, and the bytes each rank sends for each
             attention call of the forward (:mod:`autodist.cp.explain`).
+        ep: the expert-parallel degree: with ``example`` (one global batch), which rank holds which experts of each
+            layer, the pairs each expert gets and the bytes a rank sends for each layer (:mod:`autodist.ep.explain`).
 
     Returns:
         The model-parallel :class:`SplitPlan` (``pp=1``), the cut into stages (``pp > 1``; with ``mp > 1`` it holds
         the plan too), or the context-parallel plan (``cp > 1``; with ``mp > 1`` each call's heads as a rank
         exchanges them, the model-parallel plan printed after; with ``pp > 1`` each stage's bytes, the cut
-        after); ``print`` it for the table.
+        after), or the expert-parallel plan (``ep > 1``); ``print`` it for the table.
 
     Example:
         >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
         >>> print(autodist.explain(net, mp=2, batch_size=128))
         >>> print(autodist.explain(gpt, pp=2, example=(idx,)))   # the blocks of each stage, and their share
         >>> print(autodist.explain(gpt, cp=2, example=(idx,)))   # the cut of the sequence, the bytes per call
+        >>> print(autodist.explain(mixtral, ep=2, example=(ids,)))   # the experts each rank holds, the bytes
     """
     _check_positive("pp", pp, "the number of pipeline stages")
     _check_positive("cp", cp, "the number of ranks a sequence is split over")
+    _check_positive("ep", ep, "the number of ranks the experts of each layer are placed over")
+    if ep > 1:
+        if example is None or mp > 1 or pp > 1 or cp > 1:
+            raise ValueError(f"explain(model, ep={ep}) runs one forward of example= (one global batch's arguments) to "
+                             f"see each token's experts, and takes no mp, pp or cp (ep is not built with them yet)")
+        observe.check_example(example)
+        _check_model(model)
+        return ep_explain.explain(model, ep, example)
     if cp > 1:
         if example is None:
             raise ValueError(f"explain(model, cp={cp}) runs one forward to find the model's attention calls: pass "

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),
     ("pp",),  # pipeline stages: the blocks dealt out, the micro-batches run through them
     ("sync", "sharded"),  # siblings: the data-parallel strategies; the optimizer state of exact sync, sharded
-    ("dp", "mp", "cp"),  # siblings: none imports another (cp: context parallelism)
+    ("dp", "mp", "cp", "ep"),  # siblings: none imports another (cp: context parallelism; ep: expert parallelism)
     ("layers",),
     ("faults",),
     ("runtime",),

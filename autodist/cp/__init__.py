@@ -4,7 +4,7 @@ counts them, the gradient's weight), and the model's attention and position call
 routed to the whole sequence's (:mod:`~autodist.cp.forward`), masked with the whole batch's padding and packed
 documents (:mod:`~autodist.cp.masks`), split under torch.compile into what stays in the graphs and what runs
 eagerly between them (:mod:`~autodist.cp.compiled`); the options it is built with (:mod:`~autodist.cp.options`); what it
-would do, read from one forward (:mod:`~autodist.cp.explain`). May import: layers, faults, runtime (never dp or
-mp). Entry points:
+would do, read from one forward (:mod:`~autodist.cp.explain`). May import: layers, faults, runtime (never dp, mp or
+ep). Entry points:
 :class:`autodist.cp.batches.SequenceCut`, :func:`autodist.cp.forward.attach`, :func:`autodist.cp.options.check`.
 """

@@ -6,6 +6,6 @@ the load-balancing term) and the check of a step against one process, the same-m
 exact bucketed gradient sync from backward hooks (sample-weighted), buffer averaging, the exchange that sums the
 buckets (shared memory on one machine, the process group else), and the mixed-precision option's casts
 (:mod:`autodist.dp.precision`).
-May import: layers, faults, runtime (never mp or cp). Entry points: :func:`autodist.dp.data.shard`,
+May import: layers, faults, runtime (never mp, cp or ep). Entry points: :func:`autodist.dp.data.shard`,
 :func:`autodist.dp.grad_sync.attach`, :func:`autodist.dp.grad_sync.synchronize_model`.
 """

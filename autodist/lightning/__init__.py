@@ -5,7 +5,7 @@ per global batch instead of Lightning's DistributedSampler, accumulation through
 checkpoints through Lightning's own saving and loading (:mod:`~autodist.lightning.strategy`), and Lightning's
 collectives over autodist's world (:mod:`~autodist.lightning.collectives`). Lightning is an optional dependency
 (``pip install autodist[lightning]``): ``import autodist`` never imports this package, which imports Lightning.
-May import: ps, planner, train, pp, sync, sharded, dp, mp, cp, layers, faults and runtime (and the public face,
+May import: ps, planner, train, pp, sync, sharded, dp, mp, cp, ep, layers, faults and runtime (and the public face,
 autodist.api: it is the library's user, as cli is). Entry point: :class:`AutodistStrategy`.
 """
 import importlib

@@ -6,7 +6,7 @@ predicted by kind (:mod:`~autodist.planner.memory`, from the layout and one meas
 (:mod:`~autodist.planner.timing`), the best few measured for a few steps on a copy of the model
 (:mod:`~autodist.planner.trial`), and the choice explained (:class:`~autodist.planner.plan.ParallelPlan`, a table
 that saves as JSON). It runs layouts through ``parallelize`` itself, which the public face passes in.
-May import: train, pp, sync, sharded, dp, mp, cp, layers, faults, runtime. Entry points:
+May import: train, pp, sync, sharded, dp, mp, cp, ep, layers, faults, runtime. Entry points:
 :func:`autodist.planner.search.search`, :class:`autodist.planner.plan.ParallelPlan`,
 :class:`autodist.planner.plan.Auto`, :class:`autodist.planner.target.Target`.
 """

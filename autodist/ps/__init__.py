@@ -1,5 +1,5 @@
 """ps: parameter-server training, a strategy with servers: :class:`Downpour` (asynchronous SGD) and
-:class:`EASGD` (elastic averaging). May import: train, pp, sync, sharded, dp, mp, cp, layers, faults, runtime
+:class:`EASGD` (elastic averaging). May import: train, pp, sync, sharded, dp, mp, cp, ep, layers, faults, runtime
 (train for its checkpoint file). Entry points: the two classes, ``parallelize(..., sync=autodist.Downpour())``.
 
 ``parallelize(model, data, sync=autodist.Downpour())`` and the ordinary loop

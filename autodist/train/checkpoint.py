@@ -66,6 +66,7 @@ from autodist.dp import loader_position
 from autodist.faults import elastic
 from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
+from autodist.ep import place as ep_place
 from autodist.mp.rewrite import mp_modules
 from autodist.pp.pipeline import pipeline_of
 from autodist.runtime.compiled import PREFIX, unwrapped
@@ -133,8 +134,8 @@ class _Slot:
 def _layout(model: nn.Module) -> dict[str, _Slot]:
     """Every key of ``model.state_dict()`` -> its slot in the dense model."""
     pipeline = pipeline_of(model)
-    with pipeline.shapes_only() if pipeline is not None else nullcontext():  # the shapes: no gathering
-        local = model.state_dict()
+    with pipeline.shapes_only() if pipeline is not None else nullcontext(), ep_place.local_state(model):
+        local = model.state_dict()  # the shapes: no gathering
     slots = {key: _Slot(key, tuple(value.shape) if isinstance(value, torch.Tensor) else None)
              for key, value in local.items()}
     for name, layer in mp_modules(model):
@@ -144,6 +145,11 @@ def _layout(model: nn.Module) -> dict[str, _Slot]:
             if getattr(layer, key, None) is not None:
                 slots[prefix + key] = _Slot(original.get(key, prefix + key), part.shape,
                                             part if part.dim is not None else None)
+    placement = ep_place.placement_of(model)
+    for placed in [] if placement is None else placement.modules:  # each rank its slice of the experts
+        for key, part in placed.shards.items():
+            name = f"{placed.name}.{key}" if placed.name else key
+            slots[name] = _Slot(name, part.shape, part)
     return slots
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp import batch_norm
+from autodist.ep import place as ep_place
 from autodist.mp.gather import gather_state_dict
 from autodist.runtime.position import waiting
 from autodist.sharded import parameters as sharded_parameters
@@ -101,6 +102,12 @@ def _check_picklable(model: nn.Module, split: nn.Module | str | None) -> None:
             "model, optimizer) (every rank calls it), or take state = autodist.gather_state_dict(model) on every "
             "rank and torch.save(state, f) on rank 0; or copy.deepcopy(model) on every rank (the dense model), "
             "then pickle the copy")
+    if ep_place.placement_of(model) is not None:
+        raise RuntimeError(
+            "pickling a model parallelized with ep=K (torch.save(model) or pickle.dumps): each rank holds only its "
+            "experts of each layer, and pickling does not communicate. Save with autodist.save(path, model, "
+            "optimizer) or model.state_dict() (collectives: every rank calls them, and they hold every expert), or "
+            "copy.deepcopy(model) on every rank (the whole model), then pickle the copy")
     if sharding is not None and sharding.pins == 0:
         raise RuntimeError(
             "pickling a model parallelized with shard='parameters' (torch.save(model) or pickle.dumps): each rank "
@@ -114,7 +121,8 @@ def plain(model: nn.Module, memo: dict, split: nn.Module | str | None, everyone:
     model's own."""
     if split is not None:
         return _dense(model, split, everyone)
-    with sharded_parameters.gathered(model, "copy.deepcopy(model)"), _aside(model):
+    with sharded_parameters.gathered(model, "copy.deepcopy(model)"), _aside(model), \
+            ep_place.whole_for_copy(model, memo if clone else {}):
         if not clone:  # the weights as they are: a Parameter without autodist's hooks around the same tensor
             for p in model.parameters():
                 memo.setdefault(id(p), nn.Parameter(p.detach(), requires_grad=p.requires_grad))

@@ -76,11 +76,14 @@ def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tupl
 
 
 @pytest.mark.parametrize("family, world, ep, aux, options", [
-    ("mixtral", 2, 2, False, {}),
-    ("qwen2_moe", 2, 2, True, {}),  # a shared expert beside the routed ones; the load-balancing loss
-    pytest.param("mixtral", 4, 4, True, {}, marks=pytest.mark.slow),
-    pytest.param("qwen2_moe", 4, 2, False, {}, marks=pytest.mark.slow),  # dp 2 x ep 2: each expert's groups summed
-    pytest.param("mixtral", 2, 2, False, {"checkpoint": True}, marks=pytest.mark.slow),
+    pytest.param("mixtral", 2, 2, False, {}, id="mixtral-ep2"),
+    pytest.param("qwen2_moe", 2, 2, True, {}, id="qwen2moe-ep2-aux"),  # a shared expert; the load-balancing loss
+    pytest.param("mixtral", 4, 4, True, {}, id="mixtral-ep4-aux", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", 4, 2, False, {}, id="qwen2moe-dp2xep2", marks=pytest.mark.slow),  # groups summed
+    pytest.param("mixtral", 2, 2, False, {"checkpoint": True}, id="mixtral-ep2-checkpoint", marks=pytest.mark.slow),
+    pytest.param("mixtral", 2, 2, False, {"shard": "optimizer"}, id="mixtral-ep2-shard-optimizer"),
+    pytest.param("qwen2_moe", 4, 2, True, {"shard": "gradients"}, id="qwen2moe-dp2xep2-shard-gradients",
+                 marks=pytest.mark.slow),
 ])
 def test_experts_placed_over_ranks_train_as_one_process(ranks, family, world, ep, aux, options):
     for worst, control, idle, shapes in ranks(world, _against_one_process, family, ep, aux, options):
@@ -247,7 +250,8 @@ def test_a_checkpoint_saved_at_ep2_with_clipping_resumes_in_one_process(ranks, t
 def _refused(case: str) -> str:
     import autodist
 
-    options = {"mp": dict(ep=2, mp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="optimizer")}.get(case, {"ep": 2})
+    options = {"mp": dict(ep=2, mp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="parameters"),
+               "plan": dict(ep=2, plan="auto")}.get(case, {"ep": 2})
     model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8)
     try:
         autodist.parallelize(model, _loader(), **options)
@@ -258,10 +262,11 @@ def _refused(case: str) -> str:
 
 @pytest.mark.parametrize("case, words", [
     ("mp", "not built with mp=2"),
-    ("shard", "not built with shard='optimizer'"),
+    ("shard", "not built with shard='parameters'"),
     ("three", "ep=3 does not divide the 2 data-parallel ranks"),
     ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
     ("plain", "has none"),
+    ("plan", "plan= does not search expert parallelism yet"),
 ])
 def test_what_ep_cannot_do_is_named(ranks, case, words):
     for said in ranks(2, _refused, case):
