@@ -603,9 +603,9 @@ def parallelize(
             experts interface) placed over ``ep`` data-parallel ranks, each token sent to the ranks holding its
             top-k experts and their outputs back by all-to-all, dropless, exactly one process's training; the
             expert groups of ``ep`` consecutive ranks replicas of each other (``ep`` divides the data-parallel
-            ranks). With ``checkpoint=True``, ``shard="optimizer"`` / ``"gradients"``, ``mixed_precision=`` and
-            torch.compile; not yet with ``mp``, ``pp``, ``cp``, ``shard="parameters"``, ``sync="manual"`` or
-            ``plan=``.
+            ranks). With ``mp``, ``checkpoint=True``, ``shard="optimizer"`` / ``"gradients"``,
+            ``mixed_precision=`` and torch.compile; not yet with ``pp``, ``cp``, ``shard="parameters"``,
+            ``sync="manual"`` or ``plan=``.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the

@@ -69,9 +69,10 @@ def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tupl
     reference = _train(_moe(family, aux=aux), _loader())
     model, loader = autodist.parallelize(_moe(family, aux=aux), _loader(), ep=ep, **options)
     idle = _idle_experts(model)
-    trained = _train(model, loader)
+    own = _train(model, loader)  # model.state_dict(): every expert whole (mp's split layers are this rank's part)
+    shapes = {k: tuple(v.shape) for k, v in own.items() if "experts" in k and v.shape != reference[k].shape}
+    trained = autodist.gather_state_dict(model, all_ranks=True)
     worst = max(float((trained[k] - v).abs().max()) for k, v in reference.items())
-    shapes = {k: tuple(v.shape) for k, v in trained.items() if tuple(v.shape) != tuple(reference[k].shape)}
     return worst, control, max(idle), shapes
 
 
@@ -84,6 +85,8 @@ def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tupl
     pytest.param("mixtral", 2, 2, False, {"shard": "optimizer"}, id="mixtral-ep2-shard-optimizer"),
     pytest.param("qwen2_moe", 4, 2, True, {"shard": "gradients"}, id="qwen2moe-dp2xep2-shard-gradients",
                  marks=pytest.mark.slow),
+    # attention split over 2 ranks, the experts of each model-parallel rank's data-parallel group placed over them
+    pytest.param("mixtral", 4, 2, False, {"mp": 2}, id="mixtral-mp2xep2", marks=pytest.mark.slow),
 ])
 def test_experts_placed_over_ranks_train_as_one_process(ranks, family, world, ep, aux, options):
     for worst, control, idle, shapes in ranks(world, _against_one_process, family, ep, aux, options):
@@ -250,7 +253,7 @@ def test_a_checkpoint_saved_at_ep2_with_clipping_resumes_in_one_process(ranks, t
 def _refused(case: str) -> str:
     import autodist
 
-    options = {"mp": dict(ep=2, mp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="parameters"),
+    options = {"pp": dict(ep=2, pp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="parameters"),
                "plan": dict(ep=2, plan="auto")}.get(case, {"ep": 2})
     model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8)
     try:
@@ -261,7 +264,7 @@ def _refused(case: str) -> str:
 
 
 @pytest.mark.parametrize("case, words", [
-    ("mp", "not built with mp=2"),
+    ("pp", "not built with pp=2"),
     ("shard", "not built with shard='parameters'"),
     ("three", "ep=3 does not divide the 2 data-parallel ranks"),
     ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
