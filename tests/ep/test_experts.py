@@ -205,6 +205,39 @@ def test_in_bf16_experts_placed_over_ranks_are_as_near_one_process_as_data_paral
         assert placed <= 1.5 * data_parallel, (placed, data_parallel)
 
 
+@w.float64
+def _accumulated() -> float:
+    """dp 2 x ep 2, each rank's rows in two micro-batches, the first inside no_sync: the experts' groups sum once."""
+    import contextlib
+
+    import autodist
+
+    def loader() -> DataLoader:
+        return DataLoader(TensorDataset(torch.randint(0, 32, (40, LENGTH), generator=torch.Generator().manual_seed(1))),
+                          batch_size=8)
+
+    def train(model: torch.nn.Module, batches, parallel: bool) -> None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for (x,) in batches:
+            opt.zero_grad()
+            for i, part in enumerate(x.chunk(2)):
+                with autodist.no_sync(model) if parallel and i == 0 else contextlib.nullcontext():
+                    (model(input_ids=part, labels=part).loss * len(part) / len(x)).backward()
+            opt.step()
+
+    reference = _moe()
+    train(reference, loader(), False)
+    model, batches = autodist.parallelize(_moe(), loader(), ep=2)
+    train(model, batches, True)
+    trained = autodist.gather_state_dict(model, all_ranks=True)
+    return max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_sums_each_expert_over_its_groups_once(ranks):
+    assert max(ranks(4, _accumulated)) <= 1e-13
+
+
 def _clipped_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loader, stop: int | None = None) -> None:
     for step, (x,) in enumerate(loader, 1):
         opt.zero_grad()
