@@ -82,7 +82,7 @@ class Placed:
     @torch.compiler.disable  # under torch.compile: run eagerly between the graphs (sizes known only from the routing)
     def _exchanged(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden, index, weights = experts.check_call(self.name, self.total, args, kwargs)
-        tokens, k = index.shape
+        k = index.shape[1]
         flat = index.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
         token = order // k

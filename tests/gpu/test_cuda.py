@@ -249,3 +249,41 @@ def _coupled() -> tuple[dict, dict, float]:
 def test_batch_norm_and_token_means_on_a_shared_gpu(ranks):
     for _, _, worst in ranks(2, _coupled):
         assert worst <= 1e-10, f"{worst:.3g} from one process"
+
+
+def _experts_on_gpu() -> tuple[float, bool]:
+    """Mixtral's experts placed over the two ranks sharing the GPU (ep=2: the all-to-all on CUDA tensors, gloo),
+    float64, against one process on the same GPU."""
+    transformers = pytest.importorskip("transformers")
+    device = autodist.init().device
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                            num_experts_per_tok=2, max_position_embeddings=32, use_cache=False,
+                                            attn_implementation="eager", experts_implementation="eager")
+        return transformers.MixtralForCausalLM(config).double().to(device)
+
+    ids = torch.randint(0, 32, (24, 6), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+
+    def train(model, batches):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for (x,) in batches:
+            opt.zero_grad()
+            x = x.to(device)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+        return _cpu(model.state_dict())
+
+    reference = train(build(), loader)
+    model, shard = autodist.parallelize(build(), loader, ep=2)
+    trained = train(model, shard)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    return max(float((trained[k] - v).abs().max()) for k, v in reference.items()), experts.is_cuda
+
+
+def test_experts_placed_over_ranks_sharing_a_gpu_train_as_one_process(ranks):
+    for worst, on_gpu in ranks(2, _experts_on_gpu):
+        assert on_gpu and worst <= 1e-12, worst
