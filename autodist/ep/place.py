@@ -162,10 +162,11 @@ class Placement:
 
     def scale_outputs(self, model: nn.Module, scale: Callable[[], float]) -> None:
         """Every output of ``model``'s forwards that carries a gradient multiplied by ``scale()`` in backward (the
-        sync's global units), after the sync's own hooks."""
+        sync's global units): before the sync's own forward hook, which then watches these outputs, so that a
+        backward reaches its hooks (the forward's count) before the scale is asked."""
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             return scaled_outputs(output, scale) if torch.is_grad_enabled() else None
-        self.handles.append(model.register_forward_hook(hook))
+        self.handles.append(model.register_forward_hook(hook, prepend=True))
 
     def __str__(self) -> str:
         first = self.modules[0]
