@@ -22,8 +22,8 @@ def check(ep: Any, *, dp: int | None, mp: int, pp: int, cp: int, shard: str | No
                                    ("sync='manual'", exact and not hooks)) if on]
     if with_:
         raise NotImplementedError(f"ep={ep} is not built with {', '.join(with_)} yet: use ep with data parallelism "
-                                  f"(sync='backward'), mp, shard='optimizer' or 'gradients', checkpoint=True and mixed precision, or "
-                                  f"leave ep=1")
+                                  f"(sync='backward'), mp, shard='optimizer' or 'gradients', checkpoint=True and mixed "
+                                  f"precision, or leave ep=1")
     if not exact:
         raise ValueError(f"ep={ep} trains as one process does, with sync='backward'; a low-communication strategy "
                          f"is not built with it")

@@ -1,9 +1,9 @@
-"""The layouts a world allows: every ``dp x cp x pp x mp`` factorization of it (``cp`` for a model with attention
-calls), x each ``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe,
-exact at any count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that splits
-nothing, sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on data that is not a
-DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that says so). Dimensions the user pins are kept as given, and so is the
-precision (``mixed_precision=``), which every candidate computes in.
+"""The layouts a world allows: every ``dp x cp x pp x mp`` factorization of it (``cp`` where asked, for a model with
+attention calls), x each ``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step
+(GPipe, exact at any count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that
+splits nothing, sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on data that is not
+a DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that says so). Dimensions
+the user pins are kept as given, and so is the precision (``mixed_precision=``), which every candidate computes in.
 
 Example:
     >>> [str(r.layout) for r in candidates(2, profile, {"mp": 1}) if not r.impossible][:2]

@@ -92,8 +92,8 @@ def _nothing_fits(rows: list[Row], budget: float, ranks: int, batch: int, name: 
 
 def _finalists(rows: list[Row], count: int) -> list[int]:
     """The rows to measure: the fastest modelled fitting row of each family (dp, cp, mp, pp, shard level); first
-    the best family of each mp, pp and cp degree, then the other families fastest by the model, ``count`` in all. The model
-    ranks structurally different layouts roughly (communication most of all): measuring the best of each
+    the best family of each mp, pp and cp degree, then the other families fastest by the model, ``count`` in all.
+    The model ranks structurally different layouts roughly (communication most of all): measuring the best of each
     degree and family lets the measurement decide among them."""
     best: dict[tuple, int] = {}
     for i, r in enumerate(rows):

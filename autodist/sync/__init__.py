@@ -1,5 +1,6 @@
 """sync: the data-parallel strategies, one file each; ``parallelize(..., sync=...)`` chooses one, once.
-May import: dp, mp, cp, ep, layers, faults, runtime. Entry points: :func:`choose`, :func:`strategy_of`, the strategy classes.
+May import: dp, mp, cp, ep, layers, faults, runtime. Entry points: :func:`choose`, :func:`strategy_of`, the strategy
+classes.
 
 * ``"backward"`` / ``"manual"``: :class:`Exact`, the bucketed gradient all-reduce (exact training);
 * :class:`LocalSGD`: local steps, weights averaged every H steps;
