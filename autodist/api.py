@@ -390,6 +390,10 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
     _check_blocks(options["blocks"], "parameters", given["checkpoint"])  # blocks= may serve the chosen layout
     _check_counting(options["batch_dim"], options["samples"])
     precision.check(model, precision.compute_dtype(given.get("mixed_precision")))
+    if options.get("ep", 1) != 1:
+        raise NotImplementedError(f"plan= does not search expert parallelism yet: with ep={options['ep']} choose the "
+                                  f"rest by hand (layout=autodist.Layout(...), or the keywords), or leave ep=1 beside "
+                                  f"plan=")
     if options.get("loss_fn") is not None:
         raise ValueError("plan= measures pipelines as GPipe runs them (model(x), then backward); with loss_fn= (pp's "
                          "1F1B, the backward inside the forward) choose pp=, mp= and shard= yourself")
@@ -655,9 +659,6 @@ def parallelize(
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
                    mixed_precision=mixed_precision, batch_norm=batch_norm, check=check, cp=cp, ep=ep)
-    if plan is not None and ep != 1:
-        raise NotImplementedError(f"plan= does not search expert parallelism yet: with ep={ep} choose the rest by hand "
-                                  f"(layout=autodist.Layout(...), or the keywords), or leave ep=1 beside plan=")
     # compiled before parallelize: the model inside torch.compile's wrapper is set up (its hooks, the
     # registries every function taking a model looks in), and the wrapper returned, compiling it as before
     given, model = model, unwrapped(model)

@@ -336,10 +336,13 @@ def _refused(case: str) -> str:
     import autodist
 
     options = {"pp": dict(ep=2, pp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="parameters"),
-               "plan": dict(ep=2, plan="auto")}.get(case, {"ep": 2})
+               "plan": dict(ep=2, plan="auto"), "autodist.plan": dict(ep=2)}.get(case, {"ep": 2})
     model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8)
     try:
-        autodist.parallelize(model, _loader(), **options)
+        if case == "autodist.plan":
+            autodist.plan(model, _loader(), **options)
+        else:
+            autodist.parallelize(model, _loader(), **options)
     except (ValueError, NotImplementedError) as err:
         return str(err)
     return "not refused"
@@ -352,6 +355,7 @@ def _refused(case: str) -> str:
     ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
     ("plain", "has none"),
     ("plan", "plan= does not search expert parallelism yet"),
+    ("autodist.plan", "plan= does not search expert parallelism yet"),
 ])
 def test_what_ep_cannot_do_is_named(ranks, case, words):
     for said in ranks(2, _refused, case):
