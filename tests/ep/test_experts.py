@@ -84,7 +84,8 @@ def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tupl
     pytest.param("mixtral", 4, 4, True, {}, id="mixtral-ep4-aux", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 4, 2, False, {}, id="qwen2moe-dp2xep2", marks=pytest.mark.slow),  # groups summed
     pytest.param("mixtral", 2, 2, False, {"checkpoint": True}, id="mixtral-ep2-checkpoint", marks=pytest.mark.slow),
-    pytest.param("mixtral", 2, 2, False, {"shard": "optimizer"}, id="mixtral-ep2-shard-optimizer"),
+    pytest.param("mixtral", 2, 2, False, {"shard": "optimizer"}, id="mixtral-ep2-shard-optimizer",
+                 marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 4, 2, True, {"shard": "gradients"}, id="qwen2moe-dp2xep2-shard-gradients",
                  marks=pytest.mark.slow),
     # attention split over 2 ranks, the experts of each model-parallel rank's data-parallel group placed over them
@@ -139,6 +140,7 @@ def _uneven_generator() -> tuple[float, float]:
     return max(float((trained[k] - v).abs().max()) for k, v in reference.items()), control, warned
 
 
+@pytest.mark.slow
 def test_each_backward_takes_its_forwards_count_uneven_rows_from_a_generator_too(ranks):
     for worst, control, warned in ranks(2, _uneven_generator):
         assert worst <= 10 * max(control, 1e-15), (worst, control)
@@ -207,6 +209,7 @@ def _copied() -> tuple[float, dict, str]:
     return float((dense(input_ids=x).logits - plain(input_ids=x).logits).abs().max()), shapes, pickled
 
 
+@pytest.mark.slow
 def test_a_copy_is_the_whole_model_and_pickling_is_refused_by_name(ranks):
     for difference, shapes, pickled in ranks(2, _copied):
         assert difference == 0.0
@@ -324,6 +327,7 @@ def _resumed_in_one_process(path: str) -> float:
     return max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_at_ep2_with_clipping_resumes_in_one_process(ranks, tmp_path):
     """Saved after 4 of 10 steps with clip_grad_norm_ (the norm over every expert); resumed in one process, it ends
     the epoch where the uninterrupted one-process run does: every expert and its optimizer state whole."""
