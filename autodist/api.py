@@ -791,11 +791,11 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
             groups.dp, dp_ranks, dp_rank,
             SampleCounter(dim, samples, None if sequence_cut is None else sequence_cut.tokens), bucket_mb,
             first_bucket_mb,
-            sync_buffers, scatter=scatter, own=frozenset() if placement is None else frozenset(placement.params)))
+            sync_buffers, scatter=scatter, own=frozenset() if placement is None else placement.params))
         if shard is not None:
             sharded_optimizer.setup(model, groups.dp, dp_rank, dims.dp, None if shard == "optimizer" else sync_state,
                                     at_rest, int(bucket_mb * MB),
-                                    frozenset() if placement is None else frozenset(placement.params))
+                                    frozenset() if placement is None else placement.params)
         if batch_norm == "global" and cut is None and isinstance(strategy, sync_mod.Exact):
             sync_state.couple_batch_norm()  # type: ignore[union-attr]
         elif batch_norm == "global" and world.rank == 0 and announce and bn_layers.layers(model):

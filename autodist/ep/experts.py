@@ -38,10 +38,15 @@ def find(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if count(m)]
 
 
-def check_call(name: str, experts: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tokens, their experts and weights of a call of the experts module ``name``, or an error naming what the
-    call passed: ep sends each token to the ranks holding its experts, which it reads from these."""
-    values = list(args) + list(kwargs.values())
+def check_call(name: str, experts: int, signature: inspect.Signature, args: tuple,
+               kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens, their experts and weights of a call of the experts module ``name`` (its arguments put in the
+    order of its forward's ``signature``, however passed), or an error naming what the call passed: ep sends each
+    token to the ranks holding its experts, which it reads from these."""
+    try:
+        values = list(signature.bind(*args, **kwargs).arguments.values())
+    except TypeError:
+        values = list(args) + list(kwargs.values())
     if len(values) == 3 and all(isinstance(v, torch.Tensor) for v in values):
         hidden, index, weights = values
         if (hidden.ndim == 2 and index.ndim == 2 and weights.shape == index.shape and index.shape[0] == hidden.shape[0]
@@ -53,8 +58,3 @@ def check_call(name: str, experts: int, args: tuple, kwargs: dict) -> tuple[torc
         f"ep: {name} holds {experts} experts but was called with ({shapes}); expert parallelism takes experts "
         f"called as experts(hidden_states (tokens, hidden), top_k_index (tokens, k), top_k_weights (tokens, k)), "
         f"Hugging Face's experts interface: leave ep=1 for this model")
-
-
-def describe(found: list[tuple[str, nn.Module]]) -> str:
-    return ", ".join(f"{name} ({count(m)} experts)" for name, m in found[:4]) + (
-        f", ... ({len(found) - 4} more)" if len(found) > 4 else "")

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +97,8 @@ def explain(model: nn.Module, parts: int, example: Any) -> ExpertPlan:
 
     def watch(name: str) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            calls.setdefault(name, []).append(experts.check_call(name, experts.count(module), args, kwargs))
+            calls.setdefault(name, []).append(experts.check_call(name, experts.count(module),
+                                                                 inspect.signature(module.forward), args, kwargs))
         return hook
 
     handles = [m.register_forward_pre_hook(watch(name), with_kwargs=True) for name, m in found]

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class Placed:
                 setattr(module, n, self.shards[n].parameter(module._parameters[n]))
         module.num_experts = self.per
         self.local = module.forward  # the class's forward, bound: what the experts here run
+        self.signature = inspect.signature(self.local)  # how a call's arguments are read, however passed
         module.forward = self.forward  # type: ignore[method-assign]
         self.handles = [module.register_state_dict_post_hook(partial(self._whole_state)),  # torch marks the hook
                         module.register_load_state_dict_pre_hook(self._keep_slice)]
@@ -81,7 +83,7 @@ class Placed:
 
     @torch.compiler.disable  # under torch.compile: run eagerly between the graphs (sizes known only from the routing)
     def _exchanged(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        hidden, index, weights = experts.check_call(self.name, self.total, args, kwargs)
+        hidden, index, weights = experts.check_call(self.name, self.total, self.signature, args, kwargs)
         k = index.shape[1]
         flat = index.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
@@ -156,7 +158,7 @@ class Placement:
     data-parallel sync)."""
 
     modules: list[Placed]
-    params: set[int]
+    params: frozenset[int]
     replicas: Replicas | None = None
     handles: list[Any] = field(default_factory=list)
 
@@ -187,7 +189,7 @@ def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any,
     placed = [Placed(name, module, group, rank, size) for name, module in found]
     params = [module._parameters[n] for (_, module), p in zip(found, placed) for n in p.names]
     summed = None if replicas is None else Replicas(params, replicas, enabled)
-    _placements[model] = placement = Placement(placed, {id(p) for p in params}, summed)
+    _placements[model] = placement = Placement(placed, frozenset(id(p) for p in params), summed)
     return placement
 
 

@@ -1,9 +1,10 @@
-"""The layouts a world allows: every ``dp x cp x pp x mp`` factorization of it (``cp`` where asked, for a model with
-attention calls), x each ``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step
-(GPipe, exact at any count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that
-splits nothing, sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on data that is not
-a DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that says so). Dimensions
-the user pins are kept as given, and so is the precision (``mixed_precision=``), which every candidate computes in.
+"""The layouts a world allows: every ``dp x cp x pp x mp`` factorization of it (``cp`` where asked), x each
+``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe, exact at any
+count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that splits nothing,
+sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on a model without attention calls
+or data that is not a DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that
+says so). Dimensions the user pins are kept as given, and so is the precision (``mixed_precision=``), which every
+candidate computes in.
 
 Example:
     >>> [str(r.layout) for r in candidates(2, profile, {"mp": 1}) if not r.impossible][:2]
@@ -18,8 +19,8 @@ from autodist.planner.profile import Profile
 
 
 def _why_not(layout: Layout, profile: Profile) -> str:
-    if layout.cp > 1 and layout.cp not in profile.contexts:
-        return f"cp={layout.cp} finds no attention call in the model's forward to split the sequence for"
+    if layout.cp > 1 and layout.cp not in profile.contexts:  # pinned, on a model the search did not read for it
+        return f"cp={layout.cp} was not read from the model (pass autodist.Auto(cp=True) or cp= to the plan)"
     if layout.cp > 1 and profile.contexts[layout.cp].impossible:
         return profile.contexts[layout.cp].impossible
     if layout.cp > 1 and layout.pp > 1:
@@ -67,8 +68,8 @@ def candidates(world_size: int, profile: Profile, pinned: dict[str, Any],
 
 
 def _factors(world_size: int, searched: bool) -> list[tuple[int, int, int]]:
-    """Every ``(pp, cp, mp)`` whose product divides ``world_size`` (``cp`` 1 unless ``searched``: a model with
-    attention calls, or ``cp`` pinned)."""
+    """Every ``(pp, cp, mp)`` whose product divides ``world_size`` (``cp`` 1 unless ``searched``: asked for, with
+    ``Auto(cp=True)`` or ``cp`` pinned)."""
     def divisors(n: int) -> list[int]:
         return [k for k in range(1, n + 1) if n % k == 0]
     return [(pp, cp, mp) for pp in divisors(world_size) for cp in (divisors(world_size // pp) if searched else [1])

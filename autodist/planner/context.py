@@ -1,13 +1,11 @@
 """What ``cp=K`` makes of the model, for the planner: read from :func:`autodist.cp.explain.explain` (one forward of
 the example, its attention calls watched), the bytes a rank sends for attention per batch row and step, the
-whole sequence's keys and values a rank keeps for backward per row, how evenly the cut shares the attention work,
-and why ``cp=K`` cannot be made ("" where it can).
-
-A model without an attention call is given no ``cp`` candidate at all (:func:`contexts` returns none): context
-parallelism has nothing to split in it. One with attention calls gets them, each ``K`` with its reason where it
-cannot be made: the data is not a DataLoader (``cp`` cuts batches as the loader hands them over), its tensors are
-not all ``(batch, tokens, ...)`` (a per-sample label cannot be cut into tokens), the sequence is shorter than the
-cut's ``2K`` chunks.
+whole sequence's keys and values a rank keeps for backward per row, and why ``cp=K`` cannot be made ("" where it
+can): the model makes no attention call (nothing to split), its forward could not be watched, the batch is
+``(tokens, batch)`` (the planner reads ``(batch, tokens)`` batches), the data is not a DataLoader (``cp`` cuts
+batches as the loader hands them over), its tensors are not all ``(batch, tokens, ...)`` (a per-sample label
+cannot be cut into tokens), the sequence is shorter than the cut's ``2K`` chunks. The search asks only where the
+user asked for ``cp``, so every ``cp`` row it gets says what became of it.
 
 Example:
     >>> found = contexts(gpt, (idx,), rows=2, degrees=[2, 4], loader=True, batch_dim=0)
@@ -42,22 +40,26 @@ class Context:
 
 def contexts(model: nn.Module, example: Any, rows: int, degrees: list[int], loader: bool,
              batch_dim: int) -> dict[int, Context]:
-    """``cp=K`` for each ``K`` of ``degrees`` on ``example`` (``rows`` rows of a global batch), or nothing where
-    the model has no attention call or its forward cannot be watched; ``loader``: the data is a DataLoader."""
-    if not degrees or batch_dim != 0:  # the context-parallel cut takes (batch, tokens) tensors
-        return {}
+    """``cp=K`` for each ``K`` of ``degrees`` on ``example`` (``rows`` rows of a global batch), each with the reason
+    where it cannot be made; ``loader``: the data is a DataLoader."""
+    if batch_dim != 0:
+        return {k: Context(impossible=f"the planner reads cp={k} from (batch, tokens) batches, and batch_dim="
+                                      f"{batch_dim}: give cp={k} by hand (layout=autodist.Layout(cp={k}))")
+                for k in degrees}
     try:
         with untouched(model):
             plans = {k: cp_explain.explain(model, k, example) for k in degrees}
-    except (RuntimeError, ValueError, NotImplementedError, TypeError):
-        return {}
-    if not any(p.calls for p in plans.values()):
-        return {}
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as err:
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return {k: Context(impossible=f"cp={k}: the forward watched for attention calls failed ({why})")
+                for k in degrees}
     return {k: _read(plan, example, rows, loader) for k, plan in plans.items()}
 
 
 def _read(plan: cp_explain.ContextPlan, example: Any, rows: int, loader: bool) -> Context:
     k = plan.parts
+    if not plan.calls:
+        return Context(impossible=f"cp={k} finds no attention call in the model's forward to split the sequence for")
     if not loader:
         return Context(impossible=f"cp={k} cuts the batches of a DataLoader as it hands them over: pass the data "
                                   f"as one")

@@ -188,7 +188,7 @@ def expert_groups(dims: ParallelDims, ep: int, rank: int) -> tuple[object | None
     none, ``dp == ep``). Collective over the world; made once per layout."""
     key = (dims, f"ep={ep}")
     if key not in _second_cache:
-        places = [ranks[i:i + ep] for ranks in dims.all_groups("dp") for i in range(0, dims.dp, ep)]
+        places = _runs(dims, ep)
         copies = [ranks[i::ep] for ranks in dims.all_groups("dp") for i in range(ep)]
         _second_cache[key] = (_made_of(places, rank) if len(places) > 1 else None,
                               _made_of(copies, rank) if dims.dp > ep else None)
@@ -200,6 +200,12 @@ def context_group(dims: ParallelDims, cp: int, rank: int) -> object | None:
     per layout."""
     key = (dims, f"cp={cp}")
     if key not in _second_cache:
-        every = [ranks[i:i + cp] for ranks in dims.all_groups("dp") for i in range(0, dims.dp, cp)]
+        every = _runs(dims, cp)
         _second_cache[key] = _made_of(every, rank) if len(every) > 1 else None
     return _second_cache[key]
+
+
+def _runs(dims: ParallelDims, k: int) -> list[list[int]]:
+    """Every data-parallel group cut into runs of ``k`` consecutive ranks (cp's sequence groups, ep's expert
+    groups)."""
+    return [ranks[i:i + k] for ranks in dims.all_groups("dp") for i in range(0, dims.dp, k)]

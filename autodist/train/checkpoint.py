@@ -63,10 +63,10 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp import loader_position
+from autodist.ep import place as ep_place
 from autodist.faults import elastic
 from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
-from autodist.ep import place as ep_place
 from autodist.mp.rewrite import mp_modules
 from autodist.pp.pipeline import pipeline_of
 from autodist.runtime.compiled import PREFIX, unwrapped

@@ -122,7 +122,7 @@ def plain(model: nn.Module, memo: dict, split: nn.Module | str | None, everyone:
     if split is not None:
         return _dense(model, split, everyone)
     with sharded_parameters.gathered(model, "copy.deepcopy(model)"), _aside(model), \
-            ep_place.whole_for_copy(model, memo if clone else {}):
+            ep_place.whole_for_copy(model, memo):  # never pickled: _check_picklable refuses it
         if not clone:  # the weights as they are: a Parameter without autodist's hooks around the same tensor
             for p in model.parameters():
                 memo.setdefault(id(p), nn.Parameter(p.detach(), requires_grad=p.requires_grad))

@@ -336,6 +336,22 @@ def test_a_checkpoint_saved_at_ep2_with_clipping_resumes_in_one_process(ranks, t
     assert _resumed_in_one_process(path) <= 1e-12
 
 
+def test_a_call_is_read_by_its_forwards_signature_however_its_arguments_are_passed():
+    import inspect
+
+    from autodist.ep.experts import check_call
+
+    module = _moe().model.layers[0].mlp.experts
+    hidden, index = torch.randn(5, 16), torch.randint(0, 8, (5, 2))
+    weights = torch.rand(5, 2)
+    signature = inspect.signature(module.forward)
+    for args, kwargs in (((hidden, index, weights), {}), ((hidden,), {"top_k_weights": weights, "top_k_index": index})):
+        got = check_call("experts", 8, signature, args, kwargs)
+        assert got[0] is hidden and got[1] is index and got[2] is weights
+    with pytest.raises(NotImplementedError, match=r"experts\(hidden_states \(tokens, hidden\)"):
+        check_call("experts", 8, signature, (hidden, weights, index), {})  # indices where the weights go
+
+
 def _refused(case: str) -> str:
     import autodist
 

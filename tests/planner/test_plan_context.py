@@ -1,6 +1,6 @@
 """plan="auto" searches context parallelism where asked (``Auto(cp=True)``, or ``cp=K`` pinned): a model whose forward
 makes attention calls gets ``cp`` candidates (their exchange read from the calls, their activations a ``1/cp`` share
-plus the gathered keys and values), a model without them none, data that cp cannot cut a reason on each ``cp`` row;
+plus the gathered keys and values), a model without them and data that cp cannot cut a reason on each ``cp`` row;
 a plan that chooses ``cp`` trains as one process (nanoGPT, float64, against one process at the float floor)."""
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ def test_the_exchange_and_the_kept_keys_are_read_from_the_attention_calls():
         assert found[k].sent_per_row == (forward + backward) / ROWS > 0
         whole = 2 * 2 * LENGTH * 8 * 2 * 4  # 2 calls x 2 heads x 13 tokens x (8 + 8 wide) x 4 bytes, per row
         assert found[k].kept_per_row == (0 if plan.calls[0].again else whole)
-    assert contexts(w.mlp(), (torch.randn(ROWS, 6),), ROWS, [2], loader=True, batch_dim=0) == {}  # no attention
+    plain = contexts(w.mlp(), (torch.randn(ROWS, 6),), ROWS, [2], loader=True, batch_dim=0)
+    assert "no attention call" in plain[2].impossible  # asked for, on a model with nothing to split: said
+    assert "batch_dim=1" in contexts(_gpt(), (x, y), ROWS, [2], loader=True, batch_dim=1)[2].impossible
     assert "DataLoader" in contexts(_gpt(), (x, y), ROWS, [2], loader=False, batch_dim=0)[2].impossible
     short = (x[:, :3].contiguous(), y[:, :3].contiguous())  # 3 tokens: fewer than cp=2's 4 chunks
     assert "chunks" in contexts(_gpt(), short, ROWS, [2], loader=True, batch_dim=0)[2].impossible
