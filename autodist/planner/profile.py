@@ -32,6 +32,7 @@ from autodist.planner.live import LiveBytes
 from autodist.planner.stages import Blocks, Stage, bounds_of, measure_blocks, refusal
 from autodist.planner.step import loss_of, make_optimizer, untouched
 from autodist.runtime import tree
+from autodist.runtime.comm import carrier
 from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import recompute
 
@@ -331,7 +332,7 @@ def _send_time(device: torch.device) -> float:
         return 0.0
     rank = dist.get_rank()
     peer = rank ^ 1 if rank ^ 1 < size else None
-    t = torch.zeros(256, device=device)
+    t = torch.zeros(256, device=carrier(device))  # where a pipeline's sends carry it (gloo: host memory)
     best = float("inf")
     for _ in range(4):
         dist.barrier()

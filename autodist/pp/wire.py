@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from autodist.runtime.comm import carrier
 from autodist.runtime.position import waiting
 
 _PLAIN = (type(None), bool, int, float, str)
@@ -90,15 +91,16 @@ def _rest(first: torch.Tensor, device: torch.device) -> torch.Tensor | None:
 def send(obj: Any, dst: int, group: Any, device: torch.device, what: str) -> list[Any]:
     """Start sending ``obj`` to global rank ``dst``; the requests to wait for (keep ``obj`` alive until then)."""
     tensors, description = describe(obj, what)
-    payload = [*_headers(description, device), *(t.detach().to(device).contiguous() for t in tensors)]
+    on = carrier(device, group)
+    payload = [*_headers(description, on), *(t.detach().to(on).contiguous() for t in tensors)]
     return [dist.isend(t, dst, group=group) for t in payload] + payload  # the tensors stay referenced until waited
 
 
 def recv(src: int, group: Any, device: torch.device, what: str) -> tuple[Any, dict[str, Any]]:
     """What global rank ``src`` sent with :func:`send`, and its description."""
     with waiting(what):
-        description, tensors = _take(lambda t: dist.recv(t, src, group=group), device)
-    return rebuild(description, tensors), description
+        description, tensors = _take(lambda t: dist.recv(t, src, group=group), carrier(device, group))
+    return rebuild(description, [t.to(device) for t in tensors]), description
 
 
 def _take(fill: Callable[[torch.Tensor], Any], device: torch.device) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -117,16 +119,17 @@ def _take(fill: Callable[[torch.Tensor], Any], device: torch.device) -> tuple[di
 
 def send_tensors(tensors: list[torch.Tensor], dst: int, group: Any) -> list[Any]:
     """Start sending tensors whose shapes the receiver knows (gradients of what it sent)."""
-    payload = [t.contiguous() for t in tensors]
+    payload = [t.to(carrier(t.device, group)).contiguous() for t in tensors]
     return [dist.isend(t, dst, group=group) for t in payload] + payload
 
 
 def recv_tensors(like: list[torch.Tensor], src: int, group: Any, what: str) -> list[torch.Tensor]:
     with waiting(what):
-        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format, device=carrier(t.device, group))
+               for t in like]
         for t in out:
             dist.recv(t, src, group=group)
-    return out
+    return [t.to(like_.device) for t, like_ in zip(out, like)]
 
 
 def wait(pending: list[Any]) -> None:

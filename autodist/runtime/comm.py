@@ -39,7 +39,25 @@ import torch.distributed as dist
 from autodist.runtime.position import waiting
 from autodist.runtime.world import World, init, new_group
 
+# The flat collectives (one tensor in, one out, ranks' parts concatenated) are named *_single from torch 2.13 on,
+# which deprecates the older names; torch 2.4 to 2.12 (this package supports 2.4 on) have only the older ones.
+reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def carrier(device: torch.device, group: Any = None) -> torch.device:
+    """Where a point-to-point send or receive over ``group`` carries tensors that live on ``device``: gloo's take
+    CPU tensors only (a CUDA one fails, "Bad address"; gloo's collectives take CUDA ones), so on ranks that share a
+    GPU they go through host memory; elsewhere ``device`` itself.
+
+    Example:
+        >>> carrier(torch.device("cuda:0"))   # under gloo
+        device(type='cpu')
+    """
+    if device.type == "cpu" or not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        return device
+    return torch.device("cpu")
 Reduce = Literal["sum", "mean"]
 T = TypeVar("T")
 
@@ -338,7 +356,8 @@ def send(tensors: Tensors, dst: int, *, comm: Communicator | None = None, async_
     comm = comm or world()
     comm._check_member("comm.send")
     peer = _peer(comm, dst, "send to")
-    ts = [t.contiguous() for t in _as_list(tensors, "send")[0]]  # kept alive by the handle until sent
+    # kept alive by the handle until sent; through host memory where gloo cannot send a CUDA tensor
+    ts = [t.to(carrier(t.device, comm.group)).contiguous() for t in _as_list(tensors, "send")[0]]
     works = [dist.isend(t, peer, group=comm.group) for t in ts]
     comm.bytes_sent += _nbytes(ts)
     return _finish(works, lambda: ts and None, async_op, f"autodist.comm.send to member {dst} of {comm.name!r}")
@@ -357,6 +376,12 @@ def recv(tensors: Tensors, src: int, *, comm: Communicator | None = None, async_
     bad = [tuple(t.shape) for t in ts if not t.is_contiguous()]
     if bad:
         raise ValueError(f"comm.recv receives in place and needs contiguous tensors; one of shape {bad[0]} is not")
-    works = [dist.irecv(t, peer, group=comm.group) for t in ts]
-    return _finish(works, lambda: ts[0] if single else ts, async_op,
-                   f"autodist.comm.recv from member {src} of {comm.name!r}")
+    buffers = [t if carrier(t.device, comm.group) == t.device else torch.empty_like(t, device="cpu") for t in ts]
+    works = [dist.irecv(b, peer, group=comm.group) for b in buffers]
+
+    def received() -> Any:
+        for t, b in zip(ts, buffers):
+            if b is not t:  # through host memory (gloo): into the tensor given, in place
+                t.copy_(b)
+        return ts[0] if single else ts
+    return _finish(works, received, async_op, f"autodist.comm.recv from member {src} of {comm.name!r}")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autodist.runtime.comm import all_gather_single
 from autodist.runtime.position import waiting
 from autodist.sharded.at_rest import rest, wake
 from autodist.sharded.layout import Layout
@@ -50,7 +51,7 @@ class Part:
         dtype = dtype or self.shard.dtype
         self.full = torch.empty(self.chunk * self.ranks, dtype=dtype, device=self.shard.device)
         source = self.shard if dtype == self.shard.dtype else self.shard.to(dtype)
-        self.work = dist.all_gather_single(self.full, source, group=group, async_op=True)
+        self.work = all_gather_single(self.full, source, group=group, async_op=True)
 
     def views(self) -> None:
         """The parameters become views of the whole part."""

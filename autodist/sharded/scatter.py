@@ -51,6 +51,7 @@ from torch import nn
 
 from autodist.dp.buckets import Bucket, assign_buckets
 from autodist.runtime.held import Held
+from autodist.runtime.comm import reduce_scatter_single
 from autodist.runtime.position import waiting
 from autodist.runtime.shared_slots import Shared, shared_slots
 from autodist.sharded.gather import Windows
@@ -313,7 +314,7 @@ class ReduceScatter:
         if bucket.window is not None:
             return self._send_windows(index, bucket)
         bucket.meta.copy_(flat[bucket.count_slot:])
-        scatter = dist.reduce_scatter_single(bucket.summed, bucket.gradients(), group=self.group, async_op=True)
+        scatter = reduce_scatter_single(bucket.summed, bucket.gradients(), group=self.group, async_op=True)
         self.reading[self.first_use[index] % len(self.ring)] = scatter
         self.works[index] = [scatter, dist.all_reduce(bucket.meta, group=self.group, async_op=True)]
 
@@ -325,7 +326,7 @@ class ReduceScatter:
             self._free(buffer)
             region = self.ring[buffer][:bucket.ranks * (hi - lo)]
             bucket.pack_window(lo, hi, region)
-            scatter = dist.reduce_scatter_single(bucket.summed[lo:hi], region, group=self.group, async_op=True)
+            scatter = reduce_scatter_single(bucket.summed[lo:hi], region, group=self.group, async_op=True)
             self.reading[buffer] = scatter
             self.works[index].append(scatter)
         assert bucket.staged is not None
