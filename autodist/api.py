@@ -46,6 +46,7 @@ from autodist.runtime.environment import busy_timeout, hang_timeout
 from autodist.runtime.mesh import (Groups, ParallelDims, build_groups, context_group, expert_groups, replica_group,
                                    second_dp_group)
 from autodist.runtime.rng import share_rng_state
+from autodist.runtime.units import scale_outputs
 from autodist.runtime.world import World, init, log
 from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import optimizer as sharded_optimizer
@@ -187,6 +188,12 @@ def _through(sync_state: object | None) -> str:
     """" through shared memory" where rank 0's group sums its buckets that way (:mod:`~autodist.dp.exchange`)."""
     exchange = getattr(sync_state, "exchange", None)
     return f" through {exchange.name}" if getattr(exchange, "name", "") == "shared memory" else ""
+
+
+def _example(model: nn.Module, data: Any, example: observe.Example | None) -> observe.Example | None:
+    """The forward's arguments the plans are read from (``example=``, else the data's first rows), on the model's
+    device (a loader's batches are on the CPU, a model under NCCL on its GPU by now)."""
+    return observe.for_model(model, observe.example_of(data) if example is None else example)
 
 
 def _device_of(model: nn.Module, world: World) -> str:
@@ -752,11 +759,9 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if dims.pp > 1 or (dims.mp > 1 and not rewrite.mp_modules(model)):
         split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
     if dims.pp > 1:  # where the stages begin: measured on the whole model, before mp splits it
-        cut = pp_cut.choose(model, dims.pp, stages, blocks, observe.example_of(data) if example is None else example,
-                            world.rank)
+        cut = pp_cut.choose(model, dims.pp, stages, blocks, _example(model, data, example), world.rank)
     if dims.mp > 1 and not rewrite.mp_modules(model):
-        _split_layers(model, dims, groups, mp_layers, world.rank,
-                      observe.example_of(data) if example is None else example)
+        _split_layers(model, dims, groups, mp_layers, world.rank, _example(model, data, example))
     if dims.mp == 1 and shard is None and announce:
         _warn_if_too_big(model, dims.dp, world)
     if dims.mp > 1:  # last of the steps that draw random numbers on some ranks only
@@ -817,8 +822,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     loader_position.attach(model, data_shard)  # its checkpoints carry where the loop stands in the data
     if elastic_job:
         _elastic_loader(model, data_shard, sync_state)
-    if placement is not None:  # a rank's experts take gradients from every rank's tokens: in global units
-        placement.scale_outputs(model, sync_state.global_units())  # type: ignore[union-attr]
+    if sequence_cut is None and (placement is not None or getattr(sync_state, "coupled", 0)):
+        # a rank's experts take gradients from every rank's tokens, a BatchNorm's rows from every rank's rows
+        # through the batch's statistics: the backward in the global loss's units (cp scales in its forward)
+        scale_outputs(model, sync_state.global_units())  # type: ignore[union-attr]
     if dims.dp > 1 and batch_dim is None and samples is None and cp == 1:
         batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world

@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autodist.runtime.tree import map_tensors
+
 
 @dataclass
 class Op:
@@ -229,6 +231,27 @@ def complete(model: nn.Module, example: Example | None) -> Example | None:
 
 def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def for_model(model: nn.Module, example: Any) -> Any:
+    """``example`` as the training loop hands it to ``model``: its tensors on the device of the model's parameters
+    (a loader's batches are on the CPU, a model under NCCL on its GPU by now), and its floating tensors in the
+    dtype of the model's floating parameters where they all have one (a float64 or bfloat16 model fed float32
+    batches that the loop casts): what a forward that measures or traces the model is called with.
+
+    Example:
+        >>> for_model(model.double().cuda(), (torch.zeros(2, 8),))[0].dtype
+        torch.float64
+    """
+    device = _device(model)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+
+    def moved(_: str, t: torch.Tensor) -> torch.Tensor:
+        wanted = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t if t.device == device and t.dtype == wanted else t.to(device=device, dtype=wanted)
+
+    return map_tensors(example, moved)
 
 
 def example_of(data: Any, rows: int = 2) -> Example | None:

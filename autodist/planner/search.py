@@ -199,7 +199,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         raise ValueError("plan='auto' measures a forward on the data's first global batch, but could not take one "
                          "from the data passed: pass a tensor, a tuple of tensors, a Dataset or a DataLoader, or "
                          "example= (the arguments of one forward on a global batch)")
-    example = observe.complete(model, example)
+    example = observe.for_model(model, observe.complete(model, example))
     say = log.info if world.rank == 0 else log.debug
     say("plan: measuring %s (a forward/backward at 2 batch sizes, the optimizer step, the all-reduce)",
         type(model).__name__)

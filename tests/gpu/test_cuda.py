@@ -195,7 +195,8 @@ def _layout_on_gpu(options: dict):
     _train(model, data, w.optimizer("adam", model), device)
     held = [p for p in model.parameters() if p.numel() > 1]
     on_gpu = all(p.is_cuda for p in held)
-    return _cpu(ref.state_dict()), _cpu(model.state_dict()), on_gpu, str(device)
+    whole = autodist.gather_state_dict(model, all_ranks=True)  # the plan may choose mp: its layers' slices gathered
+    return _cpu(ref.state_dict()), _cpu(whole), on_gpu, str(device)
 
 
 @pytest.mark.parametrize("options", [{"pp": 2}, {"checkpoint": True}, {"checkpoint": True, "shard": "parameters"},
