@@ -11,10 +11,12 @@ of the global batch:
   digits), so every rank normalizes by the same mean and variance, and updates its running statistics alike.
   A rank's stand-in row (it holds no row of the batch) counts zero.
 * backward: one process's gradient of a batch statistic sums ``dy`` and ``dy * x_hat`` over the whole batch.
-  Each rank's ``dy`` is the gradient of its own loss, which the gradient sync weights by the rank's share
-  ``w_r`` only afterwards; so the layer first takes ``w_r dy`` (the global loss's), all-reduces the two sums,
-  and returns ``dx / w_r``, which the sync's weight brings back. The parameters' gradients stay the rank's own,
-  weighted by the sync like any other.
+  A model with such layers runs its backward in the global loss's units (the model's outputs' gradients are
+  multiplied by the rank's share ``w_r`` of the global loss, and the sync sums the ranks' gradients:
+  :mod:`autodist.runtime.units`), so ``dy`` is the global loss's: the layer all-reduces the two sums and
+  returns ``dx`` as it is. A rank whose own loss counts nothing (``w_r = 0``: every label of its rows masked)
+  still gets the gradient its rows take through the batch's statistics, as one process's rows do; a rank's
+  stand-in row, which no statistic counted, gets none.
 
 One all-gather of ``2C + 1`` numbers in forward and one all-reduce of ``2C`` in backward per layer, as torch's
 ``SyncBatchNorm`` (which needs a GPU, and weights every rank alike); between the ranks of one machine on the
@@ -23,7 +25,7 @@ about a millisecond each). The layer keeps its class; its forward
 is an instance attribute (``module.__dict__["forward"]``), set aside when the model is copied.
 
 Example:
-    >>> install(model, lambda: group, sync.backward_weight, lambda: False,   # parallelize does this
+    >>> install(model, lambda: group, lambda: False,   # parallelize does this, the sync in global units
     ...         lambda t: shared_reduce.all_reduce(t, group, "sums"))
 """
 from __future__ import annotations
@@ -37,7 +39,6 @@ from torch import nn
 
 from autodist.runtime.position import waiting
 
-Weight = Callable[[], float]  # the share of the backward running now (0 for a stand-in)
 Rows = Callable[[], bool]  # whether the forward running now is a stand-in's
 Group = Callable[[], Any]  # the data-parallel group now (an elastic job's changes when it loses a rank)
 Sum = Callable[[torch.Tensor], None]  # sums a few numbers over that group in place (the gradient sync's)
@@ -48,13 +49,13 @@ class _Global(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                stats: tuple[torch.Tensor, torch.Tensor, float], eps: float, sum_: Sum, share: Weight) -> torch.Tensor:
+                stats: tuple[torch.Tensor, torch.Tensor, float], eps: float, sum_: Sum, counts: bool) -> torch.Tensor:
         mean, var, total = stats
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         # torch's kernel with the statistics given (eval mode: nothing updated, nothing of them differentiated)
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.total, ctx.sum, ctx.share, ctx.eps, ctx.has_bias = total, sum_, share, eps, bias is not None
+        ctx.total, ctx.sum, ctx.counts, ctx.eps, ctx.has_bias = total, sum_, counts, eps, bias is not None
         return y
 
     @staticmethod
@@ -63,16 +64,19 @@ class _Global(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         gamma = weight if weight is not None else torch.ones_like(mean)
         # torch's eval-mode backward: dy * gamma * invstd, and this rank's sums of dy * x_hat and of dy, in one kernel
+        # (the saved statistics empty, not None: CUDA's kernel then reads the given ones, and asserts without them)
+        none = mean.new_empty(0)
         dx, s2, s1 = torch.ops.aten.native_batch_norm_backward(
-            dy, x, gamma, mean, var, None, None, False, ctx.eps, [ctx.needs_input_grad[0], True, True])
-        w = ctx.share()
-        sums = torch.stack([s1, s2]).to(torch.promote_types(x.dtype, torch.float32)) * w
+            dy, x, gamma, mean, var, none, none, False, ctx.eps, [ctx.needs_input_grad[0], True, True])
+        sums = torch.stack([s1, s2]).to(torch.promote_types(x.dtype, torch.float32))
+        if not ctx.counts:  # a stand-in's rows: no gradient of the batch's, and nothing added to the sums
+            sums.zero_()
         with waiting("BatchNorm's global statistics (backward)"):
             ctx.sum(sums)
         if ctx.needs_input_grad[0]:
-            if w > 0:  # minus gamma invstd (A + x_hat B) / (M w): A and B the ranks' weighted sums
+            if ctx.counts:  # minus gamma invstd (A + x_hat B) / M: A and B the sums over the global batch
                 invstd = torch.rsqrt(var + ctx.eps)
-                scale = (gamma * invstd).to(sums.dtype) / (ctx.total * w)
+                scale = (gamma * invstd).to(sums.dtype) / ctx.total
                 centered = (x - mean.view(shape)).mul_((sums[1] * scale * invstd).to(x.dtype).view(shape))
                 dx = dx.sub_(centered).sub_((sums[0] * scale).to(x.dtype).view(shape))
             else:  # no row here counts: nothing of the batch flows through this rank's input
@@ -111,10 +115,9 @@ class GlobalForward:
     """The forward of one BatchNorm layer of a parallelized model: the global batch's statistics where the
     layer uses batch statistics (training mode, or no running statistics), its own forward otherwise."""
 
-    def __init__(self, module: nn.modules.batchnorm._BatchNorm, group: Group, sum_: Sum, share: Weight,
-                 stand_in: Rows) -> None:
+    def __init__(self, module: nn.modules.batchnorm._BatchNorm, group: Group, sum_: Sum, stand_in: Rows) -> None:
         self.module = weakref.ref(module)
-        self.group, self.sum, self.share, self.stand_in = group, sum_, share, stand_in
+        self.group, self.sum, self.stand_in = group, sum_, stand_in
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.module()
@@ -133,7 +136,8 @@ class GlobalForward:
         if updates and bn.num_batches_tracked is not None:
             bn.num_batches_tracked.add_(1)
             factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-        mean, var, total = statistics(x, not self.stand_in(), self.group(), self.sum)
+        counts = not self.stand_in()
+        mean, var, total = statistics(x, counts, self.group(), self.sum)
         if bn.training and total <= 1:  # what one process raises for its batch, said of the global batch
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()} "
                              f"(the global batch holds {total:g} value(s) per channel)")
@@ -142,7 +146,7 @@ class GlobalForward:
                 unbiased = var * (total / (total - 1)) if total > 1 else var
                 bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
                 bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
-        return _Global.apply(x, bn.weight, bn.bias, (mean, var, total), bn.eps, self.sum, self.share)
+        return _Global.apply(x, bn.weight, bn.bias, (mean, var, total), bn.eps, self.sum, counts)
 
 
 def layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -150,13 +154,14 @@ def layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def install(model: nn.Module, group: Group, share: Weight, stand_in: Rows, sum_: Sum) -> int:
+def install(model: nn.Module, group: Group, stand_in: Rows, sum_: Sum) -> int:
     """Give each BatchNorm layer of ``model`` the global batch's statistics; returns how many it has. ``group()``
     is the data-parallel group at each call, and ``sum_`` sums over it (the gradient sync's: through shared
-    memory on one machine; in an elastic job, one that a lost rank fails into the abandoned step)."""
+    memory on one machine; in an elastic job, one that a lost rank fails into the abandoned step). The model's
+    backward must run in the global loss's units (:meth:`autodist.dp.grad_sync.GradSync.global_units`)."""
     found = layers(model)
     for bn in found:
-        bn.__dict__["forward"] = GlobalForward(bn, group, sum_, share, stand_in)
+        bn.__dict__["forward"] = GlobalForward(bn, group, sum_, stand_in)
     return len(found)
 
 

@@ -282,16 +282,18 @@ class GradSync:
 
     def couple_batch_norm(self) -> int:
         """Give the model's BatchNorm layers the global batch's statistics (:mod:`autodist.dp.batch_norm`);
-        how many it has."""
+        how many it has. Where it has any, the backward runs in the global loss's units (:meth:`global_units`:
+        the caller scales the model's outputs)."""
         model = self.model()
         assert model is not None
-        self.coupled = batch_norm.install(model, lambda: self.group, self.backward_weight, lambda: self.standing_in,
-                                          self._all_reduce)
+        self.coupled = batch_norm.install(model, lambda: self.group, lambda: self.standing_in, self._all_reduce)
         return self.coupled
 
     def global_units(self) -> Callable[[], float]:
         """Where the ranks' backwards exchange gradients with each other (context parallelism: a rank's keys and
-        values take the gradients of every rank's queries), each must carry the gradient of the *global* loss:
+        values take the gradients of every rank's queries; expert parallelism: a rank's experts, of every rank's
+        tokens; BatchNorm: a rank's rows, of every rank's through the batch's statistics), each must carry the
+        gradient of the *global* loss:
         its loss's gradient multiplied by ``D_r / D`` (``D_r`` what its loss divides by, read from it or
         counted, ``D`` their sum over the ranks; zero for a rank with nothing to divide by, whose keys still
         pass the others' gradients on), and the sync then sums the ranks' gradients (every rank counts alike,

@@ -40,7 +40,6 @@ from torch import nn
 from autodist.ep import exchange, experts
 from autodist.layers.shard import Shard
 from autodist.runtime.position import waiting
-from autodist.runtime.units import scaled_outputs
 
 
 class Placed:
@@ -160,15 +159,6 @@ class Placement:
     modules: list[Placed]
     params: frozenset[int]
     replicas: Replicas | None = None
-    handles: list[Any] = field(default_factory=list)
-
-    def scale_outputs(self, model: nn.Module, scale: Callable[[], float]) -> None:
-        """Every output of ``model``'s forwards that carries a gradient multiplied by ``scale()`` in backward (the
-        sync's global units): before the sync's own forward hook, which then watches these outputs, so that a
-        backward reaches its hooks (the forward's count) before the scale is asked."""
-        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            return scaled_outputs(output, scale) if torch.is_grad_enabled() else None
-        self.handles.append(model.register_forward_hook(hook, prepend=True))
 
     def __str__(self) -> str:
         first = self.modules[0]

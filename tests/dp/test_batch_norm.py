@@ -4,7 +4,8 @@ float64, every parameter and buffer (running mean, variance, batches tracked) co
 same global batches at 1e-10: an MLP with BatchNorm1d and a small convolutional net with BatchNorm2d, shuffled
 batches of 8 over 69 samples (an uneven last batch), 2 and 3 ranks; gradient accumulation (each micro-batch
 normalized by its own global statistics, as one process accumulating); a rank with no row of the last batch
-(6 ranks); ``checkpoint=True``, which runs each block's forward again in backward. ``batch_norm="local"`` is
+(6 ranks); a rank whose rows hold no valid label under a token mean; ``checkpoint=True``, which runs each block's
+forward again in backward. ``batch_norm="local"`` is
 DDP's per-rank statistics, which the tests tell apart.
 """
 from __future__ import annotations
@@ -81,10 +82,21 @@ def _train(model: nn.Module, loader, accumulate: int = 1) -> dict[str, torch.Ten
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _masked_loader() -> DataLoader:
+    """24 samples, unshuffled batches of 8, labels at -100 (a mean over the valid ones): the second batch's first
+    half and its even rows masked, so that one rank's rows hold no valid label however the loader splits it."""
+    x, y = _data("mlp").tensors
+    y = y[:24].clone()
+    y[[1, 8, 9, 10, 11, 12, 14, 18]] = -100
+    return DataLoader(TensorDataset(x[:24], y), batch_size=8)
+
+
 def _difference_here(kind: str, accumulate: int = 1, options: dict | None = None) -> float:
     """The largest difference of a parameter or buffer from one process's, in the default dtype."""
-    reference = _train(seeded(MODELS[kind], 0), _loader(kind), accumulate)
-    model, loader = autodist.parallelize(seeded(MODELS[kind], 0), _loader(kind), **(options or {}))
+    loader = _masked_loader if kind == "masked" else lambda: _loader(kind)
+    build = BatchNormMLP if kind == "masked" else MODELS[kind]
+    reference = _train(seeded(build, 0), loader(), accumulate)
+    model, loader = autodist.parallelize(seeded(build, 0), loader(), **(options or {}))
     trained = _train(model, loader, accumulate)
     assert trained.keys() == reference.keys()
     return max(float((trained[k].double() - reference[k].double()).abs().max()) for k in reference)
@@ -107,6 +119,13 @@ def test_batch_norm_trains_on_the_global_batch(ranks, kind):
 def test_batch_norm_at_three_ranks(ranks, kind):
     for difference in ranks(3, _difference, kind):
         assert difference <= 1e-10, f"{kind}: {difference:.3g} from one process"
+
+
+def test_batch_norm_under_a_token_mean_with_a_rank_whose_labels_are_all_masked(ranks):
+    """A rank whose own loss counts nothing (its share of the global loss is 0) still passes its rows the
+    gradient they take through the batch's statistics from the other ranks' rows, as one process's rows."""
+    for difference in ranks(2, _difference, "masked"):
+        assert difference <= 1e-10, f"{difference:.3g} from one process"
 
 
 def test_batch_norm_over_accumulated_micro_batches(ranks):
