@@ -29,13 +29,16 @@ from autodist.planner.step import untouched
 class Context:
     """``cp=K`` read as bytes: sent per batch row and step (forward and backward, ring-moved), the attention
     calls (each an all-gather forward and an all-reduce backward), the gathered keys and values a rank keeps for
-    backward per row (whole sequence: the part of them not its own is what ``cp`` adds to its activations), and
-    why it cannot be made."""
+    backward per row (whole sequence: the part of them not its own is what ``cp`` adds to its activations), what
+    one call holds for a moment in backward per row (the whole sequence's keys' and values' gradient before the
+    ranks sum it, and the keys and values gathered again where it gathers anew: the largest call's), and why it
+    cannot be made."""
 
     sent_per_row: float = 0.0
     calls: int = 0
     kept_per_row: float = 0.0
     impossible: str = ""
+    transient_per_row: float = 0.0
 
 
 def contexts(model: nn.Module, example: Any, rows: int, degrees: list[int], loader: bool,
@@ -71,7 +74,8 @@ def _read(plan: cp_explain.ContextPlan, example: Any, rows: int, loader: bool) -
         return Context(impossible=str(err).splitlines()[0])
     forward, backward = plan.sent()
     kept = sum(c.whole(plan.split) for c in plan.calls if not c.again)  # the "again" path gathers anew in backward
-    return Context((forward + backward) / rows, len(plan.calls), kept / rows)
+    transient = max(c.whole(plan.split) * (2 if c.again else 1) for c in plan.calls)
+    return Context((forward + backward) / rows, len(plan.calls), kept / rows, transient_per_row=transient / rows)
 
 
 def flat(layout: Layout) -> Layout:

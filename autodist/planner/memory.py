@@ -65,12 +65,14 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`).
     With ``pp`` stages, the fullest stage's (``microbatches`` a step: None, ``parallelize``'s default). With ``cp``,
     a rank holds ``1/cp`` of each row's tokens and keeps the whole sequence's keys and values its attention
-    gathered: the data-parallel layout over ``dp x cp`` ranks at ``rows / cp`` rows, plus the gathered part of them
-    (:mod:`~autodist.planner.context`)."""
+    gathered: the data-parallel layout over ``dp x cp`` ranks at ``rows / cp`` rows, plus the gathered part of them,
+    and at the peak what one attention call holds for a moment in backward (:mod:`~autodist.planner.context`)."""
     if layout.cp > 1:
         kinds, peak = predict(flat(layout), profile, rows / layout.cp, states, bucket_mb, mp_buffers, microbatches)
-        gathered = profile.contexts[layout.cp].kept_per_row * rows * (1 - 1 / layout.cp) / layout.mp
-        return {**kinds, "activations": kinds["activations"] + gathered}, peak + gathered
+        context = profile.contexts[layout.cp]
+        gathered = context.kept_per_row * rows * (1 - 1 / layout.cp) / layout.mp
+        moment = context.transient_per_row * rows / layout.mp
+        return {**kinds, "activations": kinds["activations"] + gathered}, peak + gathered + moment
     if layout.pp == 1 or profile.block_measures is None:
         return _predict(layout, profile, rows, states, bucket_mb, mp_buffers, None)
     each = [_predict(layout, profile, rows, states, bucket_mb, mp_buffers, stage, microbatches)

@@ -20,7 +20,7 @@ def _run(tmp_path, *args: str, ranks: int = 3, env: dict | None = None, restarts
     return subprocess.run([sys.executable, "-m", "autodist", "run", "--elastic", *launch, "-n", str(ranks), SCRIPT,
                            *args],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                          env=os.environ | {"AUTODIST_TIMEOUT": "6", "AUTODIST_EXIT_TIMEOUT": "10"} | (env or {}))
+                          env=os.environ | {"AUTODIST_TIMEOUT": "6", "AUTODIST_EXIT_TIMEOUT": "30"} | (env or {}))
 
 
 _references: dict[tuple, dict] = {}
