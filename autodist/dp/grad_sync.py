@@ -101,7 +101,7 @@ class GradSync:
         self.read_loss = False  # this backward's count was read from its loss (loss_reading): one for it all
         self.warned_terms = self.warned_unseen = False
         self.coupled = 0  # BatchNorm layers normalizing by the global batch (couple_batch_norm)
-        self.warned_balance = False
+        self.warned_balance = self.warned_whole = False  # once each: a rank whose share is 0 drops a coupled term
         self.last_reading: Reading | None = None  # the loss of the last backward watched (for the check's message)
         self.last_backwards = 0  # backwards the last sync added up
         self.checker: Any = None  # parallelize(check=...): autodist.dp.check.Checker, kept alive here

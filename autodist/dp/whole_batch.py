@@ -33,6 +33,7 @@ from torch import nn
 from autodist.dp.grad_sync import GradSync, parallelized, state_of
 from autodist.runtime import provenance
 from autodist.runtime.position import waiting
+from autodist.runtime.world import log
 
 
 class _Gather(torch.autograd.Function):
@@ -65,9 +66,16 @@ class _Gather(torch.autograd.Function):
             dist.all_reduce(summed, group=sync.group)
         mine = torch.zeros((*grad.shape[:dim], ctx.rows, *grad.shape[dim + 1:]), dtype=grad.dtype,
                            device=grad.device)
-        if share > 0 and counts[ctx.rank]:
+        if counts[ctx.rank]:
             start = sum(counts[:ctx.rank])
-            mine.narrow(dim, 0, counts[ctx.rank]).copy_(summed.narrow(dim, start, counts[ctx.rank]) / share)
+            if share > 0:
+                mine.narrow(dim, 0, counts[ctx.rank]).copy_(summed.narrow(dim, start, counts[ctx.rank]) / share)
+            elif not sync.warned_whole and bool(summed.narrow(dim, start, counts[ctx.rank]).any()):
+                sync.warned_whole = True
+                log.warning("autodist.whole_batch: this rank's loss counts nothing this step (every label -100?), "
+                            "so the sync weights its gradients by 0, and the gradient its rows take from the other "
+                            "ranks' losses is left out of this step: not one process's training. Compute the loss "
+                            "over the whole batch on every rank (each rank's share is then alike)")
         return mine, None, None
 
 

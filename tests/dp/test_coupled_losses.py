@@ -426,6 +426,33 @@ def test_in_batch_negatives_over_the_whole_batch(ranks, how):
             assert difference <= 1e-10, f"{how}: {difference:.3g} from one process"
 
 
+def _zero_share() -> list[str]:
+    """Rank 0's own rows' loss counts nothing (every label -100) while rank 1's scores its rows as negatives."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("autodist").addHandler(handler)
+    try:
+        model, loader = autodist.parallelize(seeded(TwoTowers, 0), _pairs())
+        pixels, ids = next(iter(loader))
+        image, text = model(pixels, ids)
+        all_text = autodist.whole_batch(text)
+        first = sum(int(n) for n in _rows_before(len(image)))
+        labels = torch.arange(first, first + len(image)) if first else torch.full((len(image),), -100)
+        F.cross_entropy(image @ all_text.T / 0.1, labels).backward()
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+def test_a_rank_whose_loss_counts_nothing_says_its_rows_negatives_are_lost(ranks):
+    """The sync weights a rank by its share of the loss: at 0, the gradient its rows take as the other ranks'
+    negatives cannot be carried, and is named rather than dropped silently."""
+    zero, counted = ranks(2, _zero_share)
+    assert any("whole_batch" in m and "left out" in m for m in zero), zero
+    assert not any("whole_batch" in m for m in counted), counted
+
+
 @pytest.mark.slow
 def test_in_batch_negatives_at_three_ranks(ranks):
     for difference in ranks(3, _negatives, "whole"):
