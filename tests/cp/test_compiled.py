@@ -141,7 +141,7 @@ def _refusal(case: str) -> str:
 
 @pytest.mark.parametrize("case, world, says", [
     pytest.param("labels", 2, "calls pad on its input kwargs['labels']", marks=pytest.mark.slow),  # as uncompiled
-    ("float input", 2, "with floating-point input kwargs['inputs_embeds']"),
+    pytest.param("float input", 2, "with floating-point input kwargs['inputs_embeds']", marks=pytest.mark.slow),
     pytest.param("eager attention", 2, "computes attention scores by hand", marks=pytest.mark.slow),
     pytest.param("checkpoint=True", 2, "checkpoint=True with cp is not built with torch.compile yet",
                  marks=pytest.mark.slow),
