@@ -191,8 +191,8 @@ def _through(sync_state: object | None) -> str:
 
 
 def _example(model: nn.Module, data: Any, example: observe.Example | None) -> observe.Example | None:
-    """The forward's arguments the plans are read from (``example=``, else the data's first rows), on the model's
-    device (a loader's batches are on the CPU, a model under NCCL on its GPU by now)."""
+    """The forward's arguments the plans are read from (``example=``, else the data's first rows), as the loop
+    hands them to the model (:func:`~autodist.mp.observe.for_model`: on its device, in its floating dtype)."""
     return observe.for_model(model, observe.example_of(data) if example is None else example)
 
 

@@ -43,7 +43,10 @@ from autodist.runtime.world import World, init, new_group
 # which deprecates the older names; torch 2.4 to 2.12 (this package supports 2.4 on) have only the older ones.
 reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+Reduce = Literal["sum", "mean"]
+T = TypeVar("T")
 
 
 def carrier(device: torch.device, group: Any = None) -> torch.device:
@@ -58,8 +61,6 @@ def carrier(device: torch.device, group: Any = None) -> torch.device:
     if device.type == "cpu" or not dist.is_initialized() or dist.get_backend(group) != "gloo":
         return device
     return torch.device("cpu")
-Reduce = Literal["sum", "mean"]
-T = TypeVar("T")
 
 
 @dataclass(eq=False)

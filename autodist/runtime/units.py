@@ -1,8 +1,7 @@
 """Gradients in the global batch's units: where the ranks' backwards exchange gradients with each other (context
-parallelism's keys and values, expert parallelism's tokens, BatchNorm's rows), each rank's must carry the gradient of
-the global loss,
-so the model's outputs are replaced by views whose gradient is multiplied by the sync's factor for this backward
-(``D_r / D``: :meth:`autodist.dp.grad_sync.GradSync.global_units`).
+parallelism's keys and values, expert parallelism's tokens, BatchNorm's rows through the batch's statistics), each
+rank's must carry the gradient of the global loss, so the model's outputs are replaced by views whose gradient is
+multiplied by the sync's factor for this backward (``D_r / D``: :meth:`autodist.dp.grad_sync.GradSync.global_units`).
 
 Example:
     >>> output = scaled_outputs(model(x), sync.global_units())   # every output that carries a gradient
