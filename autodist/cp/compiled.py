@@ -149,6 +149,25 @@ def refuse_layout(parts: int, name: str, with_: list[str]) -> None:
         f"and pp")
 
 
+BUILT_ON = (2, 13)  # the torch whose dynamo the routing's traced dispatch was built and tested on
+
+
+def older_torch(version: str = torch.__version__) -> bool:
+    """Whether ``version`` (torch's) is older than the one a compiled context-parallel forward is built on."""
+    release = version.split("+")[0].split(".")
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2]) < BUILT_ON
+
+
+def refuse_older_torch(parts: int, name: str) -> None:
+    """Raise: a forward torch.compile traces, on a torch whose dynamo traces the routing's mode differently (on
+    torch 2.11 a compiled nanoGPT at cp=2 trained 0.23 away from one process: silently wrong, so refused)."""
+    raise NotImplementedError(
+        f"cp={parts}: {name} runs compiled (torch.compile of the whole model) on torch {torch.__version__}, and a "
+        f"compiled context-parallel forward is built on torch {BUILT_ON[0]}.{BUILT_ON[1]} or later (on 2.11 one "
+        f"trained away from one process): upgrade torch, compile each block instead (model.blocks[i].compile()), "
+        f"or run uncompiled")
+
+
 def refuse_own_checkpointing(parts: int, name: str) -> None:
     """Raise: a model compiled whole that checkpoints its own layers (Hugging Face's
     ``gradient_checkpointing_enable()``): dynamo traces ``torch.utils.checkpoint`` as one operator whose body

@@ -57,8 +57,9 @@ from torch.overrides import TorchFunctionMode
 
 from autodist.cp import refusals, scores
 from autodist.cp.batches import SequenceCut
-from autodist.cp.compiled import (compiled_layers, eagerly, in_compiled_region, refuse_float_inputs, refuse_layout,
-                                  refuse_own_checkpointing, see_pads, skip_frames, traced, warn_eager)
+from autodist.cp.compiled import (compiled_layers, eagerly, in_compiled_region, older_torch, refuse_float_inputs,
+                                  refuse_layout, refuse_older_torch, refuse_own_checkpointing, see_pads, skip_frames,
+                                  traced, warn_eager)
 from autodist.cp.masks import Masks
 from autodist.cp.multihead import multihead
 from autodist.layers.context import context_attention
@@ -145,6 +146,8 @@ class Context:
                                f"this rank's tokens")
         if compiled and self.not_compiled_with:
             refuse_layout(self.cut.parts, self.name, self.not_compiled_with)
+        if compiled and older_torch():
+            refuse_older_torch(self.cut.parts, self.name)
         if compiled and getattr(module, "is_gradient_checkpointing", False):
             refuse_own_checkpointing(self.cut.parts, self.name)
         if not compiled and self.not_compiled_with and not self.warned_eager:  # once: a layer compiled by itself?

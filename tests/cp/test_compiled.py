@@ -17,6 +17,9 @@ from test_masks import _packed, _padded, _train_hf, _windowed_model
 from torch import nn
 from torch.utils.data import DataLoader
 
+from autodist.cp.compiled import older_torch, refuse_older_torch
+from ranks import RankFailure
+
 BACKEND = "aot_eager"  # the graphs' ops as they are (inductor: the slow case below)
 
 
@@ -97,6 +100,10 @@ def _case(case: str, how: str = "whole", backend: str = BACKEND, options: dict |
     pytest.param("llama", "whole", 4, {}, marks=pytest.mark.slow),  # dp 2 x cp 2
 ])
 def test_compiled_trains_as_one_process(ranks, case, how, world, options):
+    if how != "blocks" and older_torch():  # refused there, by name (the test below)
+        with pytest.raises(RankFailure, match="compile each block instead"):
+            ranks(world, _case, case, how, BACKEND, options)
+        return
     for difference, after_two, after_all in ranks(world, _case, case, how, BACKEND, options):
         assert difference <= ATOL, difference
         assert after_two > 0, "nothing was compiled: the forward ran eagerly"
@@ -106,6 +113,8 @@ def test_compiled_trains_as_one_process(ranks, case, how, world, options):
 @pytest.mark.slow
 def test_inductor_trains_as_one_process(ranks):
     """torch.compile's default backend: its kernels may sum in another order, within the floor still."""
+    if older_torch():
+        pytest.skip(f"a whole-model compile under cp is refused on torch {torch.__version__} (tested by name below)")
     for difference, after_two, after_all in ranks(2, _case, "nanogpt", "whole", "inductor"):
         assert difference <= ATOL and after_two > 0 and after_all == after_two, (difference, after_two, after_all)
 
@@ -180,5 +189,17 @@ def _mixed_precision() -> tuple[float, int]:
 
 @pytest.mark.slow
 def test_mixed_precision_compiled_trains_as_uncompiled(ranks):
+    if older_torch():
+        pytest.skip(f"a whole-model compile under cp is refused on torch {torch.__version__} (tested by name below)")
     for difference, graphs in ranks(2, _mixed_precision):
         assert difference <= 1e-6 and graphs > 0, (difference, graphs)
+
+
+@pytest.mark.parametrize("version, older", [("2.13.0+cpu", False), ("2.15.1", False), ("2.11.0+cu130", True),
+                                            ("2.4.1", True), ("2.13.0a0+git1234", False), ("3.0.0", False)])
+def test_a_compiled_forward_on_an_older_torch_is_refused(version, older):
+    """On torch 2.11 a whole-model compile of nanoGPT at cp=2 trained 0.23 away from one process (dynamo traced the
+    routing's mode otherwise): refused there, by name, rather than wrong."""
+    assert older_torch(version) is older
+    with pytest.raises(NotImplementedError, match="compile each block instead"):
+        refuse_older_torch(2, "GPT")
