@@ -190,7 +190,10 @@ class _SplitLinear(nn.Module):
     def _row_output(self, x_local: torch.Tensor) -> torch.Tensor:
         # The bias joins after the sum over ranks: added once, not once per rank.
         out = reduce_from_group_(F.linear(x_local, self._weight()), self.group)  # the product is a temporary
-        return out if self.bias is None else out.add_(self.bias)
+        if self.bias is None:
+            return out
+        # in place eagerly; out of place in a graph (torch 2.11's dynamo refuses the in-place add on the sum's output)
+        return out + self.bias if torch.compiler.is_compiling() else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
