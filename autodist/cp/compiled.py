@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch.torch_version import Version
 
 from autodist.cp import refusals, scores
 
@@ -154,8 +155,7 @@ BUILT_ON = (2, 13)  # the torch whose dynamo the routing's traced dispatch was b
 
 def older_torch(version: str = torch.__version__) -> bool:
     """Whether ``version`` (torch's) is older than the one a compiled context-parallel forward is built on."""
-    release = version.split("+")[0].split(".")
-    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2]) < BUILT_ON
+    return Version(version).release[:2] < BUILT_ON  # a 2.13 nightly (2.13.0a0+git...) counts as 2.13
 
 
 def refuse_older_torch(parts: int, name: str) -> None:

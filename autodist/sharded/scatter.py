@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.dp.buckets import Bucket, assign_buckets
-from autodist.runtime.held import Held
 from autodist.runtime.comm import reduce_scatter_single
+from autodist.runtime.held import Held
 from autodist.runtime.position import waiting
 from autodist.runtime.shared_slots import Shared, shared_slots
 from autodist.sharded.gather import Windows
