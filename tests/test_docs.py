@@ -9,9 +9,11 @@ Links between pages and file names of the repository must lead somewhere.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 from concurrent.futures import Future
 import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import re
@@ -29,6 +31,8 @@ MAX_FRAGMENTS = 12  # deliberate fragments in all pages together: a signature, t
 README_LINES = 220  # the front page stays a front page (about 200 lines)
 CHECKOUT = ("examples", "benchmarks", "scripts", "tests")  # what a page's folder links to, as a checkout has it
 BLOCK_TIMEOUT = 600.0  # a hang catcher: a benchmark's quick form on a slower, busy machine took over 300 s
+STACKS_BEFORE = 30.0  # a python block still running this long before its timeout writes every thread's stack
+INTERPRETER_LOG = "interpreter.log"  # in the page's folder: what a page's Python wrote outside its blocks
 CONCURRENT_PAGES = 2  # a page mostly waits for the processes it starts: two pages at a time fill two cores
 BACKGROUND_PAGES = 1  # while the other tests run (see Pages)
 PAGE_TEST = "test_every_block_of_the_page_runs"
@@ -45,8 +49,16 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _interpreter(conn: Any, folder: str, env: dict[str, str]) -> None:
-    """The page's Python: runs each block it is sent in one namespace, replies (ok, output)."""
+def _interpreter(conn: Any, folder: str, env: dict[str, str], stacks_after: float) -> None:
+    """The page's Python: runs each block it is sent in one namespace, replies (ok, output).
+
+    What escapes the blocks' redirection (a crash, a native library's output) goes to INTERPRETER_LOG in the
+    page's folder, and so do all its threads' stacks if a block is still running after ``stacks_after`` s.
+    """
+    log = open(os.path.join(folder, INTERPRETER_LOG), "w", buffering=1)  # noqa: SIM115 - lives as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(log)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(folder)
@@ -57,6 +69,7 @@ def _interpreter(conn: Any, folder: str, env: dict[str, str]) -> None:
         if message is None:
             return
         code, where = message
+        faulthandler.dump_traceback_later(stacks_after, file=log)
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -64,6 +77,7 @@ def _interpreter(conn: Any, folder: str, env: dict[str, str]) -> None:
             conn.send((True, out.getvalue()))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             conn.send((False, out.getvalue() + traceback.format_exc()))
+        faulthandler.cancel_dump_traceback_later()
 
 
 class Page:
@@ -80,15 +94,35 @@ class Page:
         if self.process is None:
             ctx = multiprocessing.get_context("spawn")
             self.conn, child = ctx.Pipe()
-            self.process = ctx.Process(target=_interpreter, args=(child, str(self.folder), self.env), daemon=True)
+            self.process = ctx.Process(target=_interpreter, args=(child, str(self.folder), self.env, max(BLOCK_TIMEOUT - STACKS_BEFORE, 1.0)),
+                                       daemon=True)
             self.process.start()
+            child.close()  # the child's end lives in the child only: its death ends the wait below
         self.conn.send((block.code, block.where))
-        if not self.conn.poll(BLOCK_TIMEOUT):
+        reply = self._reply()
+        if reply is None:
+            self.process.join(timeout=5)  # a death closes the pipe a moment before the exit code is known
+            code = self.process.exitcode
+            why = (f"did not finish within {BLOCK_TIMEOUT:.0f} s" if code is None
+                   else f"was not answered: the page's interpreter died (exit code {code})")
             self.close()
-            pytest.fail(f"{block.where}: the python block did not finish within {BLOCK_TIMEOUT:.0f} s")
-        ok, output = self.conn.recv()
+            pytest.fail(f"{block.where}: the python block {why}; the interpreter's log:\n{self._log()}")
+        ok, output = reply
         if not ok:
             pytest.fail(f"{block.where}: the python block failed:\n{output}")
+
+    def _reply(self) -> tuple[bool, str] | None:
+        """The interpreter's answer; None if it died or did not answer within BLOCK_TIMEOUT."""
+        if not multiprocessing.connection.wait([self.conn, self.process.sentinel], BLOCK_TIMEOUT):
+            return None
+        try:
+            return self.conn.recv() if self.conn.poll() else None
+        except (EOFError, OSError):
+            return None
+
+    def _log(self) -> str:
+        path = self.folder / INTERPRETER_LOG
+        return path.read_text(errors="replace")[-8000:] if path.exists() else "(none: it did not start)"
 
     def command(self, block: Block, argv: list[str]) -> None:
         try:
@@ -118,7 +152,8 @@ class Page:
 
     def close(self) -> None:
         if self.process is not None:
-            self.conn.send(None)
+            with contextlib.suppress(OSError):  # an interpreter that died has closed its end
+                self.conn.send(None)
             self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()
