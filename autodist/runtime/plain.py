@@ -2,6 +2,8 @@
 JSON in byte tensors. Nothing a peer sends is unpickled: torch's ``all_gather_object`` and
 ``broadcast_object_list`` run ``pickle.loads`` on what arrives, so anything able to reach a rank's socket
 could run code in it; these cannot. Lists come back as tuples (what autodist sends are tuples).
+:func:`all_gather_saved` carries tensors too, in torch.save's format read back with
+``torch.load(weights_only=True)``, which builds data only.
 
 Example:
     >>> plain.all_gather(("cpu-host", True), group=None)      # on 2 ranks
@@ -9,6 +11,7 @@ Example:
 """
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -41,7 +44,22 @@ def _decode(data: torch.Tensor) -> Any:
 def all_gather(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj``, in group rank order (a collective over ``group``; None: the whole world)."""
     device = _device(group)
-    mine = _encode(obj, device)
+    return [_decode(data) for data in _gather_bytes(_encode(obj, device), group, device)]
+
+
+def all_gather_saved(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, which may hold tensors too, in group rank order (a collective over ``group``): sent
+    in torch.save's format and read back with ``torch.load(weights_only=True)``, which builds data only (tensors on
+    the CPU, numbers, strings, lists, dicts)."""
+    device = _device(group)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+    return [torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location="cpu")
+            for data in _gather_bytes(mine, group, device)]
+
+
+def _gather_bytes(mine: torch.Tensor, group: Any, device: torch.device) -> list[torch.Tensor]:
     n = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
     dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
@@ -50,7 +68,7 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     padded[:mine.numel()] = mine
     out = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(out, padded, group=group)
-    return [_decode(data[:length]) for data, length in zip(out, lengths)]
+    return [data[:length] for data, length in zip(out, lengths)]
 
 
 def broadcast(obj: Any, src: int, group: Any = None) -> Any:
