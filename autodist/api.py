@@ -778,7 +778,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                          elastic=False)
         place_group, copies_group = expert_groups(dims, ep, world.rank)
         placement = ep_place.setup(model, place_group, dims.dp_rank(world.rank) % ep, ep, copies_group,
-                                   lambda: sync_state is not None and sync_state.enabled)
+                                   lambda: sync_state is not None and sync_state.enabled, shard == "gradients")
     at_rest = None
     if dims.dp > 1:
         dp_rank = dims.dp_rank(world.rank)

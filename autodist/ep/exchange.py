@@ -6,7 +6,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,22 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.receive, ctx.send, ctx.group, ctx.meter, True), None, None, None, None
 
 
+class _Joined(torch.autograd.Function):
+    """``made`` as it is, its backward reaching what was received (zeros): where no received row reached one of
+    this rank's experts (experts held as modules, none of which ran) the output holds no gradient path, and the
+    exchanges' backward, collectives every rank of the group runs, must still run here."""
+
+    @staticmethod
+    def forward(ctx: Any, made: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.weight = (rows.shape, rows.dtype, rows.device), (weight.shape, weight.dtype, weight.device)
+        return made.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (rows, rtype, rdev), (weight, wtype, wdev) = ctx.rows, ctx.weight
+        return None, torch.zeros(rows, dtype=rtype, device=rdev), torch.zeros(weight, dtype=wtype, device=wdev)
+
+
 def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: Any, meter: Meter | None,
               backward: bool) -> torch.Tensor:
     out = rows.new_empty((sum(receive), *rows.shape[1:]))
@@ -55,6 +71,33 @@ def all_to_all(rows: torch.Tensor, send: list[int], receive: list[int], group: A
     if rows.requires_grad:
         return _AllToAll.apply(rows, send, receive, group, meter)
     return _exchange(rows, send, receive, group, meter, False)
+
+
+def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, per: int, group: Any, meter: Meter,
+             run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One call of experts placed ``per`` a rank over ``group``, dropless: this rank's (token, expert) pairs of
+    ``index`` (``(tokens, k)``; -1: none), ordered by expert, go to the ranks holding their experts with their
+    hidden states and weights; there ``run(rows, experts, weights)`` (one pair a row, the experts by their global
+    numbers) returns each pair's weighted output, which comes back and is added to each token's zeros in the order
+    of its experts, as one process's loop over the experts adds them."""
+    k = index.shape[1]
+    flat = index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
+    order = order[flat[order] >= 0]  # a slot that chose no expert (a dropped token) adds nothing
+    token = order // k
+    expert = flat[order]
+    owner = expert // per
+    send = torch.bincount(owner, minlength=dist.get_world_size(group))
+    send_list = send.tolist()
+    receive = counts(send, group)
+    rows = all_to_all(hidden[token], send_list, receive, group, meter)
+    chosen = all_to_all(expert, send_list, receive, group, meter)
+    weight = all_to_all(weights.reshape(-1)[order], send_list, receive, group, meter)
+    made = run(rows, chosen, weight)
+    if not made.requires_grad and (rows.requires_grad or weight.requires_grad):
+        made = _Joined.apply(made, rows, weight)  # no row reached an expert here: the others' backward still meets
+    back = all_to_all(made, receive, send_list, group, meter)
+    return torch.zeros_like(hidden).index_add(0, token, back.to(hidden.dtype))
 
 
 def counts(send: torch.Tensor, group: Any) -> list[int]:

@@ -93,7 +93,7 @@ def explain(model: nn.Module, parts: int, example: Any) -> ExpertPlan:
         if experts.count(module) % parts:
             raise ValueError(f"ep={parts}: {name} holds {experts.count(module)} experts, which do not split evenly "
                              f"over {parts} ranks")
-    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    calls: dict[str, list[experts.Call]] = {}
 
     def watch(name: str) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -110,8 +110,8 @@ def explain(model: nn.Module, parts: int, example: Any) -> ExpertPlan:
             handle.remove()
     plan = ExpertPlan(parts)
     for name, module in found:
-        for hidden, index, weights in calls.get(name, []):
-            plan.layers.append(_layer(name, experts.count(module), parts, hidden, index, weights))
+        for call in calls.get(name, []):
+            plan.layers.append(_layer(name, experts.count(module), parts, call.hidden, call.index, call.weights))
     return plan
 
 
@@ -120,8 +120,9 @@ def _layer(name: str, total: int, parts: int, hidden: torch.Tensor, index: torch
     per = total // parts
     moved = [[0] * parts for _ in range(parts)]
     for source, chunk in enumerate(torch.tensor_split(index, parts)):
-        owners = torch.bincount(chunk.flatten() // per, minlength=parts).tolist()
+        chosen = chunk.flatten()
+        owners = torch.bincount(chosen[chosen >= 0] // per, minlength=parts).tolist()  # -1: a slot with none
         for owner, n in enumerate(owners):
             moved[source][owner] += int(n)
     return Layer(name, total, index.shape[1], hidden.shape[1], hidden.element_size(), weights.element_size(),
-                 torch.bincount(index.flatten(), minlength=total).tolist(), moved)
+                 torch.bincount(index.flatten()[index.flatten() >= 0], minlength=total).tolist(), moved)

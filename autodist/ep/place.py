@@ -25,10 +25,9 @@ Example:
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import weakref
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator
@@ -38,20 +37,20 @@ import torch.distributed as dist
 from torch import nn
 
 from autodist.ep import exchange, experts
+from autodist.ep.calls import Exchanged
+from autodist.ep.modules import PlacedModules
 from autodist.layers.shard import Shard
+from autodist.layers.split_grad import mark_grad, mark_inside, mark_split
 from autodist.runtime.position import waiting
 
 
-class Placed:
+class Placed(Exchanged):
     """One module of experts placed over an expert group: its slice of experts here, and the exchange of each call."""
 
     def __init__(self, name: str, module: nn.Module, group: Any, rank: int, size: int) -> None:
         self.name, self.group, self.rank, self.size = name, group, rank, size
         self.total = experts.count(module)
-        if self.total % size:
-            raise ValueError(f"ep={size}: {name} holds {self.total} experts, which do not split evenly over {size} "
-                             f"ranks: choose ep from {[k for k in range(2, self.total + 1) if self.total % k == 0]}")
-        self.per = self.total // size
+        self.per = per_rank(name, self.total, size)
         self.names = [n for n, p in module._parameters.items() if p is not None]
         # each parameter's slice of experts: a Shard, which checkpoints gather and cut, and whose gradient's norm
         # clip_grad_norm_ takes over the group (autodist.layers.split_grad)
@@ -67,38 +66,12 @@ class Placed:
                         module.register_load_state_dict_pre_hook(self._keep_slice)]
         self.gathering = True  # model.state_dict() gathers every expert (off inside local_state)
         self.meter = exchange.Meter(rank)  # the bytes this rank sent to the others (the benchmark reads them)
+        self.parameters_here = [module._parameters[n] for n in self.names]
+        self.replicas: Replicas | None = None  # the sum over the expert groups holding the same experts (setup)
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The module's call, exchanged (a bound method: a deep copy of the model gets a copy bound to its own)."""
-        return self._exchanged(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> "Placed":
-        """A copy for a copy of the model (its module, its slice), on the same expert group."""
-        copied = Placed.__new__(Placed)
-        memo[id(self)] = copied
-        for key, value in self.__dict__.items():
-            setattr(copied, key, value if key == "group" else copy.deepcopy(value, memo))
-        return copied
-
-    @torch.compiler.disable  # under torch.compile: run eagerly between the graphs (sizes known only from the routing)
-    def _exchanged(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        hidden, index, weights = experts.check_call(self.name, self.total, self.signature, args, kwargs)
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
-        token = order // k
-        expert = flat[order]
-        owner = expert // self.per
-        send = torch.bincount(owner, minlength=self.size)
-        send_list = send.tolist()
-        receive = exchange.counts(send, self.group)
-        meter = self.meter
-        rows = exchange.all_to_all(hidden[token], send_list, receive, self.group, meter)
-        chosen = exchange.all_to_all(expert - owner * self.per, send_list, receive, self.group, meter)
-        weight = exchange.all_to_all(weights.reshape(-1)[order], send_list, receive, self.group, meter)
-        made = self.local(rows, chosen[:, None], weight[:, None])  # each row: its weight x its expert's output
-        back = exchange.all_to_all(made, receive, send_list, self.group, meter)
-        return torch.zeros_like(hidden).index_add(0, token, back.to(hidden.dtype))
+    def run(self, call: experts.Call, rows: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        first = self.rank * self.per
+        return self.local(rows, call.selection(chosen - first, self.per), weight[:, None])  # numbered from 0 here
 
     # -- state: every expert ------------------------------------------------------------------------------------
     @property
@@ -115,6 +88,22 @@ class Placed:
         if self.gathering:
             for n in self.names:
                 state[prefix + n] = self.whole(n)
+
+    @contextmanager
+    def as_one_process(self, memo: dict) -> Iterator[None]:
+        """While inside, ``copy.deepcopy`` of the model (with ``memo``) copies this module with every expert (gathered
+        into ``memo``: a collective) and its own forward."""
+        module = self.module
+        for n in self.names:
+            p = module._parameters[n]
+            memo[id(p)] = nn.Parameter(self.whole(n), requires_grad=p.requires_grad)
+        forward = module.__dict__.pop("forward")
+        module.num_experts = self.total
+        try:
+            yield
+        finally:
+            module.forward = forward  # type: ignore[method-assign]
+            module.num_experts = self.per
 
     def _keep_slice(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
         for n in self.names:
@@ -137,16 +126,31 @@ class Replicas:
     def __post_init__(self) -> None:
         self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for p in self.params if p.requires_grad]
 
-    def _arrived(self, _: torch.Tensor) -> None:
+    def _arrived(self, _: Any = None) -> None:
+        """Queue the sum at the end of this backward (from a parameter's gradient, or a call's output gradient:
+        a rank none of whose experts got a row this step takes part too)."""
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._sum)
+
+    def watch(self, output: torch.Tensor) -> None:
+        """Take part in the sum at the end of the backward that reaches ``output`` (a call of placed experts)."""
+        if output.requires_grad:
+            output.register_hook(self._arrived)
 
     def _sum(self) -> None:
         self.queued = False
         if not self.enabled():
             return
-        for p in self.params:
+        # an expert held as a module that no row of this group reached has no gradient here, and may have one in
+        # another group: zeros where any group has one (one process's gradient is the sum), none where none has
+        device = self.params[0].device
+        present = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
+        for p, anywhere in zip(self.params, present.tolist()):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                mark_grad(p)  # an expert's part of a norm over the group, as the others
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)
 
@@ -156,7 +160,7 @@ class Placement:
     """What :func:`setup` placed: each module of experts, and the ids of the expert parameters (left out of the
     data-parallel sync)."""
 
-    modules: list[Placed]
+    modules: list[Placed | PlacedModules]
     params: frozenset[int]
     replicas: Replicas | None = None
 
@@ -167,20 +171,44 @@ class Placement:
 
 
 def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any,
-          enabled: Callable[[], bool] = lambda: True) -> Placement:
+          enabled: Callable[[], bool] = lambda: True, sharded_grads: bool = False) -> Placement:
     """Place every module of experts of ``model`` over ``group`` (``size`` ranks, this one ``rank``); ``replicas``:
-    the group of the ranks holding the same experts in the other expert groups (None: there are none)."""
+    the group of the ranks holding the same experts in the other expert groups (None: there are none);
+    ``sharded_grads``: the other parameters' gradients will be sharded (``shard="gradients"``), every rank then
+    taking part in a norm over them."""
     found = experts.find(model)
     if not found:
         raise ValueError(f"ep={size} places the experts of mixture-of-experts layers over ranks, and "
-                         f"{type(model).__name__} has none: a module holding num_experts experts as (num_experts, "
-                         f"...) parameters of its own, called as experts(hidden_states, top_k_index, top_k_weights) "
-                         f"(Hugging Face's experts). Leave ep=1")
-    placed = [Placed(name, module, group, rank, size) for name, module in found]
-    params = [module._parameters[n] for (_, module), p in zip(found, placed) for n in p.names]
+                         f"{type(model).__name__} has none: a module holding num_experts experts, as (num_experts, "
+                         f"...) parameters of its own or as num_experts modules of the same shapes, called as "
+                         f"experts(hidden_states, top_k_index, top_k_weights) (Hugging Face's experts). Leave ep=1")
+    placed = [Placed(name, module, group, rank, size) if experts.fused(module)
+              else PlacedModules(name, module, group, rank, size, per_rank(name, experts.count(module), size))
+              for name, module in found]
+    params = [p for one in placed for p in one.parameters_here]
+    for p in params:  # each expert a part of a norm over the group, its replicas in the other groups counted once
+        mark_split(p, group, inside=(replicas,))
+    if sharded_grads:  # every rank takes a norm over the sharded gradients beside the experts the same way
+        for p in model.parameters():
+            if id(p) not in {id(q) for q in params}:
+                mark_inside(p, replicas)
+    elif any(isinstance(one, PlacedModules) for one in placed):
+        _in_every_norm(model, {id(p) for p in params}, group, rank)
     summed = None if replicas is None else Replicas(params, replicas, enabled)
+    for one in placed:
+        one.replicas = summed
     _placements[model] = placement = Placement(placed, frozenset(id(p) for p in params), summed)
     return placement
+
+
+def _in_every_norm(model: nn.Module, placed: set[int], group: Any, rank: int) -> None:
+    """Experts held as modules: one that no row reached has no gradient (as in one process, where the optimizer
+    then skips it), and a rank none of whose experts got a row would skip a norm over the group (``clip_grad_norm_``)
+    the others take. So every other trainable parameter counts in such a norm too, once (on the group's first
+    rank): every rank then takes part in it. (Under ``shard="gradients"`` every rank takes part anyway.)"""
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in placed and getattr(p, "split_over", None) is None:
+            mark_split(p, group, counted=rank == 0)
 
 
 @contextmanager
@@ -188,20 +216,10 @@ def whole_for_copy(model: nn.Module, memo: dict) -> Iterator[None]:
     """While inside, ``copy.deepcopy(model, memo)`` copies the model as one process holds it: every module of experts
     with all its experts (gathered into ``memo``: a collective) and its own forward."""
     placement = placement_of(model)
-    saved = []
-    try:
+    with ExitStack() as stack:
         for placed in [] if placement is None else placement.modules:
-            module = placed.module
-            for n in placed.names:
-                p = module._parameters[n]
-                memo[id(p)] = nn.Parameter(placed.whole(n), requires_grad=p.requires_grad)
-            saved.append((module, module.__dict__.pop("forward")))
-            module.num_experts = placed.total
+            stack.enter_context(placed.as_one_process(memo))
         yield
-    finally:
-        for (module, forward), placed in zip(saved, [] if placement is None else placement.modules):
-            module.forward = forward  # type: ignore[method-assign]
-            module.num_experts = placed.per
 
 
 @contextmanager
@@ -216,6 +234,14 @@ def local_state(model: nn.Module) -> Iterator[None]:
     finally:
         for p in placed:
             p.gathering = True
+
+
+def per_rank(name: str, total: int, size: int) -> int:
+    """The experts of the layer ``name`` each of ``size`` ranks holds, or an error naming the ``ep`` that divide."""
+    if total % size:
+        raise ValueError(f"ep={size}: {name} holds {total} experts, which do not split evenly over {size} ranks: "
+                         f"choose ep from {[k for k in range(2, total + 1) if total % k == 0]}")
+    return total // size
 
 
 def placement_of(model: nn.Module) -> Placement | None:

@@ -36,12 +36,15 @@ def _plain(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
-def mark_split(p: nn.Parameter, group: Any, counted: bool = True) -> None:
+def mark_split(p: nn.Parameter, group: Any, counted: bool = True, inside: tuple[Any] | None = None) -> None:
     """From now on ``p.grad`` is a :class:`SplitGrad` over ``group`` after every backward that reaches ``p``.
 
     ``counted``: whether this rank's part counts in a norm over the group; False where another rank of the group
     holds the same part (a parameter every stage of a pipeline holds counts on one stage). A second call marks
-    the parameter anew (a pipeline over model-parallel layers: one group for both).
+    the parameter anew (a pipeline over model-parallel layers: one group for both). ``inside``: None where the
+    group lies across the data-parallel ranks (mp, pp: each data-parallel rank holds the same parts); for experts
+    placed over data-parallel ranks (ep), ``(replicas,)``: the group of the ranks holding the same experts in the
+    other expert groups (None in it: there are none), which a norm over sharded gradients counts once.
 
     Example:
         >>> mark_split(self.weight, group)
@@ -49,8 +52,21 @@ def mark_split(p: nn.Parameter, group: Any, counted: bool = True) -> None:
     fresh = getattr(p, "split_over", None) is None
     p.split_over = (group,)  # a tuple: group None is the whole world
     p.split_counted = counted
+    p.split_inside = inside
     if p.requires_grad and fresh:
         p.register_post_accumulate_grad_hook(_mark)
+
+
+def mark_inside(p: nn.Parameter, replicas: Any) -> None:
+    """``p`` (held whole, its gradient sharded under ``shard="gradients"``) trains beside experts placed over the
+    data-parallel ranks (see :func:`mark_split`'s ``inside``): a norm over the sharded gradients takes the path
+    that counts the experts on every rank, whether or not this rank's experts got a gradient this step."""
+    p.split_inside = (replicas,)
+
+
+def split_inside(p: torch.Tensor) -> tuple[Any] | None:
+    """``(replicas,)`` for a parameter of a model with experts placed over the data-parallel ranks (ep)."""
+    return getattr(p, "split_inside", None)
 
 
 def split_group(p: torch.Tensor) -> tuple[Any] | None:
@@ -63,16 +79,23 @@ def split_counted(p: torch.Tensor) -> bool:
     return getattr(p, "split_counted", True)
 
 
+def mark_grad(p: nn.Parameter) -> None:
+    """``p.grad`` marked as a split parameter's (what each backward that reaches ``p`` does) where ``p`` is one: for
+    a gradient set outside backward (zeros where another rank's rows gave the only gradient)."""
+    if getattr(p, "split_over", None) is not None:
+        _mark(p)
+
+
 def _mark(p: nn.Parameter) -> None:
     grad = p.grad
     if grad is not None and type(grad) is torch.Tensor:  # a sharded gradient (shard="gradients") knows the split
-        p.grad = as_split(grad, p.split_over[0], p.split_counted)
+        p.grad = as_split(grad, p.split_over[0], p.split_counted, getattr(p, "split_inside", None))
 
 
-def as_split(grad: torch.Tensor, group: Any, counted: bool = True) -> "SplitGrad":
-    """``grad`` (the same memory) as the gradient of a parameter split over ``group``."""
+def as_split(grad: torch.Tensor, group: Any, counted: bool = True, inside: tuple[Any] | None = None) -> "SplitGrad":
+    """``grad`` (the same memory) as the gradient of a parameter split over ``group`` (see :func:`mark_split`)."""
     t = grad.as_subclass(SplitGrad)
-    t.group, t.counted = group, counted
+    t.group, t.counted, t.inside = group, counted, inside
     return t
 
 
@@ -82,10 +105,11 @@ class SplitGrad(torch.Tensor):
 
     group: Any
     counted: bool
+    inside: tuple[Any] | None
 
     def around(self, other: torch.Tensor) -> "SplitGrad":
         """``other`` (a tensor that takes this gradient's place, as a view of a bucket) marked as this one is."""
-        return as_split(other, self.group, self.counted)
+        return as_split(other, self.group, self.counted, self.inside)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -93,11 +117,11 @@ class SplitGrad(torch.Tensor):
         out = _plain(func, args, kwargs)
         if func in _NORMS and isinstance(args[0], SplitGrad):
             ord = _whole_order(func, args, kwargs)
-            return out if ord is None else SplitNorm.of(out, ord, args[0].group, args[0].counted)
+            return out if ord is None else SplitNorm.of(out, ord, args[0].group, args[0].counted, args[0].inside)
         if func is torch._foreach_norm:
             ord = _whole_order(func, args, kwargs)
             if ord is not None:
-                return [SplitNorm.of(n, ord, g.group, g.counted) if isinstance(g, SplitGrad) else n
+                return [SplitNorm.of(n, ord, g.group, g.counted, g.inside) if isinstance(g, SplitGrad) else n
                         for n, g in zip(out, args[0])]
         return out
 
@@ -120,11 +144,13 @@ class SplitNorm(torch.Tensor):
     ord: float
     group: Any
     counted: bool
+    inside: tuple[Any] | None  # see mark_split
 
     @staticmethod
-    def of(value: torch.Tensor, ord: float, group: Any, counted: bool = True) -> "SplitNorm":
+    def of(value: torch.Tensor, ord: float, group: Any, counted: bool = True,
+           inside: tuple[Any] | None = None) -> "SplitNorm":
         t = value.as_subclass(SplitNorm)
-        t.ord, t.group, t.counted = ord, group, counted
+        t.ord, t.group, t.counted, t.inside = ord, group, counted, inside
         return t
 
     @classmethod
@@ -132,7 +158,7 @@ class SplitNorm(torch.Tensor):
         kwargs = kwargs or {}
         out = _plain(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], SplitNorm) and out is not args[0]:
-            return SplitNorm.of(out, args[0].ord, args[0].group, args[0].counted)
+            return SplitNorm.of(out, args[0].ord, args[0].group, args[0].counted, args[0].inside)
         if func is torch.stack and len(args) == 1 and not kwargs.get("dim") and not kwargs.get("out"):
             return StackedNorms.of(out, list(args[0]))
         return out

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from autodist.layers.split_grad import SplitNorm, first_rank, split_counted, split_group, whole_norm
+from autodist.layers.split_grad import SplitNorm, first_rank, split_counted, split_group, split_inside, whole_norm
 
 _PASS = (torch.Tensor.requires_grad_, torch.Tensor.detach_)
 
@@ -55,6 +55,7 @@ class ShardedGrad(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
         t.local, t.group, t.level, t.split = local, group, level, split_group(like)
         t.counted = split_counted(like)  # where split: whether this rank's part counts (pp: one stage's root)
+        t.inside = split_inside(like)  # beside experts placed over the data-parallel ranks (ep)
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -118,7 +119,7 @@ def _norm(g: Any, ord: float) -> Any:
             value = torch.tensor(0.0 if ord > 0 else math.inf, dtype=local.dtype, device=local.device)
         else:
             value = torch.linalg.vector_norm(local, ord)
-        part = PartialNorm(value, ord, g.group, g.split, g.counted)
+        part = PartialNorm(value, ord, g.group, g.split, g.counted, g.inside)
         if not math.isinf(ord):  # the slice's sum of p-th powers, at float32 or wider: summed over the ranks
             part.power = local.to(torch.promote_types(local.dtype, torch.float32)).abs().pow(ord).sum()
         return part
@@ -177,9 +178,10 @@ class PartialNorm(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, ord: float, group: Any, split: tuple[Any] | None = None,
-                counted: bool = True) -> "PartialNorm":
+                counted: bool = True, inside: tuple[Any] | None = None) -> "PartialNorm":
         t = torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device)
         t.local, t.ord, t.group, t.split, t.here, t.counted = local, ord, group, split, [], counted
+        t.inside = inside  # beside experts placed over the data-parallel ranks (ep): see _with_experts
         t.power = None  # the slice's sum of |x|**ord (finite orders), for the whole gradient's norm
         return t
 
@@ -193,7 +195,7 @@ class PartialNorm(torch.Tensor):
             return _plain(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
             moved = PartialNorm(args[0].local.to(*args[1:], **kwargs), args[0].ord, args[0].group, args[0].split,
-                                args[0].counted)
+                                args[0].counted, args[0].inside)
             moved.power = args[0].power
             return moved
         if func is torch.stack and not kwargs.get("dim") and len(args) == 1:
@@ -221,6 +223,8 @@ def _stack(norms: list[Any]) -> PartialNorm:
     # A part other ranks hold alike counts on one of them: a whole gradient (every data-parallel rank holds it)
     # on the data-parallel group's first rank; under mp=K, a gradient every rank of the model-parallel group
     # holds (not an MP layer's shard) on that group's first rank, and the parts are summed over the world.
+    if any(getattr(n, "inside", None) is not None for n in norms):
+        return _with_experts(norms, partial)
     splits = [n.split for n in partial if n.split is not None] + [(n.group,) for n in norms
                                                                   if isinstance(n, SplitNorm)]
     if not splits and all(n.power is not None for n in partial):
@@ -231,6 +235,26 @@ def _stack(norms: list[Any]) -> PartialNorm:
             first_dp and (n.counted if isinstance(n, SplitNorm) else first_mp) for n in norms]
     parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
     stacked = PartialNorm(torch.stack(parts), first.ord, None if splits else first.group)
+    stacked.here = here
+    return stacked
+
+
+def _with_experts(norms: list[Any], partial: list[PartialNorm]) -> PartialNorm:
+    """The stack with experts placed over the data-parallel ranks (ep): their norms split over an expert group
+    inside the data-parallel group, each expert group a replica of the others. Summed over the data-parallel
+    group: each rank's slices of the sharded gradients, the experts of the first replica group, and a whole
+    gradient every rank holds alike on the group's first rank."""
+    first = partial[0]
+    experts = [n for n in norms if isinstance(n, SplitNorm)]
+    if any(n.inside is None for n in experts) or any(n.split is not None for n in partial):
+        raise RuntimeError("the norm of a model with experts placed over ranks (ep) and model-parallel shards "
+                           "(mp), under shard='gradients', is not built: use shard='optimizer' with mp and ep")
+    replicas = next(n.inside for n in norms if getattr(n, "inside", None) is not None)[0]
+    counted = replicas is None or first_rank(replicas)
+    first_dp = first_rank(first.group)
+    here = [True if isinstance(n, PartialNorm) else counted if isinstance(n, SplitNorm) else first_dp for n in norms]
+    parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
+    stacked = PartialNorm(torch.stack(parts), first.ord, first.group)
     stacked.here = here
     return stacked
 

@@ -64,6 +64,7 @@ from torch import nn
 
 from autodist.dp import loader_position
 from autodist.ep import place as ep_place
+from autodist.ep import saved as ep_saved
 from autodist.faults import elastic
 from autodist.layers.shard import Shard
 from autodist.mp.gather import gather_state_dict
@@ -147,10 +148,19 @@ def _layout(model: nn.Module) -> dict[str, _Slot]:
                                             part if part.dim is not None else None)
     placement = ep_place.placement_of(model)
     for placed in [] if placement is None else placement.modules:  # each rank its slice of the experts
+        if isinstance(placed, ep_place.PlacedModules):
+            continue  # whole experts of this rank's, under their names: the local state dict's slots as they are
         for key, part in placed.shards.items():
             name = f"{placed.name}.{key}" if placed.name else key
             slots[name] = _Slot(name, part.shape, part)
     return slots
+
+
+def _refuse_module_experts(model: nn.Module, what: str) -> None:
+    if ep_saved.has_modules(model):
+        raise NotImplementedError(f"{what} numbers parameters by their place in the optimizer, and with experts held "
+                                  f"as modules placed with ep each rank's optimizer holds its own experts: use "
+                                  f"autodist.save and autodist.load, which name them")
 
 
 def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -344,7 +354,11 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     pipeline = pipeline_of(model)
     if optim is not None and pipeline is not None:  # each stage holds its blocks' state
         optim = pipeline.dense_optimizer_state(optim)
+    if optim is not None and ep_saved.has_modules(model):  # each rank its own experts: their state merged
+        optim = ep_saved.merged_optimizer_state(model, optim)
     state = gather_state_dict(model, all_ranks=elastic.current() is not None)  # the writer may not be rank 0
+    if optim is not None and state is not None and ep_saved.has_modules(model):
+        optim = ep_saved.in_order(optim, list(state))
     payload = None
     if _writer(world):
         payload = contents(state, optim, extra, rng, sync, loader_position.positions(model))
@@ -362,7 +376,7 @@ def _check_model_keys(dense: dict[str, Any], layout: dict[str, _Slot], model: nn
                       source: str, strict: bool) -> None:
     """Raise where ``dense`` (``where``: "the checkpoint 'path'", say; a ``source``) does not fit ``model``: keys
     missing or unexpected (if ``strict``), or a dense shape that differs."""
-    expected = {slot.name for slot in layout.values()}
+    expected = {slot.name for slot in layout.values()} | ep_saved.held_elsewhere(model)  # theirs to load
     missing, unexpected = sorted(expected - dense.keys()), sorted(dense.keys() - expected)
     if strict and (missing or unexpected):
         raise RuntimeError(f"{where} does not fit the model ({type(model).__name__}): missing keys (in the model, "
@@ -420,7 +434,8 @@ def _local_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimiz
                          f"{type(optimizer).__name__} has {len(optimizer.param_groups)}; build the optimizer "
                          f"with the same groups as when it was saved")
     state, groups, start = {}, [], 0
-    held = {layout[key].name for key, _ in model.named_parameters()} if pipeline_of(model) is not None else None
+    held = ({layout[key].name for key, _ in model.named_parameters()}
+            if pipeline_of(model) is not None or ep_saved.has_modules(model) else None)  # a stage's, a rank's experts
     for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
         indices = range(start, start + len(group["params"]))  # torch numbers parameters across the groups
         names = saved_group["params"] if held is None else [n for n in saved_group["params"] if n in held]
@@ -610,6 +625,7 @@ def dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.Modul
     """
     model = _check_model(model)
     _check_optimizer(optimizer)
+    _refuse_module_experts(model, "autodist.dense_optimizer_state_dict")
     params = _param_slots(model, optimizer, _layout(model))
     packed = optimizer.state_dict()  # a sharded optimizer's post hook has made it dense over the data-parallel ranks
     return {"state": _dense_entries(packed["state"], params), "param_groups": packed["param_groups"]}
@@ -628,6 +644,7 @@ def load_dense_optimizer_state_dict(optimizer: torch.optim.Optimizer, model: nn.
     """
     model = _check_model(model)
     _check_optimizer(optimizer)
+    _refuse_module_experts(model, "autodist.load_dense_optimizer_state_dict")
     params = _param_slots(model, optimizer, _layout(model))
     sizes = [len(group["params"]) for group in state["param_groups"]]
     if sizes != [len(group["params"]) for group in optimizer.param_groups]:

@@ -1,0 +1,230 @@
+"""Expert parallelism over experts held as modules: Hugging Face Switch Transformers (a ``ModuleDict`` of expert
+MLPs called with a one-hot ``(tokens, 1, experts)`` selection; top-1 with a per-sequence capacity that drops tokens)
+and a user's mixture of experts (an ``nn.ModuleList`` looped over in the experts module's forward, top-2). float64,
+10 AdamW steps with ``clip_grad_norm_`` against one process: every weight within 10x the float64 control (each batch
+run in two halves in one process). The state dict holds every expert in one process's order and a whole one loads;
+a copy is the whole model; an expert called outside the exchange, and a checkpoint, are refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import workloads as w
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, ROWS, LENGTH, VOCAB = 10, 4, 6, 32
+
+
+class Experts(nn.Module):
+    """A user's experts: an ``nn.ModuleList`` called in a loop over the experts the batch hit."""
+
+    def __init__(self, width: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+                                     for _ in range(experts))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():
+            token, slot = torch.where(index == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, experts: int, used: int) -> None:
+        super().__init__()
+        self.norm, self.router = nn.LayerNorm(width), nn.Linear(width, experts, bias=False)
+        self.moe = Experts(width, 2 * width, experts)
+        self.register_buffer("unused", (torch.arange(experts) >= used) * -1e4)  # experts no token is sent to
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.norm(x).reshape(-1, x.shape[-1])
+        weights, index = (self.router(flat) + self.unused).softmax(-1).topk(2, dim=-1)
+        return x + self.moe(flat, index, weights / weights.sum(-1, keepdim=True)).view_as(x)
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, experts: int = 8, used: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.Sequential(Block(width, experts, used), Block(width, experts, used))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks(self.embed(input_ids)))
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def _model(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family.startswith("user"):
+        return Net(used=4 if family == "user-half-idle" else 8)
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4,
+        expert_capacity=3, router_jitter_noise=0.0, dropout_rate=0.0, encoder_sparse_step=1, decoder_sparse_step=1,
+        decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.SwitchTransformersForConditionalGeneration(config)
+    for module in model.modules():  # its routers compute in float32 (the config allows no float64), which rounds
+        if hasattr(module, "classifier"):  # a row's scores by the rows beside it: 2.7e-6 between a batch and
+            module.dtype = torch.float64  # its halves after 10 steps, and a routing flipped at dp 2 x ep 2
+    return model
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=x, labels=x)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _loader() -> DataLoader:
+    ids = torch.randint(1, VOCAB, (ROWS * STEPS, LENGTH), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(ids), batch_size=ROWS)
+
+
+def _train(model: nn.Module, loader, halves: bool = False) -> dict[str, torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for (x,) in loader:
+        opt.zero_grad()
+        for part in (x.chunk(2) if halves else [x]):
+            (_loss(model, part) * (len(part) / len(x))).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the norm over every expert, on every rank
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _dropped(model: nn.Module) -> list[int]:
+    """Tokens a Switch router's capacity left without an expert, per call (hooks on the routers)."""
+    dropped: list[int] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Top1Router"):
+            module.register_forward_hook(lambda m, a, out: dropped.append(int((out[0].sum(-1) == 0).sum())))
+    return dropped
+
+
+@w.float64
+def _against_one_process(family: str, ep: int, options: dict) -> tuple[float, float, int, list[str], bool]:
+    import autodist
+
+    reference = _train(_model(family), _loader())
+    control = max(float((v - reference[k]).abs().max()) for k, v in _train(_model(family), _loader(), True).items())
+    model, loader = autodist.parallelize(_model(family), _loader(), ep=ep, **options)
+    dropped = _dropped(model)
+    stand_ins = [n for n, m in model.named_modules() if type(m).__name__ == "Remote"]
+    trained = _train(model, loader)
+    worst = max(float((trained[k] - v).abs().max()) for k, v in reference.items())
+    return worst, control, sum(dropped), stand_ins, list(trained) == list(reference)
+
+
+@pytest.mark.parametrize("family, world, ep, options", [
+    pytest.param("switch", 2, 2, {}, id="switch-ep2"),
+    pytest.param("user", 2, 2, {}, id="user-modulelist-ep2"),
+    # rank 1's experts get no row in any step: no gradient there, and it still takes part in clip_grad_norm_'s norm
+    pytest.param("user-half-idle", 2, 2, {}, id="user-modulelist-ep2-a-rank-without-rows"),
+    pytest.param("user", 4, 4, {}, id="user-modulelist-ep4", marks=pytest.mark.slow),
+    pytest.param("switch", 4, 2, {}, id="switch-dp2xep2", marks=pytest.mark.slow),  # each expert summed over 2 groups
+    # the other parameters' gradients (and optimizer state) split over the 4 ranks, the norm over every part
+    pytest.param("user-half-idle", 4, 2, {"shard": "gradients"}, id="user-dp2xep2-shard-gradients",
+                 marks=pytest.mark.slow),
+    pytest.param("switch", 4, 2, {"shard": "optimizer"}, id="switch-dp2xep2-shard-optimizer", marks=pytest.mark.slow),
+])
+def test_experts_held_as_modules_train_as_one_process(ranks, family, world, ep, options):
+    for worst, control, dropped, stand_ins, same_keys in ranks(world, _against_one_process, family, ep, options):
+        print(f"ep={ep} {family}: {worst:.2e} (control {control:.2e}), tokens dropped by capacity {dropped}")
+        assert worst <= 10 * max(control, 1e-15), (worst, control)
+        assert same_keys  # the state dict: one process's keys, in its order
+        per_layer = (4 if family == "switch" else 8) * (ep - 1) // ep
+        assert len(stand_ins) == per_layer * (4 if family == "switch" else 2), stand_ins
+        if family == "switch":
+            assert dropped > 0  # the capacity dropped tokens: a slot of zeros, no expert, added nothing
+
+
+@w.float64
+def _state_copy_and_refusals() -> tuple[float, float, float, str, str]:
+    import copy
+
+    import autodist
+    from autodist.train.checkpoint import dense_optimizer_state_dict
+
+    model, loader = autodist.parallelize(_model("user"), _loader(), ep=2)
+    whole = {k: v + 1.0 for k, v in _model("user").state_dict().items()}  # not what the model holds
+    model.load_state_dict(whole)
+    back = max(float((model.state_dict()[k] - v).abs().max()) for k, v in whole.items())
+    (x,) = next(iter(loader))
+    dense = copy.deepcopy(model)  # every expert whole, the experts' own forward, no autodist
+    plain = _model("user")
+    plain.load_state_dict(whole)
+    copied = float((dense(x, x) - plain(x, x)).detach().abs().max())
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+    _loss(dense, x).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e9))  # a plain module's norm: no collective
+    _loss(plain, x).backward()
+    norm -= float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+    opt.step()
+    remote = next(m for m in model.modules() if type(m).__name__ == "Remote")
+    try:
+        remote(x.double())
+        called = "called"
+    except RuntimeError as err:
+        called = str(err)
+    try:
+        dense_optimizer_state_dict(torch.optim.AdamW(model.parameters()), model)  # Lightning's, by index
+        saved = "saved"
+    except NotImplementedError as err:
+        saved = str(err)
+    return back, copied, abs(norm), called, saved
+
+
+def test_the_state_is_whole_a_copy_is_the_whole_model_and_what_is_not_built_is_named(ranks):
+    for back, copied, norm, called, saved in ranks(2, _state_copy_and_refusals):
+        assert back == 0.0 and copied == 0.0 and norm <= 1e-12, (back, copied, norm)
+        assert "is held by rank" in called and "outside the exchange" in called, called
+        assert "use autodist.save and autodist.load" in saved, saved
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, loader, stop: int | None = None) -> None:
+    for step, (x,) in enumerate(loader, 1):
+        opt.zero_grad()
+        _loss(model, x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        if step == stop:
+            return
+
+
+@w.float64
+def _resumed(path: str, ep: int, save: bool) -> float:
+    """``save``: 4 of 10 steps at ``ep``, saved; else loaded at ``ep`` (1: one process) and the epoch finished,
+    against the uninterrupted one-process run."""
+    import autodist
+
+    model = _model("user")
+    if not save:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # other weights: the checkpoint's replace them
+    model, loader = autodist.parallelize(model, _loader(), ep=ep)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if save:
+        _steps(model, opt, loader, stop=4)
+        autodist.save(path, model, opt)
+        return 0.0
+    autodist.load(path, model, opt)  # the weights, every expert's optimizer state, where the loader stood
+    _steps(model, opt, loader)
+    reference = _model("user")
+    _steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), _loader())
+    trained = model.state_dict()
+    return max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+
+def test_a_checkpoint_holds_every_expert_and_its_state_and_resumes_at_another_world_size(ranks, tmp_path):
+    """Saved at ep=2 after 4 of 10 steps (each rank's experts' optimizer state its own); resumed in one process, and a one-process checkpoint resumed at ep=2: each ends the epoch where the
+    uninterrupted one-process run does."""
+    at_two, at_one = str(tmp_path / "ep2.pt"), str(tmp_path / "one.pt")
+    ranks(2, _resumed, at_two, 2, True)
+    assert _resumed(at_two, 1, False) <= 1e-12
+    _resumed(at_one, 1, True)
+    assert max(ranks(2, _resumed, at_one, 2, False)) <= 1e-12
