@@ -778,14 +778,16 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                          elastic=False)
         place_group, copies_group = expert_groups(dims, ep, world.rank)
         placement = ep_place.setup(model, place_group, dims.dp_rank(world.rank) % ep, ep, copies_group,
-                                   lambda: sync_state is not None and sync_state.enabled, shard == "gradients")
+                                   lambda: sync_state is not None and sync_state.enabled,
+                                   shard in ("gradients", "parameters"))
     at_rest = None
     if dims.dp > 1:
         dp_rank = dims.dp_rank(world.rank)
         scatter = None
         if shard == "parameters":
             at_rest = sharded_parameters.setup(model, blocks, second_dp_group(dims, world.rank), dp_rank, dims.dp,
-                                               second_dp_group(dims, world.rank, "reads"))
+                                               second_dp_group(dims, world.rank, "reads"),
+                                               frozenset() if placement is None else placement.params)
             scatter = BlockScatter(at_rest, groups.dp, dp_rank, dims.dp)
             if compute is not None:
                 at_rest.compute_in(compute)

@@ -1,11 +1,12 @@
-"""A mixture-of-experts model on 2 ranks: experts placed over the ranks (``ep=2``) against data parallelism (every rank
-holds every expert) and ``shard="parameters"`` (every rank gathers every expert of a block for each use): step time,
-per-rank memory, and the all-to-all bytes against the count from the routing.
+"""A mixture-of-experts model on 2 ranks: experts placed over the ranks (``ep=2``, alone and with the other parameters
+split by ``shard="parameters"``) against data parallelism (every rank holds every expert) and ``shard="parameters"``
+(every rank gathers every expert of a block for each use): step time, per-rank memory, and the all-to-all bytes
+against the count from the routing.
 
 What it measures
     Hugging Face Mixtral built from a config (``--layers`` 2 layers, hidden ``--hidden`` 128, ``--experts`` 8 experts
     of width ``--expert-width`` 512, top-2, 4 heads, eager attention, its default experts implementation), float32,
-    a global batch of ``--rows`` 8 rows of ``--tokens`` 128 tokens, Adam. The three layouts are built in the same
+    a global batch of ``--rows`` 8 rows of ``--tokens`` 128 tokens, Adam. The four layouts are built in the same
     2 processes (gloo, 1 thread each) as the planner's trials build them (``autodist.planner.trial.Trial``: a copy of
     the model parallelized, this rank's rows of the batch, the step ``zero_grad``, forward, the mean of the logits
     plus the loss, backward, ``step``) and timed in interleaved blocks; per layout the slowest rank's median step,
@@ -23,7 +24,7 @@ How to read it
     One row per layout: its median step, its ratio to data parallelism's, its peak MB per rank and the ratio. ep
     holds half the experts (and their gradients and optimizer state) on each rank and moves each token to its
     experts and back; shard="parameters" holds half of every parameter at rest and gathers each block whole for
-    its forward and backward.
+    its forward and backward; ep=2+parameters splits the other parameters too.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from autodist.planner.plan import Layout
 from autodist.runtime import tree
 
 LAYOUTS = {"dp": (Layout(dp=2), {}), "shard=parameters": (Layout(dp=2, shard="parameters"), {}),
-           "ep=2": (Layout(dp=2), {"ep": 2})}
+           "ep=2": (Layout(dp=2), {"ep": 2}), "ep=2+parameters": (Layout(dp=2, shard="parameters"), {"ep": 2})}
 
 
 def build(args) -> torch.nn.Module:

@@ -17,13 +17,12 @@ def check(ep: Any, *, dp: int | None, mp: int, pp: int, cp: int, shard: str | No
         raise ValueError(f"ep must be a positive int (the ranks the experts of each layer are placed over), got {ep!r}")
     if ep == 1:
         return
-    with_ = [name for name, on in ((f"pp={pp}", pp > 1), (f"cp={cp}", cp > 1),
-                                   (f"shard={shard!r}", shard == "parameters"), ("autodist run --elastic", elastic),
+    with_ = [name for name, on in ((f"pp={pp}", pp > 1), (f"cp={cp}", cp > 1), ("autodist run --elastic", elastic),
                                    ("sync='manual'", exact and not hooks)) if on]
     if with_:
         raise NotImplementedError(f"ep={ep} is not built with {', '.join(with_)} yet: use ep with data parallelism "
-                                  f"(sync='backward'), mp, shard='optimizer' or 'gradients', checkpoint=True and mixed "
-                                  f"precision, or leave ep=1")
+                                  f"(sync='backward'), mp, any shard= level, checkpoint=True and "
+                                  f"mixed precision, or leave ep=1")
     if not exact:
         raise ValueError(f"ep={ep} trains as one process does, with sync='backward'; a low-communication strategy "
                          f"is not built with it")

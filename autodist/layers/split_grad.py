@@ -171,16 +171,20 @@ class StackedNorms(torch.Tensor):
     split: list[bool | None]  # per norm: a split gradient's part, counted here or not; None for a whole one
     ord: float
     group: Any
+    groups: list[Any]  # per norm: the group its part is split over (None for a whole one), where they differ
+    inside: list[bool]  # per norm: split over a group inside the data-parallel ranks (ep's experts)
 
     @staticmethod
     def of(stacked: torch.Tensor, norms: Sequence[torch.Tensor]) -> "StackedNorms":
         parts = [n for n in norms if isinstance(n, SplitNorm)]
-        if any(n.ord != parts[0].ord or n.group is not parts[0].group for n in parts):
-            raise RuntimeError("norms of gradients split over different model-parallel groups, or of different "
-                               "orders, cannot be stacked into one norm")
+        if any(n.ord != parts[0].ord for n in parts):
+            raise RuntimeError("norms of gradients split over the ranks, of different orders, cannot be stacked into "
+                               "one norm")
         t = stacked.as_subclass(StackedNorms)
         t.split, t.ord, t.group = [n.counted if isinstance(n, SplitNorm) else None for n in norms], parts[0].ord, \
             parts[0].group
+        t.groups = [n.group if isinstance(n, SplitNorm) else None for n in norms]
+        t.inside = [isinstance(n, SplitNorm) and n.inside is not None for n in norms]
         return t
 
     @classmethod
@@ -188,11 +192,39 @@ class StackedNorms(torch.Tensor):
         kwargs = kwargs or {}
         stacked = args[0] if args else None
         if func in _NORMS and isinstance(stacked, StackedNorms) and _whole_order(func, args, kwargs) == stacked.ord:
-            first = first_rank(stacked.group)  # a gradient every rank holds whole counts there only
             with torch._C.DisableTorchFunctionSubclass():
+                if any(g is not stacked.group for g, split in zip(stacked.groups, stacked.split) if split is not None):
+                    return _over_groups(stacked, stacked.split, stacked.groups, stacked.inside, stacked.ord)
+                first = first_rank(stacked.group)  # a gradient every rank holds whole counts there only
                 return whole_norm(stacked, [first if split is None else split for split in stacked.split], stacked.ord,
                                   stacked.group)
         return _plain(func, args, kwargs)
+
+
+def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any], inside: list[bool],
+                 ord: float) -> torch.Tensor:
+    """The norm of gradients split over two groups at once (``mp`` and ``ep``: attention split over the
+    model-parallel ranks, experts placed over data-parallel ranks): each group's counted parts summed over it
+    (their p-th powers), in one order on every rank (the group across the data-parallel ranks, then the one inside
+    them), and the whole gradients, the same on every rank, added here."""
+    norms = norms.detach().reshape(-1)
+    across = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and not i}
+    within = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and i}
+    across = {k: g for k, g in across.items() if k not in within}
+    if len(across) > 1 or len(within) > 1 or math.isinf(ord) or ord <= 0:
+        raise RuntimeError(f"a norm of order {ord} over gradients split over {len(across) + len(within)} groups is "
+                           f"not built: clip_grad_norm_ and get_total_norm take finite orders > 0 over the "
+                           f"model-parallel and the expert groups together")
+    total = norms.new_zeros(())
+    for g in [*across.values(), *within.values()]:
+        keep = torch.tensor([s is not None and bool(s) and h is g for s, h in zip(split, groups)], dtype=torch.bool,
+                            device=norms.device)
+        value = torch.where(keep, norms, torch.zeros_like(norms)).pow(ord).sum()
+        dist.all_reduce(value, group=g)
+        total = total + value
+    whole = torch.tensor([s is None for s in split], dtype=torch.bool, device=norms.device)
+    total = total + torch.where(whole, norms, torch.zeros_like(norms)).pow(ord).sum()
+    return total if ord == 1.0 else total.pow(1.0 / ord)
 
 
 def first_rank(group: Any) -> bool:

@@ -243,18 +243,24 @@ def _with_experts(norms: list[Any], partial: list[PartialNorm]) -> PartialNorm:
     """The stack with experts placed over the data-parallel ranks (ep): their norms split over an expert group
     inside the data-parallel group, each expert group a replica of the others. Summed over the data-parallel
     group: each rank's slices of the sharded gradients, the experts of the first replica group, and a whole
-    gradient every rank holds alike on the group's first rank."""
+    gradient every rank holds alike on the group's first rank. Under mp=K too, summed over the world: a
+    model-parallel shard's slices on every rank, what every rank of a model-parallel group holds alike (the
+    other slices, the experts, whole gradients) on that group's first rank. Every rank takes this path (the
+    sharded gradients carry ``inside`` too), also one whose experts got no gradient this step."""
     first = partial[0]
     experts = [n for n in norms if isinstance(n, SplitNorm)]
-    if any(n.inside is None for n in experts) or any(n.split is not None for n in partial):
-        raise RuntimeError("the norm of a model with experts placed over ranks (ep) and model-parallel shards "
-                           "(mp), under shard='gradients', is not built: use shard='optimizer' with mp and ep")
+    if any(n.inside is None for n in experts):
+        raise RuntimeError("the norm of gradients split over the ranks by a layer other than ep's experts, beside "
+                           "them, under shard='gradients', is not built: use shard='optimizer'")
     replicas = next(n.inside for n in norms if getattr(n, "inside", None) is not None)[0]
     counted = replicas is None or first_rank(replicas)
+    mp = next((n.split[0] for n in partial if n.split is not None), False)
+    first_mp = mp is False or first_rank(mp)
     first_dp = first_rank(first.group)
-    here = [True if isinstance(n, PartialNorm) else counted if isinstance(n, SplitNorm) else first_dp for n in norms]
+    here = [(n.counted if n.split is not None else first_mp) if isinstance(n, PartialNorm) else
+            counted and first_mp if isinstance(n, SplitNorm) else first_dp and first_mp for n in norms]
     parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
-    stacked = PartialNorm(torch.stack(parts), first.ord, first.group)
+    stacked = PartialNorm(torch.stack(parts), first.ord, first.group if mp is False else None)
     stacked.here = here
     return stacked
 

@@ -91,12 +91,12 @@ class ParameterSharding:
     """The blocks of one model, the hooks that gather and free them, and its dense state dict."""
 
     def __init__(self, model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int,
-                 reading_group: Any = None) -> None:
+                 reading_group: Any = None, own: frozenset[int] = frozenset()) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
         # the gathers that read the whole model (state_dict, full_parameters, copies) go on a group of their own
         self.reading_group = group if reading_group is None else reading_group
         self.pins = 0  # autodist.full_parameters blocks open
-        everything = list(model.parameters())
+        everything = [p for p in model.parameters() if id(p) not in own]  # not each rank's own (ep's experts)
         trainable = [p for p in everything if p.requires_grad]
         for p in trainable:
             if p.device != trainable[0].device:
@@ -411,11 +411,12 @@ _by_model: "weakref.WeakKeyDictionary[nn.Module, ParameterSharding]" = weakref.W
 
 
 def setup(model: nn.Module, chosen: blocks_mod.Choice, group: Any, rank: int, ranks: int,
-          reading_group: Any = None) -> ParameterSharding:
+          reading_group: Any = None, own: frozenset[int] = frozenset()) -> ParameterSharding:
     """Shard ``model``'s trainable parameters over the ``ranks`` ranks of ``group`` (its own process group for
     the gathers, so that they never interleave with the gradient sync's collectives), block by block;
-    ``reading_group``: another such group, for the gathers that read the whole model."""
-    sharding = _by_model[model] = ParameterSharding(model, chosen, group, rank, ranks, reading_group)
+    ``reading_group``: another such group, for the gathers that read the whole model; ``own``: the ids of the
+    parameters each rank holds its own of (expert parallelism's experts), left as they are."""
+    sharding = _by_model[model] = ParameterSharding(model, chosen, group, rank, ranks, reading_group, own)
     return sharding
 
 

@@ -130,6 +130,8 @@ def _against_one_process(family: str, ep: int, options: dict) -> tuple[float, fl
     pytest.param("user-half-idle", 4, 2, {"shard": "gradients"}, id="user-dp2xep2-shard-gradients",
                  marks=pytest.mark.slow),
     pytest.param("switch", 4, 2, {"shard": "optimizer"}, id="switch-dp2xep2-shard-optimizer", marks=pytest.mark.slow),
+    pytest.param("user-half-idle", 4, 2, {"shard": "parameters"}, id="user-dp2xep2-shard-parameters",
+                 marks=pytest.mark.slow),
 ])
 def test_experts_held_as_modules_train_as_one_process(ranks, family, world, ep, options):
     for worst, control, dropped, stand_ins, same_keys in ranks(world, _against_one_process, family, ep, options):
@@ -196,7 +198,7 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, loader, stop: int | Non
 
 
 @w.float64
-def _resumed(path: str, ep: int, save: bool) -> float:
+def _resumed(path: str, ep: int, save: bool, options: dict) -> float:
     """``save``: 4 of 10 steps at ``ep``, saved; else loaded at ``ep`` (1: one process) and the epoch finished,
     against the uninterrupted one-process run."""
     import autodist
@@ -206,7 +208,7 @@ def _resumed(path: str, ep: int, save: bool) -> float:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # other weights: the checkpoint's replace them
-    model, loader = autodist.parallelize(model, _loader(), ep=ep)
+    model, loader = autodist.parallelize(model, _loader(), ep=ep, **(options if ep > 1 else {}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if save:
         _steps(model, opt, loader, stop=4)
@@ -220,11 +222,13 @@ def _resumed(path: str, ep: int, save: bool) -> float:
     return max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
 
 
-def test_a_checkpoint_holds_every_expert_and_its_state_and_resumes_at_another_world_size(ranks, tmp_path):
-    """Saved at ep=2 after 4 of 10 steps (each rank's experts' optimizer state its own); resumed in one process, and a one-process checkpoint resumed at ep=2: each ends the epoch where the
-    uninterrupted one-process run does."""
+@pytest.mark.parametrize("options", [{}, {"shard": "parameters"}], ids=["replicated", "shard-parameters"])
+def test_a_checkpoint_holds_every_expert_and_its_state_and_resumes_at_another_world_size(ranks, tmp_path, options):
+    """Saved at ep=2 after 4 of 10 steps (each rank's experts' optimizer state its own); resumed in one process,
+    and a one-process checkpoint resumed at ep=2: each ends the epoch where the uninterrupted one-process run
+    does."""
     at_two, at_one = str(tmp_path / "ep2.pt"), str(tmp_path / "one.pt")
-    ranks(2, _resumed, at_two, 2, True)
-    assert _resumed(at_two, 1, False) <= 1e-12
-    _resumed(at_one, 1, True)
-    assert max(ranks(2, _resumed, at_one, 2, False)) <= 1e-12
+    ranks(2, _resumed, at_two, 2, True, options)
+    assert _resumed(at_two, 1, False, {}) <= 1e-12
+    _resumed(at_one, 1, True, {})
+    assert max(ranks(2, _resumed, at_one, 2, False, options)) <= 1e-12

@@ -88,6 +88,11 @@ def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tupl
                  marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 4, 2, True, {"shard": "gradients"}, id="qwen2moe-dp2xep2-shard-gradients",
                  marks=pytest.mark.slow),
+    # the other parameters split over the 4 ranks between uses, each block gathered for its use; experts whole
+    pytest.param("mixtral", 4, 2, True, {"shard": "parameters"}, id="mixtral-dp2xep2-shard-parameters",
+                 marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", 2, 2, False, {"shard": "parameters", "checkpoint": True},
+                 id="qwen2moe-ep2-shard-parameters-checkpoint", marks=pytest.mark.slow),
     # attention split over 2 ranks, the experts of each model-parallel rank's data-parallel group placed over them
     pytest.param("mixtral", 4, 2, False, {"mp": 2}, id="mixtral-mp2xep2", marks=pytest.mark.slow),
 ])
@@ -360,11 +365,15 @@ def _clipped_norms(options: dict) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"shard": "gradients"}, {"shard": "optimizer"}, {}],
-                         ids=["shard-gradients", "shard-optimizer", "replicated"])
+@pytest.mark.parametrize("options", [{"shard": "gradients"}, {"shard": "optimizer"}, {}, {"mp": 2},
+                                     {"mp": 2, "shard": "gradients"}, {"shard": "parameters"}],
+                         ids=["shard-gradients", "shard-optimizer", "replicated", "mp2", "mp2-shard-gradients",
+                              "shard-parameters"])
 def test_clip_grad_norm_at_dp2xep2_takes_one_process_norm(ranks, options):
     """Each expert's norm counted once over its replicas, each rank's slices of the sharded gradients once (under
-    shard='gradients' the experts' norms were counted on one rank only before: 1.02 for one process's 1.72)."""
+    shard='gradients' the experts' norms were counted on one rank only before: 0.97 off one process's); with mp=2
+    the attention's shards summed over the model-parallel group and the experts over the expert group (refused
+    before: norms over two groups)."""
     for norms, worst in ranks(4, _clipped_norms, options):
         assert norms <= 1e-12 and worst <= 1e-12, (norms, worst)
 
@@ -395,8 +404,8 @@ def test_a_call_is_read_by_its_forwards_signature_however_its_arguments_are_pass
 def _refused(case: str) -> str:
     import autodist
 
-    options = {"pp": dict(ep=2, pp=2), "three": dict(ep=3), "shard": dict(ep=2, shard="parameters"),
-               "plan": dict(ep=2, plan="auto"), "autodist.plan": dict(ep=2)}.get(case, {"ep": 2})
+    options = {"pp": dict(ep=2, pp=2), "three": dict(ep=3), "plan": dict(ep=2, plan="auto"),
+               "autodist.plan": dict(ep=2)}.get(case, {"ep": 2})
     model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8)
     try:
         if case == "autodist.plan":
@@ -410,7 +419,6 @@ def _refused(case: str) -> str:
 
 @pytest.mark.parametrize("case, words", [
     ("pp", "not built with pp=2"),
-    ("shard", "not built with shard='parameters'"),
     ("three", "ep=3 does not divide the 2 data-parallel ranks"),
     ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
     ("plain", "has none"),
