@@ -39,6 +39,7 @@ class Layer:
     weight_element: int
     per_expert: list[int]
     moved: list[list[int]]
+    dropped: int = 0  # slots the model's router left without an expert (a capacity), as in one process
 
     def sent(self, rank: int) -> tuple[float, float]:
         """Bytes ``rank`` sends for this layer in a step: (forward, backward)."""
@@ -79,6 +80,10 @@ class ExpertPlan:
             busiest = max((sum(layer.sent(r)) for r in range(self.parts)), default=0.0)
             lines.append(f"  | {layer.name} | {', '.join(map(str, layer.per_expert))} | {leaving} of "
                          f"{sum(layer.per_expert)} | {busiest / 1e6:.3f} MB |")
+        dropped = sum(layer.dropped for layer in self.layers)
+        if dropped:
+            lines.append(f"  the model's routers left {dropped} (token, slot) pairs of this batch without an expert "
+                         f"(their capacity): they go nowhere and add nothing, as in one process")
         forward, backward = self.sent()
         lines.append(f"  total: {forward / 1e6:.3f} MB forward, {backward / 1e6:.3f} MB backward by the busiest rank "
                      f"per step (the other parameters' gradient sync comes on top)")
@@ -125,4 +130,5 @@ def _layer(name: str, total: int, parts: int, hidden: torch.Tensor, index: torch
         for owner, n in enumerate(owners):
             moved[source][owner] += int(n)
     return Layer(name, total, index.shape[1], hidden.shape[1], hidden.element_size(), weights.element_size(),
-                 torch.bincount(index.flatten()[index.flatten() >= 0], minlength=total).tolist(), moved)
+                 torch.bincount(index.flatten()[index.flatten() >= 0], minlength=total).tolist(), moved,
+                 int((index < 0).sum()))
