@@ -120,6 +120,7 @@ class Replicas:
     params: list[nn.Parameter]
     group: Any
     enabled: Callable[[], bool]
+    may_lack: bool = False  # experts held as modules: one no row reached has no gradient (fused ones always have)
     queued: bool = False
     handles: list[Any] = field(default_factory=list)
 
@@ -142,17 +143,21 @@ class Replicas:
         self.queued = False
         if not self.enabled():
             return
-        # an expert held as a module that no row of this group reached has no gradient here, and may have one in
-        # another group: zeros where any group has one (one process's gradient is the sum), none where none has
-        device = self.params[0].device
-        present = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
+        if self.may_lack:
+            self._agree_presence()
+        for p in self.params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+
+    def _agree_presence(self) -> None:
+        """An expert held as a module that no row of this group reached has no gradient here, and may have one in
+        another group: zeros where any group has one (one process's gradient is the sum), none where none has."""
+        present = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
         for p, anywhere in zip(self.params, present.tolist()):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)
                 mark_grad(p)  # an expert's part of a norm over the group, as the others
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
 
 
 @dataclass
@@ -186,22 +191,24 @@ def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any,
               else PlacedModules(name, module, group, rank, size, per_rank(name, experts.count(module), size))
               for name, module in found]
     params = [p for one in placed for p in one.parameters_here]
+    ids = frozenset(id(p) for p in params)
+    modules = any(isinstance(one, PlacedModules) for one in placed)
     for p in params:  # each expert a part of a norm over the group, its replicas in the other groups counted once
         mark_split(p, group, inside=(replicas,))
     if sharded_grads:  # every rank takes a norm over the sharded gradients beside the experts the same way
         for p in model.parameters():
-            if id(p) not in {id(q) for q in params}:
+            if id(p) not in ids:
                 mark_inside(p, replicas)
-    elif any(isinstance(one, PlacedModules) for one in placed):
-        _in_every_norm(model, {id(p) for p in params}, group, rank)
-    summed = None if replicas is None else Replicas(params, replicas, enabled)
+    elif modules:
+        _in_every_norm(model, ids, group, rank)
+    summed = None if replicas is None else Replicas(params, replicas, enabled, modules)
     for one in placed:
         one.replicas = summed
-    _placements[model] = placement = Placement(placed, frozenset(id(p) for p in params), summed)
+    _placements[model] = placement = Placement(placed, ids, summed)
     return placement
 
 
-def _in_every_norm(model: nn.Module, placed: set[int], group: Any, rank: int) -> None:
+def _in_every_norm(model: nn.Module, placed: frozenset[int], group: Any, rank: int) -> None:
     """Experts held as modules: one that no row reached has no gradient (as in one process, where the optimizer
     then skips it), and a rank none of whose experts got a row would skip a norm over the group (``clip_grad_norm_``)
     the others take. So every other trainable parameter counts in such a norm too, once (on the group's first

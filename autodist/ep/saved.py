@@ -6,7 +6,7 @@ keyed by parameter names as a checkpoint holds it, is merged over the expert gro
 Example:
     >>> held_elsewhere(model)            # on rank 0 of ep=2 over 8 experts: experts 4-7's entries
     {'blocks.0.moe.experts.4.0.weight', ...}
-    >>> optim = merged_optimizer_state(model, optim)   # every expert's state and name (a collective)
+    >>> optim = merged_optimizer_state(model, optim, list(state))   # every expert's state and name (a collective)
 """
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ def held_elsewhere(model: nn.Module) -> set[str]:
     return names
 
 
-def merged_optimizer_state(model: nn.Module, mine: dict[str, Any]) -> dict[str, Any]:
+def merged_optimizer_state(model: nn.Module, mine: dict[str, Any], order: list[str] | None) -> dict[str, Any]:
     """``mine`` (``{"state": {name: entries}, "param_groups": [...]}`` with parameter names) with the other ranks'
-    of this rank's expert group merged in: every expert's state, and each group's names. Collective over the
-    expert group (the same on every rank)."""
+    of this rank's expert group merged in: every expert's state, and each group's names, in ``order`` (the whole
+    model's state-dict keys; None: as gathered). Collective over the expert group."""
     placed = _placed(model)[0]
     every = plain.all_gather_saved(mine, placed.group)  # data only: nothing received runs as code
     merged = {"state": {}, "param_groups": [dict(g, params=[]) for g in mine["param_groups"]]}
@@ -54,12 +54,8 @@ def merged_optimizer_state(model: nn.Module, mine: dict[str, Any]) -> dict[str, 
                              f"on every rank")
         merged["state"].update(theirs["state"])
         for group, other in zip(merged["param_groups"], theirs["param_groups"]):
-            group["params"] += [n for n in other["params"] if n not in group["params"]]
+            group["params"] += other["params"]
+    at = {name: i for i, name in enumerate(order or [])}
+    for group in merged["param_groups"]:  # a name every rank holds (not an expert) once
+        group["params"] = sorted(dict.fromkeys(group["params"]), key=lambda n: at.get(n, len(at)))
     return merged
-
-
-def in_order(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """``optim`` with each parameter group's names in ``order`` (the whole model's state-dict keys)."""
-    at = {name: i for i, name in enumerate(order)}
-    return {**optim, "param_groups": [dict(g, params=sorted(g["params"], key=lambda n: at.get(n, len(at))))
-                                      for g in optim["param_groups"]]}

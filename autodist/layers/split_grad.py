@@ -210,7 +210,7 @@ def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any
     norms = norms.detach().reshape(-1)
     across = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and not i}
     within = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and i}
-    across = {k: g for k, g in across.items() if k not in within}
+    across = {k: g for k, g in across.items() if k not in within}  # ep's group may also count whole parameters
     if len(across) > 1 or len(within) > 1 or math.isinf(ord) or ord <= 0:
         raise RuntimeError(f"a norm of order {ord} over gradients split over {len(across) + len(within)} groups is "
                            f"not built: clip_grad_norm_ and get_total_norm take finite orders > 0 over the "

@@ -354,11 +354,9 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     pipeline = pipeline_of(model)
     if optim is not None and pipeline is not None:  # each stage holds its blocks' state
         optim = pipeline.dense_optimizer_state(optim)
-    if optim is not None and ep_saved.has_modules(model):  # each rank its own experts: their state merged
-        optim = ep_saved.merged_optimizer_state(model, optim)
     state = gather_state_dict(model, all_ranks=elastic.current() is not None)  # the writer may not be rank 0
-    if optim is not None and state is not None and ep_saved.has_modules(model):
-        optim = ep_saved.in_order(optim, list(state))
+    if optim is not None and ep_saved.has_modules(model):  # each rank its own experts: their state merged
+        optim = ep_saved.merged_optimizer_state(model, optim, None if state is None else list(state))
     payload = None
     if _writer(world):
         payload = contents(state, optim, extra, rng, sync, loader_position.positions(model))
