@@ -614,8 +614,9 @@ def parallelize(
             experts interface) placed over ``ep`` data-parallel ranks, each token sent to the ranks holding its
             top-k experts and their outputs back by all-to-all, dropless, exactly one process's training; the
             expert groups of ``ep`` consecutive ranks replicas of each other (``ep`` divides the data-parallel
-            ranks). With ``mp``, ``checkpoint=True``, ``shard="optimizer"`` / ``"gradients"``,
-            ``mixed_precision=`` and torch.compile; not yet with ``pp``, ``cp``, ``shard="parameters"``,
+            ranks). With ``mp``, ``pp`` (its default schedule; experts held as ``(num_experts, ...)``
+            parameters: each stage's placed over its data-parallel ranks), ``checkpoint=True``, every ``shard=``
+            level, ``mixed_precision=`` and torch.compile; not yet with ``cp``, ``pp``'s ``loss_fn=`` (1F1B),
             ``sync="manual"`` or ``plan=``.
 
     Returns:
@@ -718,7 +719,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if cp > 1:
         cp_options.loader_check(cp, data)
     ep_options.check(ep, dp=None, mp=mp, pp=pp, cp=cp, shard=shard, exact=isinstance(strategy, sync_mod.Exact),
-                     hooks=getattr(strategy, "hooks", True), elastic=environment.elastic())
+                     hooks=getattr(strategy, "hooks", True), elastic=environment.elastic(),
+                     one_f_one_b=pp > 1 and loss_fn is not None)
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
@@ -758,6 +760,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         blocks = [name for name, _ in sharded_blocks.find(model)] or None  # before the split makes them differ
     if dims.pp > 1 or (dims.mp > 1 and not rewrite.mp_modules(model)):
         split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
+    if ep > 1:  # on the whole model, before a cut: a stage may hold none of its experts
+        ep_place.require(model, ep, staged=dims.pp > 1)
     if dims.pp > 1:  # where the stages begin: measured on the whole model, before mp splits it
         cut = pp_cut.choose(model, dims.pp, stages, blocks, _example(model, data, example), world.rank)
     if dims.mp > 1 and not rewrite.mp_modules(model):
@@ -778,8 +782,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                          elastic=False)
         place_group, copies_group = expert_groups(dims, ep, world.rank)
         placement = ep_place.setup(model, place_group, dims.dp_rank(world.rank) % ep, ep, copies_group,
-                                   lambda: sync_state is not None and sync_state.enabled,
-                                   shard in ("gradients", "parameters"))
+                                   shard in ("gradients", "parameters"), dims.mp_rank(world.rank) == 0)
     at_rest = None
     if dims.dp > 1:
         dp_rank = dims.dp_rank(world.rank)
@@ -810,6 +813,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                 (f"sync={strategy!r}", "each rank's")
             log.info("BatchNorm layers normalize by %s statistics under %s, not the global batch's "
                      "(docs/coupled-batches.md)", whose, under)
+        if placement is not None and placement.replicas is not None:  # summed over their groups where it sends
+            sync_state.finishers.append(placement.replicas.finish)  # type: ignore[union-attr]
         if check is not None:
             sync_state.checker = Checker(model, sync_state, check, groups.dp, dp_rank)  # type: ignore[union-attr]
     if sequence_cut is not None:  # after the sync's hooks: the routing is on the stack inside them
@@ -884,7 +889,8 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
         The model-parallel :class:`SplitPlan` (``pp=1``), the cut into stages (``pp > 1``; with ``mp > 1`` it holds
         the plan too), or the context-parallel plan (``cp > 1``; with ``mp > 1`` each call's heads as a rank
         exchanges them, the model-parallel plan printed after; with ``pp > 1`` each stage's bytes, the cut
-        after), or the expert-parallel plan (``ep > 1``); ``print`` it for the table.
+        after), or the expert-parallel plan (``ep > 1``; with ``pp > 1`` or ``mp > 1`` the cut or mp's plan printed
+        after); ``print`` it for the table.
 
     Example:
         >>> net = nn.Sequential(nn.Flatten(), nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 10))
@@ -897,12 +903,19 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
     _check_positive("cp", cp, "the number of ranks a sequence is split over")
     _check_positive("ep", ep, "the number of ranks the experts of each layer are placed over")
     if ep > 1:
-        if example is None or mp > 1 or pp > 1 or cp > 1:
+        if example is None or cp > 1:
             raise ValueError(f"explain(model, ep={ep}) runs one forward of example= (one global batch's arguments) to "
-                             f"see each token's experts, and takes no mp, pp or cp (ep is not built with them yet)")
+                             f"see each token's experts, and takes no cp (ep is not built with it yet)")
         observe.check_example(example)
         _check_model(model)
-        return ep_explain.explain(model, ep, example)
+        plan = ep_explain.explain(model, ep, example)
+        split = rewrite.explain(model, mp, mp_layers, batch_size, example) if mp > 1 else None
+        if pp > 1:  # the cut printed after, each stage's layers apart (with mp, the cut holds mp's plan)
+            plan.after = pp_cut.decide(model, pp, stages, blocks, example)
+            plan.after.mp_plan = split
+        else:
+            plan.after = split
+        return plan
     if cp > 1:
         if example is None:
             raise ValueError(f"explain(model, cp={cp}) runs one forward to find the model's attention calls: pass "

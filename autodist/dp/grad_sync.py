@@ -108,6 +108,7 @@ class GradSync:
         self.pipeline_count: float | None = None  # pp: the merged loss's tokens, set by the pipeline's forward
         self.standing_in = False  # the forward running now is a stand-in's (its rank holds no row of the batch)
         self.grads_arrived = False  # this backward brought gradients to the parameters
+        self.finishers: list[Callable[[], None]] = []  # run where a backward's sync ends (ep's sum over replicas)
         self.units_share: float | None = None  # global units (context parallel): this backward's D_r / D
         self.prescale_handles: list[Any] = []
         self.param_handles: list[Any] = []
@@ -454,6 +455,9 @@ class GradSync:
         self.reached = []
         if self.scatter is not None:
             self.scatter.backward_ended()
+        if self.enabled and self.hooks:
+            for finish in self.finishers:
+                finish()
 
     def _remove_prescale(self) -> None:
         for handle in self.prescale_handles:

@@ -24,6 +24,7 @@ Example:
 """
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -118,6 +119,9 @@ def _sync_of(model: nn.Module | None) -> GradSync | None:
             raise TypeError(f"Expect nn.Module for model, {type(model).__name__} found")
         return state_of(model)
     syncs = [s for m in parallelized() if (s := state_of(m)) is not None]
+    if len(syncs) > 1:  # a model dropped may live on in a reference cycle until the collector runs
+        gc.collect()
+        syncs = [s for m in parallelized() if (s := state_of(m)) is not None]
     if len(syncs) > 1:
         raise ValueError(f"autodist.whole_batch: {len(syncs)} parallelized models sync gradients here; say which one "
                          f"x comes from: autodist.whole_batch(x, model)")

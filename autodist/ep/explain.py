@@ -58,10 +58,23 @@ class ExpertPlan:
 
     parts: int
     layers: list[Layer] = field(default_factory=list)
+    after: Any = None  # with pp, the cut into stages (holding mp's plan with mp); with mp alone, mp's plan
+
+    def stages(self) -> list[list[Layer]]:
+        """The layers each pipeline stage holds (one list of all of them without pp): a rank sends for its own."""
+        names = getattr(self.after, "names", None)
+        if names is None:
+            return [self.layers]
+        held: list[list[Layer]] = [[] for _ in range(self.after.stages)]
+        for layer in self.layers:
+            index = next((i for i, n in enumerate(names) if layer.name.startswith(n + ".")), None)
+            held[0 if index is None else self.after.stage_of(index)].append(layer)
+        return held
 
     def sent(self) -> tuple[float, float]:
-        """Bytes the busiest rank sends per step over every layer: (forward, backward)."""
-        each = [[layer.sent(r) for layer in self.layers] for r in range(self.parts)]
+        """Bytes the busiest rank sends per step over the layers it holds (with pp, its stage's): (forward,
+        backward)."""
+        each = [[layer.sent(r) for layer in layers] for layers in self.stages() for r in range(self.parts)]
         return max(((sum(f for f, _ in s), sum(b for _, b in s)) for s in each), key=sum, default=(0.0, 0.0))
 
     def __str__(self) -> str:
@@ -85,9 +98,15 @@ class ExpertPlan:
             lines.append(f"  the model's routers left {dropped} (token, slot) pairs of this batch without an expert "
                          f"(their capacity): they go nowhere and add nothing, as in one process")
         forward, backward = self.sent()
+        staged, mine = len(self.stages()) > 1, "(of its stage's layers) "
         lines.append(f"  total: {forward / 1e6:.3f} MB forward, {backward / 1e6:.3f} MB backward by the busiest rank "
-                     f"per step (the other parameters' gradient sync comes on top)")
-        return "\n".join(lines)
+                     f"{mine if staged else ''}per step (the other parameters' gradient sync comes on top)")
+        if staged:
+            lines.append("  each pipeline stage's experts placed over its own expert groups (the stages below)")
+        elif self.after is not None:
+            lines.append("  under mp, each model-parallel rank's experts placed over its data-parallel ranks, whole "
+                         "(mp's plan below)")
+        return "\n".join(lines + ([] if self.after is None else [str(self.after)]))
 
 
 def explain(model: nn.Module, parts: int, example: Any) -> ExpertPlan:

@@ -30,7 +30,7 @@ import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,50 +114,62 @@ class Placed(Exchanged):
 
 @dataclass
 class Replicas:
-    """The expert parameters' gradients summed over the expert groups holding the same experts (``dp > ep``), at the
-    end of each backward the gradient sync takes part in (``enabled()``: not inside ``no_sync``)."""
+    """The expert parameters' gradients summed over the expert groups holding the same experts (``dp > ep``), where
+    the gradient sync sends (:meth:`finish`: it calls it at the end of each backward it is not held in, so never
+    inside ``no_sync`` or between a pipeline's micro-batches, whose backwards are nested in one)."""
 
     params: list[nn.Parameter]
     group: Any
-    enabled: Callable[[], bool]
     may_lack: bool = False  # experts held as modules: one no row reached has no gradient (fused ones always have)
-    queued: bool = False
+    reached: bool = False  # a backward reached a call of the experts since the last sum
+    changed: set[int] = field(default_factory=set)  # indices of the parameters whose gradient grew since then
     handles: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for p in self.params if p.requires_grad]
+        self.handles = [p.register_post_accumulate_grad_hook(partial(self._arrived, i))
+                        for i, p in enumerate(self.params) if p.requires_grad]
 
-    def _arrived(self, _: Any = None) -> None:
-        """Queue the sum at the end of this backward (from a parameter's gradient, or a call's output gradient:
-        a rank none of whose experts got a row this step takes part too)."""
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._sum)
+    def _arrived(self, index: int, _: Any = None) -> None:
+        self.changed.add(index)
+
+    def _reached(self, grad: torch.Tensor) -> None:
+        self.reached = True
 
     def watch(self, output: torch.Tensor) -> None:
-        """Take part in the sum at the end of the backward that reaches ``output`` (a call of placed experts)."""
+        """A backward that reaches ``output`` (a call of placed experts) takes part in the next sum: a rank none of
+        whose experts got a row this step too."""
         if output.requires_grad:
-            output.register_hook(self._arrived)
+            output.register_hook(self._reached)
 
-    def _sum(self) -> None:
-        self.queued = False
-        if not self.enabled():
+    def finish(self) -> None:
+        """Sum what the gradients gained since the last sum over the replicas (every rank of the group calls this
+        at the same point of its loop: the gradient sync's end of backward). A backward that brought the experts
+        no gradient (``torch.autograd.grad``) sums nothing again."""
+        if not (self.reached or self.changed):
             return
+        self.reached = False
         if self.may_lack:
-            self._agree_presence()
-        for p in self.params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
+            indices = self._agree_presence()
+        else:  # fused experts: every rank's get a gradient from any backward through them, so all agree
+            indices = sorted(self.changed)
+        self.changed = set()
+        for i in indices:
+            dist.all_reduce(self.params[i].grad, group=self.group)
 
-    def _agree_presence(self) -> None:
+    def _agree_presence(self) -> list[int]:
         """An expert held as a module that no row of this group reached has no gradient here, and may have one in
-        another group: zeros where any group has one (one process's gradient is the sum), none where none has."""
-        present = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
-        for p, anywhere in zip(self.params, present.tolist()):
-            if anywhere and p.grad is None:
+        another group: zeros where any group has one (one process's gradient is the sum), none where none has.
+        The indices of the parameters to sum."""
+        grew = torch.zeros(len(self.params), device=self.params[0].device)
+        grew[list(self.changed)] = 1.0
+        dist.all_reduce(grew, op=dist.ReduceOp.MAX, group=self.group)
+        indices = [i for i, anywhere in enumerate(grew.tolist()) if anywhere]
+        for i in indices:
+            p = self.params[i]
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
                 mark_grad(p)  # an expert's part of a norm over the group, as the others
+        return indices
 
 
 @dataclass
@@ -170,42 +182,58 @@ class Placement:
     replicas: Replicas | None = None
 
     def __str__(self) -> str:
+        if not self.modules:
+            return "no experts in this pipeline stage's blocks"
         first = self.modules[0]
         return (f"the {first.total} experts of {len(self.modules)} layers placed over {first.size} ranks "
                 f"({first.per} a rank{', their groups summing each expert' if self.replicas else ''})")
 
 
-def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any,
-          enabled: Callable[[], bool] = lambda: True, sharded_grads: bool = False) -> Placement:
+def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any, sharded_grads: bool = False,
+          counted: bool = True) -> Placement:
     """Place every module of experts of ``model`` over ``group`` (``size`` ranks, this one ``rank``); ``replicas``:
     the group of the ranks holding the same experts in the other expert groups (None: there are none);
     ``sharded_grads``: the other parameters' gradients will be sharded (``shard="gradients"``), every rank then
-    taking part in a norm over them."""
+    taking part in a norm over them; ``counted``: whether this rank's experts count in a norm over a group across
+    the data-parallel ranks (mp's or pp's: on the first model-parallel rank, every rank of which holds the same
+    experts). :func:`require` checked the whole model first: cut into pipeline stages, a rank holds its stage's
+    blocks, which may hold no experts."""
     found = experts.find(model)
-    if not found:
-        raise ValueError(f"ep={size} places the experts of mixture-of-experts layers over ranks, and "
-                         f"{type(model).__name__} has none: a module holding num_experts experts, as (num_experts, "
-                         f"...) parameters of its own or as num_experts modules of the same shapes, called as "
-                         f"experts(hidden_states, top_k_index, top_k_weights) (Hugging Face's experts). Leave ep=1")
     placed = [Placed(name, module, group, rank, size) if experts.fused(module)
               else PlacedModules(name, module, group, rank, size, per_rank(name, experts.count(module), size))
               for name, module in found]
+    modules = any(isinstance(one, PlacedModules) for one in placed)
     params = [p for one in placed for p in one.parameters_here]
     ids = frozenset(id(p) for p in params)
-    modules = any(isinstance(one, PlacedModules) for one in placed)
     for p in params:  # each expert a part of a norm over the group, its replicas in the other groups counted once
-        mark_split(p, group, inside=(replicas,))
+        mark_split(p, group, counted, inside=(replicas,))
     if sharded_grads:  # every rank takes a norm over the sharded gradients beside the experts the same way
         for p in model.parameters():
             if id(p) not in ids:
                 mark_inside(p, replicas)
     elif modules:
         _in_every_norm(model, ids, group, rank)
-    summed = None if replicas is None else Replicas(params, replicas, enabled, modules)
+    summed = None if replicas is None or not params else Replicas(params, replicas, modules)
     for one in placed:
         one.replicas = summed
     _placements[model] = placement = Placement(placed, ids, summed)
     return placement
+
+
+def require(model: nn.Module, size: int, staged: bool) -> None:
+    """An error unless ``model`` holds a module of experts that ep places in its layout (``staged``: cut into
+    pipeline stages; checked on the whole model, before the cut)."""
+    found = experts.find(model)
+    if not found:
+        raise ValueError(f"ep={size} places the experts of mixture-of-experts layers over ranks, and "
+                         f"{type(model).__name__} has none: a module holding num_experts experts, as (num_experts, "
+                         f"...) parameters of its own or as num_experts modules of the same shapes, called as "
+                         f"experts(hidden_states, top_k_index, top_k_weights) (Hugging Face's experts). Leave ep=1")
+    held = [name for name, module in found if not experts.fused(module)]
+    if staged and held:
+        raise NotImplementedError(f"ep={size} with pp: experts held as modules ({held[0]}) are not built with "
+                                  f"pipeline stages yet (fused experts are: Hugging Face's (num_experts, ...) "
+                                  f"parameters); use ep with data parallelism, mp or shard=, or pp without ep")
 
 
 def _in_every_norm(model: nn.Module, placed: frozenset[int], group: Any, rank: int) -> None:

@@ -203,10 +203,13 @@ class StackedNorms(torch.Tensor):
 
 def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any], inside: list[bool],
                  ord: float) -> torch.Tensor:
-    """The norm of gradients split over two groups at once (``mp`` and ``ep``: attention split over the
-    model-parallel ranks, experts placed over data-parallel ranks): each group's counted parts summed over it
-    (their p-th powers), in one order on every rank (the group across the data-parallel ranks, then the one inside
-    them), and the whole gradients, the same on every rank, added here."""
+    """The norm of gradients split over two groups at once: a group across the data-parallel ranks (``mp``'s or
+    ``pp``'s: attention split over the model-parallel ranks, blocks over the stages) and one inside them (``ep``'s:
+    experts placed over data-parallel ranks). The experts' parts are summed over their group first (each rank's
+    slice of them counts, and so do the parts counted there of any other gradient split over that group), then
+    that sum joins the counted parts of the group across, on the ranks whose experts count there (the first
+    model-parallel rank; every stage's, each holding its own blocks' experts), summed over it; the whole
+    gradients, the same on every rank, are added here. One order on every rank: inside, then across."""
     norms = norms.detach().reshape(-1)
     across = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and not i}
     within = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and i}
@@ -214,16 +217,26 @@ def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any
     if len(across) > 1 or len(within) > 1 or math.isinf(ord) or ord <= 0:
         raise RuntimeError(f"a norm of order {ord} over gradients split over {len(across) + len(within)} groups is "
                            f"not built: clip_grad_norm_ and get_total_norm take finite orders > 0 over the "
-                           f"model-parallel and the expert groups together")
+                           f"model-parallel (or pipeline) and the expert groups together")
+
+    def powers(keep: list[bool]) -> torch.Tensor:
+        mask = torch.tensor(keep, dtype=torch.bool, device=norms.device)
+        return torch.where(mask, norms, torch.zeros_like(norms)).pow(ord).sum()
+
     total = norms.new_zeros(())
-    for g in [*across.values(), *within.values()]:
-        keep = torch.tensor([s is not None and bool(s) and h is g for s, h in zip(split, groups)], dtype=torch.bool,
-                            device=norms.device)
-        value = torch.where(keep, norms, torch.zeros_like(norms)).pow(ord).sum()
+    experts_count = False
+    for g in within.values():
+        total = powers([h is g and (i or bool(s)) for s, h, i in zip(split, groups, inside)])
+        dist.all_reduce(total, group=g)
+        experts_count = any(bool(s) for s, i in zip(split, inside) if i)
+    if across:
+        g = next(iter(across.values()))
+        value = powers([s is not None and bool(s) and h is g for s, h in zip(split, groups)])
+        if experts_count:
+            value = value + total
         dist.all_reduce(value, group=g)
-        total = total + value
-    whole = torch.tensor([s is None for s in split], dtype=torch.bool, device=norms.device)
-    total = total + torch.where(whole, norms, torch.zeros_like(norms)).pow(ord).sum()
+        total = value
+    total = total + powers([s is None for s in split])
     return total if ord == 1.0 else total.pow(1.0 / ord)
 
 

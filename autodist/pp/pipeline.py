@@ -33,7 +33,7 @@ from torch import nn
 from autodist.cp.forward import context_of
 from autodist.dp.grad_sync import state_of
 from autodist.dp.loss_reading import read
-from autodist.layers.split_grad import mark_split
+from autodist.layers.split_grad import mark_grad, mark_split
 from autodist.pp import micro, schedule, wire
 from autodist.pp.cut import Cut
 from autodist.pp.hollow import hollow
@@ -105,8 +105,7 @@ class Pipeline:
         self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
         self.gathering = True  # state_dict() fills in the other stages' blocks
         self.handles: list[Any] = []
-        own = self._install(model)
-        self.own_params = {id(p) for b in own for p in b.parameters()}
+        self.blocks = self._install(model)  # this stage's
         self._mark(model, group if norms is None else norms[0], mp_rank, norms)
         forward = model.forward  # the model's own, called on the model the weak reference gives back: the
         # registry's value must not hold its key (a WeakKeyDictionary whose value holds the model keeps it alive)
@@ -144,9 +143,10 @@ class Pipeline:
         """A norm over the model's gradients (clip_grad_norm_) is summed over ``group``: the stages' (and with mp,
         the model-parallel ranks') parts, each counted once: the root's on the first stage, a part every
         model-parallel rank holds alike on the first of them."""
+        held = self.own_params()
         for p in model.parameters():
             split = getattr(p, "split_over", None) is not None  # an MP layer's shard
-            own = id(p) in self.own_params
+            own = id(p) in held
             if split or own:
                 mark_split(p, group, (split or mp_rank == 0) and (own or self.stage == 0))
             elif norms is not None:  # with mp, every parameter's part is summed over the replica
@@ -459,8 +459,13 @@ class Pipeline:
     def _root(self) -> list[nn.Parameter]:
         """The trainable parameters every stage holds: the code around the blocks."""
         model = self.model()
-        return [] if model is None else \
-            [p for p in model.parameters() if p.requires_grad and id(p) not in self.own_params]
+        own = self.own_params()
+        return [] if model is None else [p for p in model.parameters() if p.requires_grad and id(p) not in own]
+
+    def own_params(self) -> set[int]:
+        """The ids of the parameters of this stage's blocks, as they are now (ep places a slice of their experts
+        in parameters of its own after the cut)."""
+        return {id(p) for b in self.blocks for p in b.parameters()}
 
     @torch.compiler.disable
     def _root_before(self) -> dict[int, torch.Tensor]:
@@ -491,8 +496,9 @@ class Pipeline:
                 if flag == 0:
                     continue
                 total = part + before[id(p)] if id(p) in before else part
-                if p.grad is None:
+                if p.grad is None:  # set here, not by a backward: marked as a backward marks it (its part of a norm)
                     p.grad = total.clone()
+                    mark_grad(p)
                 else:
                     p.grad.copy_(total)
 

@@ -245,7 +245,8 @@ def _with_experts(norms: list[Any], partial: list[PartialNorm]) -> PartialNorm:
     group: each rank's slices of the sharded gradients, the experts of the first replica group, and a whole
     gradient every rank holds alike on the group's first rank. Under mp=K too, summed over the world: a
     model-parallel shard's slices on every rank, what every rank of a model-parallel group holds alike (the
-    other slices, the experts, whole gradients) on that group's first rank. Every rank takes this path (the
+    other slices, the experts, whole gradients) on that group's first rank; under pp, each stage's slices and
+    experts (the experts' marks say where they count). Every rank takes this path (the
     sharded gradients carry ``inside`` too), also one whose experts got no gradient this step."""
     first = partial[0]
     experts = [n for n in norms if isinstance(n, SplitNorm)]
@@ -258,7 +259,7 @@ def _with_experts(norms: list[Any], partial: list[PartialNorm]) -> PartialNorm:
     first_mp = mp is False or first_rank(mp)
     first_dp = first_rank(first.group)
     here = [(n.counted if n.split is not None else first_mp) if isinstance(n, PartialNorm) else
-            counted and first_mp if isinstance(n, SplitNorm) else first_dp and first_mp for n in norms]
+            counted and n.counted if isinstance(n, SplitNorm) else first_dp and first_mp for n in norms]
     parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
     stacked = PartialNorm(torch.stack(parts), first.ord, first.group if mp is False else None)
     stacked.here = here

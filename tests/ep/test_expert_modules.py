@@ -178,14 +178,20 @@ def _state_copy_and_refusals() -> tuple[float, float, float, str, str]:
         saved = "saved"
     except NotImplementedError as err:
         saved = str(err)
-    return back, copied, abs(norm), called, saved
+    try:
+        autodist.parallelize(_model("user"), _loader(), ep=2, pp=2)
+        staged = "not refused"
+    except NotImplementedError as err:
+        staged = str(err)
+    return back, copied, abs(norm), called, saved, staged
 
 
 def test_the_state_is_whole_a_copy_is_the_whole_model_and_what_is_not_built_is_named(ranks):
-    for back, copied, norm, called, saved in ranks(2, _state_copy_and_refusals):
+    for back, copied, norm, called, saved, staged in ranks(2, _state_copy_and_refusals):
         assert back == 0.0 and copied == 0.0 and norm <= 1e-12, (back, copied, norm)
         assert "is held by rank" in called and "outside the exchange" in called, called
         assert "use autodist.save and autodist.load" in saved, saved
+        assert "experts held as modules" in staged and "not built with pipeline stages" in staged, staged
 
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, loader, stop: int | None = None) -> None:

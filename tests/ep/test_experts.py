@@ -95,6 +95,11 @@ def _against_one_process(family: str, ep: int, aux: bool, options: dict) -> tupl
                  id="qwen2moe-ep2-shard-parameters-checkpoint", marks=pytest.mark.slow),
     # attention split over 2 ranks, the experts of each model-parallel rank's data-parallel group placed over them
     pytest.param("mixtral", 4, 2, False, {"mp": 2}, id="mixtral-mp2xep2", marks=pytest.mark.slow),
+    # 2 pipeline stages, each one's experts placed over its 2 data-parallel ranks; every stage's micro-batches
+    # exchanged in its expert group as they pass
+    pytest.param("mixtral", 4, 2, False, {"pp": 2}, id="mixtral-pp2xep2", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", 4, 2, False, {"pp": 2, "checkpoint": True, "shard": "gradients", "microbatches": 3},
+                 id="qwen2moe-pp2xep2-checkpoint-shard-gradients", marks=pytest.mark.slow),
 ])
 def test_experts_placed_over_ranks_train_as_one_process(ranks, family, world, ep, aux, options):
     for worst, control, idle, shapes in ranks(world, _against_one_process, family, ep, aux, options):
@@ -173,24 +178,29 @@ def test_a_whole_state_dict_loads_and_reads_back_whole(ranks):
 
 
 @w.float64
-def _bytes() -> tuple[tuple[float, float], tuple[float, float]]:
+def _bytes(pp: int) -> tuple[tuple[float, float], tuple[float, float]]:
     import autodist
     from autodist.ep.place import placement_of
+    from autodist.pp.pipeline import pipeline_of
 
     (ids,) = next(iter(_loader()))
-    plan = autodist.explain(_moe(), ep=2, example=(ids,))
-    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    plan = autodist.explain(_moe(), ep=2, pp=pp, example=(ids,))
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2, pp=pp)
     (x,) = next(iter(loader))
     model(input_ids=x, labels=x).loss.backward()
     meters = [placed.meter for placed in placement_of(model).modules]
-    rank = autodist.rank()
-    predicted = [layer.sent(rank) for layer in plan.layers]
+    stage = 0 if pp == 1 else pipeline_of(model).stage
+    rank = autodist.rank() // pp % 2  # its rank in its expert group (data-parallel rank: ranks of a replica
+    predicted = [layer.sent(rank) for layer in plan.stages()[stage]]  # are consecutive)
     return ((sum(m.forward for m in meters), sum(m.backward for m in meters)),
             (sum(f for f, _ in predicted), sum(b for _, b in predicted)))
 
 
-def test_the_bytes_sent_are_the_count_explain_reads_from_the_routing(ranks):
-    for measured, predicted in ranks(2, _bytes):
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_bytes_sent_are_the_count_explain_reads_from_the_routing(ranks, pp):
+    """With pp=2 (dp 2 x pp 2), each rank's its stage's layers', the micro-batches' exchanges adding up to the
+    batch's pairs."""
+    for measured, predicted in ranks(2 * pp, _bytes, pp):
         assert measured == predicted and measured[0] > 0, (measured, predicted)
 
 
@@ -306,13 +316,32 @@ def _clipped_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loader, s
 
 
 @w.float64
-def _save_mid_epoch(path: str) -> None:
+def _save_mid_epoch(path: str, options: dict) -> None:
     import autodist
 
-    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _clipped_steps(model, opt, loader, stop=4)
     autodist.save(path, model, opt)
+
+
+@w.float64
+def _resumed_at(path: str, options: dict) -> float:
+    """Loaded at ep=2 with ``options`` into other weights, the epoch finished: against one process's."""
+    import autodist
+
+    model = _moe()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model, loader = autodist.parallelize(model, _loader(), ep=2, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    autodist.load(path, model, opt)
+    _clipped_steps(model, opt, loader)
+    trained = autodist.gather_state_dict(model, all_ranks=True)
+    reference = _moe()
+    _clipped_steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), _loader())
+    return max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
 
 
 @w.float64
@@ -337,8 +366,19 @@ def test_a_checkpoint_saved_at_ep2_with_clipping_resumes_in_one_process(ranks, t
     """Saved after 4 of 10 steps with clip_grad_norm_ (the norm over every expert); resumed in one process, it ends
     the epoch where the uninterrupted one-process run does: every expert and its optimizer state whole."""
     path = str(tmp_path / "ep2.pt")
-    ranks(2, _save_mid_epoch, path)
+    ranks(2, _save_mid_epoch, path, {})
     assert _resumed_in_one_process(path) <= 1e-12
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_ep2_and_pp2xep2(ranks, tmp_path):
+    """Saved at dp 2 x pp 2, ep=2 (each stage's experts, gathered whole), resumed in one process; saved at ep=2 on
+    2 ranks, resumed at dp 2 x pp 2 on 4: both end where the uninterrupted one-process run does."""
+    staged, flat = str(tmp_path / "pp2xep2.pt"), str(tmp_path / "ep2.pt")
+    ranks(4, _save_mid_epoch, staged, {"pp": 2})
+    assert _resumed_in_one_process(staged) <= 1e-12
+    ranks(2, _save_mid_epoch, flat, {})
+    assert max(ranks(4, _resumed_at, flat, {"pp": 2})) <= 1e-12
 
 
 @w.float64
@@ -366,15 +406,28 @@ def _clipped_norms(options: dict) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{"shard": "gradients"}, {"shard": "optimizer"}, {}, {"mp": 2},
-                                     {"mp": 2, "shard": "gradients"}, {"shard": "parameters"}],
+                                     {"mp": 2, "shard": "gradients"}, {"shard": "parameters"}, {"pp": 2},
+                                     {"pp": 2, "shard": "gradients"}],
                          ids=["shard-gradients", "shard-optimizer", "replicated", "mp2", "mp2-shard-gradients",
-                              "shard-parameters"])
+                              "shard-parameters", "pp2", "pp2-shard-gradients"])
 def test_clip_grad_norm_at_dp2xep2_takes_one_process_norm(ranks, options):
     """Each expert's norm counted once over its replicas, each rank's slices of the sharded gradients once (under
     shard='gradients' the experts' norms were counted on one rank only before: 0.97 off one process's); with mp=2
     the attention's shards summed over the model-parallel group and the experts over the expert group (refused
-    before: norms over two groups)."""
+    before: norms over two groups); with pp=2 (dp 2 x pp 2, ep=2) each stage's experts summed over its expert
+    group, then over the stages (each stage had its own experts' norm only: 0.0024 off, the stages clipping by
+    different factors)."""
     for norms, worst in ranks(4, _clipped_norms, options):
+        assert norms <= 1e-12 and worst <= 1e-12, (norms, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"pp": 2}, {"pp": 2, "mp": 2}], ids=["dp4xpp2", "dp2xpp2xmp2"])
+def test_eight_ranks_of_stages_and_expert_groups_clip_by_one_process_norm(ranks, options):
+    """8 ranks, ep=2: dp 4 x pp 2 (two expert groups a stage, each expert's gradient summed over its replica
+    where the sync sends: after the stage's micro-batches, whose backwards are nested in one), and dp 2 x pp 2 x
+    mp 2 (the attention split, the head among the root's parameters every stage sums)."""
+    for norms, worst in ranks(8, _clipped_norms, options):
         assert norms <= 1e-12 and worst <= 1e-12, (norms, worst)
 
 
@@ -404,7 +457,7 @@ def test_a_call_is_read_by_its_forwards_signature_however_its_arguments_are_pass
 def _refused(case: str) -> str:
     import autodist
 
-    options = {"pp": dict(ep=2, pp=2), "three": dict(ep=3), "plan": dict(ep=2, plan="auto"),
+    options = {"1f1b": dict(ep=2, pp=2, loss_fn=lambda out: out.loss), "three": dict(ep=3), "plan": dict(ep=2, plan="auto"),
                "autodist.plan": dict(ep=2)}.get(case, {"ep": 2})
     model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8)
     try:
@@ -418,7 +471,7 @@ def _refused(case: str) -> str:
 
 
 @pytest.mark.parametrize("case, words", [
-    ("pp", "not built with pp=2"),
+    ("1f1b", "not built with pp's loss_fn= (1F1B)"),
     ("three", "ep=3 does not divide the 2 data-parallel ranks"),
     ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
     ("plain", "has none"),

@@ -76,10 +76,18 @@ def _stem_blocks_head() -> nn.Module:
                          nn.Linear(32, 5))
 
 
+def _untied_gpt() -> nn.Module:
+    """nanoGPT with its head's own weight (Llama's, Mixtral's): a root parameter only the last stage's forward
+    uses, whose gradient the other stages get from the sum over the stages."""
+    model = GPT(GPT_CONFIG)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+
 def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
     model = {"gpt": lambda: GPT(GPT_CONFIG), "hf": _hf_gpt2, "seq": SeqFirst, "res": ResidualMLP,
-             "stem": _stem_blocks_head}[name]()
+             "stem": _stem_blocks_head, "gpt-untied": _untied_gpt}[name]()
     return model.double()
 
 
@@ -171,6 +179,9 @@ CASES = [  # id, ranks, pp, model, options
     ("dp2-pp2-shard-gradients", 4, 2, "gpt", {"shard": "gradients"}),
     ("dp2-pp2-hf-stages-by-hand", 4, 2, "hf", {"stages": [3, 1]}),
     ("pp2-mp2-gpt", 4, 2, "gpt", {"mp": 2}),
+    # the head split by mp and used on the last stage only: the first stage's gradient of it, set by the sum over
+    # the stages, is its model-parallel part of the norm too (it counted as whole there: 0.18 off one process)
+    ("pp2-mp2-gpt-untied-head", 4, 2, "gpt-untied", {"mp": 2}),
     ("pp2-gpt-1f1b", 2, 2, "gpt", {"1f1b": True}),
     ("pp2-seq-first-1f1b", 2, 2, "seq", {"1f1b": True}),  # target=y cut along its own batch dimension (0; inputs' 1)
     ("pp4-gpt-1f1b", 4, 4, "gpt", {"1f1b": True}),
