@@ -4,10 +4,13 @@ The cost model, stated: a rank of the target computes ``speed`` times as fast as
 recomputation and optimizer step measured here, divided by ``speed``); its collectives are alpha-beta over a ring:
 an all-reduce of ``n`` bytes over ``P`` ranks takes ``2 (P - 1) alpha + 2 (P - 1) / P x n / B``, with ``alpha`` the
 latency of one hop and ``B`` the link's bandwidth, either given or measured here (an all-reduce of a few bytes
-over this world's ``P0`` ranks is ``2 (P0 - 1)`` hops); a pipeline's send is one hop. Memory is predicted per rank
-as for this world (:mod:`autodist.planner.memory`), against the target's memory per rank. What the model does
-not know: contention (ranks sharing a machine's cores or links), the network's shape (a ring's hops are taken
-alike), a GPU's kernels at other sizes (the forward's time is linear in the rows between the two measured).
+over this world's ``P0`` ranks is ``2 (P0 - 1)`` hops); a pipeline's send is one hop. A latency or bandwidth
+measured here is this machine's, whose cores run the collectives too: it is divided by ``speed`` alike (4 ranks
+sharing the 2 cores 2 ranks use here: ``speed=0.5``, the compute and the collectives twice as slow). Memory is
+predicted per rank as for this world (:mod:`autodist.planner.memory`), against the target's memory per rank.
+What the model does not know: contention for links (ranks sharing a network), the network's shape (a ring's hops
+are taken alike), a GPU's kernels at other sizes (the forward's time is linear in the rows between the two
+measured).
 
 Example:
     >>> plan = autodist.plan(model, loader, target=autodist.Target(ranks=64, memory_gb=80, link_gbps=50))
@@ -61,18 +64,20 @@ def _scaled(line: Line, factor: float) -> Line:
 def carried(profile: Profile, target: Target, here: int) -> Profile:
     """``profile``, measured on ``here`` ranks, as a rank of ``target`` would measure it (see the module
     docstring)."""
+    slower = 1.0 / target.speed
+    # a link measured here runs on this machine's cores (gloo's copies and sums): where the target's ranks get a
+    # smaller share of them (speed < 1: more ranks than here on these cores), its collectives slow alike
     if target.latency_us is not None:
         hop = target.latency_us * 1e-6
     elif here > 1:
-        hop = profile.latency / (2 * (here - 1))
+        hop = profile.latency / (2 * (here - 1)) * slower
     else:
         hop = None
-    bandwidth = target.link_gbps * 1e9 if target.link_gbps is not None else profile.bandwidth
+    bandwidth = target.link_gbps * 1e9 if target.link_gbps is not None else profile.bandwidth / slower
     if target.ranks > 1 and (hop is None or bandwidth == float("inf")):
         raise ValueError(f"a plan for {target.ranks} ranks from a world of one needs the link: "
                          f"Target(link_gbps=..., latency_us=...), or plan under a launch of 2 or more ranks, which "
                          f"measures it")
-    slower = 1.0 / target.speed
     blocks = profile.block_measures
     if blocks is not None:
         blocks = replace(blocks, seconds=[s * slower for s in blocks.seconds], head=blocks.head * slower)

@@ -233,12 +233,12 @@ def test_a_copy_is_the_whole_model_and_pickling_is_refused_by_name(ranks):
 
 
 @w.float64
-def _compiled() -> float:
+def _compiled(options: dict) -> float:
     import autodist
 
     torch._dynamo.reset()
     reference = _train(_moe(), _loader())
-    model, loader = autodist.parallelize(_moe(), _loader(), ep=2)
+    model, loader = autodist.parallelize(_moe(), _loader(), ep=2, **options)
     trained = _train(torch.compile(model, backend="aot_eager"), loader)
     torch._dynamo.reset()
     return max(float((trained[k.replace("_orig_mod.", "")] - v).abs().max()) if k in trained else
@@ -246,8 +246,9 @@ def _compiled() -> float:
 
 
 @pytest.mark.slow
-def test_a_compiled_model_runs_the_experts_eagerly_between_its_graphs(ranks):
-    for worst in ranks(2, _compiled):
+@pytest.mark.parametrize("world, options", [(2, {}), (4, {"pp": 2})], ids=["ep2", "dp2xpp2xep2"])
+def test_a_compiled_model_runs_the_experts_eagerly_between_its_graphs(ranks, world, options):
+    for worst in ranks(world, _compiled, options):
         assert worst <= 1e-13, worst
 
 
@@ -273,8 +274,9 @@ def test_in_bf16_experts_placed_over_ranks_are_as_near_one_process_as_data_paral
 
 
 @w.float64
-def _accumulated() -> float:
-    """dp 2 x ep 2, each rank's rows in two micro-batches, the first inside no_sync: the experts' groups sum once."""
+def _accumulated(options: dict) -> float:
+    """dp 2 x ep 2 (or with ``options``), each rank's rows in two micro-batches, the first inside no_sync: the
+    experts' groups sum once."""
     import contextlib
 
     import autodist
@@ -294,15 +296,18 @@ def _accumulated() -> float:
 
     reference = _moe()
     train(reference, loader(), False)
-    model, batches = autodist.parallelize(_moe(), loader(), ep=2)
+    model, batches = autodist.parallelize(_moe(), loader(), ep=2, **options)
     train(model, batches, True)
     trained = autodist.gather_state_dict(model, all_ranks=True)
     return max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_sums_each_expert_over_its_groups_once(ranks):
-    assert max(ranks(4, _accumulated)) <= 1e-13
+@pytest.mark.parametrize("world, options", [(4, {}), (8, {"pp": 2})], ids=["dp2xep2", "dp4xpp2xep2"])
+def test_gradient_accumulation_sums_each_expert_over_its_groups_once(ranks, world, options):
+    """At dp 4 x pp 2 the sum over the replicas waits for the window's last backward, past the stages'
+    micro-batches (their backwards nested in each)."""
+    assert max(ranks(world, _accumulated, options)) <= 1e-13
 
 
 def _clipped_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loader, stop: int | None = None) -> None:
