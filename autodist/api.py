@@ -614,10 +614,9 @@ def parallelize(
             experts interface) placed over ``ep`` data-parallel ranks, each token sent to the ranks holding its
             top-k experts and their outputs back by all-to-all, dropless, exactly one process's training; the
             expert groups of ``ep`` consecutive ranks replicas of each other (``ep`` divides the data-parallel
-            ranks). With ``mp``, ``pp`` (its default schedule; experts held as ``(num_experts, ...)``
-            parameters: each stage's placed over its data-parallel ranks), ``checkpoint=True``, every ``shard=``
-            level, ``mixed_precision=`` and torch.compile; not yet with ``cp``, ``pp``'s ``loss_fn=`` (1F1B),
-            ``sync="manual"`` or ``plan=``.
+            ranks). With ``mp``, ``pp`` (GPipe or 1F1B; experts held as ``(num_experts, ...)`` parameters: each
+            stage's placed over its data-parallel ranks), ``checkpoint=True``, every ``shard=`` level,
+            ``mixed_precision=`` and torch.compile; not yet with ``cp``, ``sync="manual"`` or ``plan=``.
 
     Returns:
         ``(model, shard)``: the model, and this rank's shard of ``data`` of the
@@ -719,8 +718,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if cp > 1:
         cp_options.loader_check(cp, data)
     ep_options.check(ep, dp=None, mp=mp, pp=pp, cp=cp, shard=shard, exact=isinstance(strategy, sync_mod.Exact),
-                     hooks=getattr(strategy, "hooks", True), elastic=environment.elastic(),
-                     one_f_one_b=pp > 1 and loss_fn is not None)
+                     hooks=getattr(strategy, "hooks", True), elastic=environment.elastic())
     observe.check_example(example)
     rewrite.check_selection(model, mp_layers)
     world = init(backend)
@@ -783,6 +781,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         place_group, copies_group = expert_groups(dims, ep, world.rank)
         placement = ep_place.setup(model, place_group, dims.dp_rank(world.rank) % ep, ep, copies_group,
                                    shard in ("gradients", "parameters"), dims.mp_rank(world.rank) == 0)
+        if cut is not None:  # each micro-batch's forward exchanges within the expert group
+            pp_pipeline.pipeline_of(model).exchanges_over(place_group)  # type: ignore[union-attr]
     at_rest = None
     if dims.dp > 1:
         dp_rank = dims.dp_rank(world.rank)
@@ -831,8 +831,13 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
         _elastic_loader(model, data_shard, sync_state)
     if sequence_cut is None and (placement is not None or getattr(sync_state, "coupled", 0)):
         # a rank's experts take gradients from every rank's tokens, a BatchNorm's rows from every rank's rows
-        # through the batch's statistics: the backward in the global loss's units (cp scales in its forward)
-        scale_outputs(model, sync_state.global_units())  # type: ignore[union-attr]
+        # through the batch's statistics: the backward in the global loss's units (cp scales in its forward;
+        # 1F1B, whose backward runs inside the forward, weights its micro-batches' losses so)
+        scale = sync_state.global_units()  # type: ignore[union-attr]
+        if cut is not None and loss_fn is not None:
+            pp_pipeline.pipeline_of(model).in_global_units(groups.dp)  # type: ignore[union-attr]
+        else:
+            scale_outputs(model, scale)
     if dims.dp > 1 and batch_dim is None and samples is None and cp == 1:
         batch_layout.watch(model, SampleCounter(dim))  # the default dimension against the model's own layers
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world

@@ -47,11 +47,16 @@ class Exchanged:
         """Each received row's weighted output from this rank's experts (``chosen``: global expert numbers)."""
         raise NotImplementedError
 
+    def tied(self) -> list[torch.Tensor]:
+        """The parameters here one process gives a gradient from every backward through the call (see
+        :func:`autodist.ep.exchange.dispatch`); none by default (experts held as modules)."""
+        return []
+
     @torch.compiler.disable  # under torch.compile: run eagerly between the graphs (sizes known only from the routing)
     def _exchanged(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         call = experts.check_call(self.name, self.total, self.signature, args, kwargs)
         out = exchange.dispatch(call.hidden, call.index, call.weights, self.per, self.group, self.meter,
-                                lambda rows, chosen, weight: self.run(call, rows, chosen, weight))
+                                lambda rows, chosen, weight: self.run(call, rows, chosen, weight), self.tied())
         if self.replicas is not None:
             self.replicas.watch(out)
         return out

@@ -6,7 +6,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,19 +39,22 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _Joined(torch.autograd.Function):
-    """``made`` as it is, its backward reaching what was received (zeros): where no received row reached one of
-    this rank's experts (experts held as modules, none of which ran) the output holds no gradient path, and the
-    exchanges' backward, collectives every rank of the group runs, must still run here."""
+    """``made`` as it is, its backward reaching what was received (zeros), and ``params`` (zeros): where no received
+    row reached one of this rank's experts, the output holds no gradient path, and the exchanges' backward,
+    collectives every rank of the group runs, must still run here; experts held as ``(num_experts, ...)``
+    parameters (``params``) get the gradient one process gives them, zeros (its loop touched other experts of the
+    same tensors: a ``None`` would make the optimizer skip them, no weight decay, no moments: a silently other
+    training), while experts held as modules keep ``None``, as one process's idle experts do."""
 
     @staticmethod
-    def forward(ctx: Any, made: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.rows, ctx.weight = (rows.shape, rows.dtype, rows.device), (weight.shape, weight.dtype, weight.device)
+    def forward(ctx: Any, made: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in (rows, weight, *params)]
         return made.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (rows, rtype, rdev), (weight, wtype, wdev) = ctx.rows, ctx.weight
-        return None, torch.zeros(rows, dtype=rtype, device=rdev), torch.zeros(weight, dtype=wtype, device=wdev)
+        return (None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
 
 
 def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: Any, meter: Meter | None,
@@ -74,12 +77,14 @@ def all_to_all(rows: torch.Tensor, send: list[int], receive: list[int], group: A
 
 
 def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, per: int, group: Any, meter: Meter,
-             run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+             tied: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """One call of experts placed ``per`` a rank over ``group``, dropless: this rank's (token, expert) pairs of
     ``index`` (``(tokens, k)``; -1: none), ordered by expert, go to the ranks holding their experts with their
     hidden states and weights; there ``run(rows, experts, weights)`` (one pair a row, the experts by their global
     numbers) returns each pair's weighted output, which comes back and is added to each token's zeros in the order
-    of its experts, as one process's loop over the experts adds them."""
+    of its experts, as one process's loop over the experts adds them. ``tied``: this rank's expert parameters that
+    take a gradient from every backward through the call, zeros where no row reached them (fused experts)."""
     k = index.shape[1]
     flat = index.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # pairs by expert, in token order within one
@@ -94,8 +99,9 @@ def dispatch(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, p
     chosen = all_to_all(expert, send_list, receive, group, meter)
     weight = all_to_all(weights.reshape(-1)[order], send_list, receive, group, meter)
     made = run(rows, chosen, weight)
-    if not made.requires_grad and (rows.requires_grad or weight.requires_grad):
-        made = _Joined.apply(made, rows, weight)  # no row reached an expert here: the others' backward still meets
+    tied = [p for p in tied if p.requires_grad]
+    if not made.requires_grad and (rows.requires_grad or weight.requires_grad or tied) and torch.is_grad_enabled():
+        made = _Joined.apply(made, rows, weight, *tied)  # no row reached an expert here: the others' backward meets
     back = all_to_all(made, receive, send_list, group, meter)
     return torch.zeros_like(hidden).index_add(0, token, back.to(hidden.dtype))
 

@@ -73,6 +73,11 @@ class Placed(Exchanged):
         first = self.rank * self.per
         return self.local(rows, call.selection(chosen - first, self.per), weight[:, None])  # numbered from 0 here
 
+    def tied(self) -> list[torch.Tensor]:
+        """Every slice here: one process's loop over the experts gives the whole ``(num_experts, ...)`` tensor a
+        gradient, zeros for the experts it did not run, so a rank none of whose experts got a row still has one."""
+        return self.parameters_here
+
     # -- state: every expert ------------------------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:

@@ -60,12 +60,18 @@ def _cut_target(target: Any, rows: list[int], dim: int) -> list[Any]:
     return [pytree.tree_unflatten([parts[i] for parts in split], spec) for i in range(len(rows))]
 
 
+def pieces_for(args: tuple, kwargs: dict, pieces: int, dim: int) -> int:
+    """How many micro-batches :func:`cut` makes of this batch: ``pieces``, fewer for a batch with fewer rows."""
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    return max(1, min(pieces, _batch_size(flat, dim, args, kwargs)))
+
+
 def cut(args: tuple, kwargs: dict, pieces: int, dim: int, target: Any = None) -> Parts:
     """``args, kwargs`` cut into at most ``pieces`` micro-batches along ``dim`` (fewer for a batch with fewer rows;
     the first ones one row larger where they do not divide); ``target`` (the loss's) cut alike."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     n = _batch_size(flat, dim, args, kwargs)
-    pieces = max(1, min(pieces, n))
+    pieces = pieces_for(args, kwargs, pieces, dim)
     rows = [n // pieces + (1 if i < n % pieces else 0) for i in range(pieces)]
     split = [list(leaf.split(rows, dim)) if isinstance(leaf, torch.Tensor) and leaf.dim() > dim
              and leaf.shape[dim] == n else None for leaf in flat]

@@ -38,6 +38,7 @@ from autodist.pp import micro, schedule, wire
 from autodist.pp.cut import Cut
 from autodist.pp.hollow import hollow
 from autodist.pp.stub import Stub
+from autodist.runtime import provenance
 from autodist.runtime.position import waiting
 from autodist.runtime.world import log
 
@@ -62,6 +63,8 @@ class Flight:
         self.grad_leaves: list[int] = []  # last stage: the output leaves that carry a gradient
         self.cut_grads: list[list[torch.Tensor | None]] = []  # last stage: per such leaf, its micro-batches' parts
         self.alive = self.peak = 0  # micro-batches forwarded and not yet backwarded: now, and at most
+        self.total = sum(counts)  # what the micro-batches' losses are weighted over (1F1B): this replica's batch,
+        # or the global batch's (Pipeline.in_global_units)
 
     def begin(self, m: int) -> None:
         self.micro, self.next_block, self.received = m, 0, None
@@ -104,6 +107,9 @@ class Pipeline:
         self.warned: set[str] = set()
         self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
         self.gathering = True  # state_dict() fills in the other stages' blocks
+        self.units_over: Any = None  # loss_fn: the data-parallel group the loss's units are global over (ep)
+        self.exchanging: Any = None  # the group whose ranks exchange within each micro-batch's forward (ep)
+        self.standing_in = False  # loss_fn: the last forward ran on the row of a batch this replica holds none of
         self.handles: list[Any] = []
         self.blocks = self._install(model)  # this stage's
         self._mark(model, group if norms is None else norms[0], mp_rank, norms)
@@ -180,10 +186,16 @@ class Pipeline:
         """The batch cut into micro-batches, and the schedule of their forwards and backwards on this stage."""
         self._check_outputs(kwargs)
         target = kwargs.pop("target", None) if self.loss_fn is not None else None
-        parts = micro.cut(args, kwargs, self.pieces, self.dim, target)
+        parts = micro.cut(args, kwargs, self._agreed_pieces(args, kwargs), self.dim, target)
         counts = [float(self.samples(*a, **k)) if self.samples is not None else float(r)
                   for (a, k), r in zip(parts.calls, parts.rows)]
+        share = provenance.current()
+        if share is not None and share.count == 0 and self.loss_fn is not None:  # the row of a batch this replica
+            counts = [0.0] * len(counts)  # holds none of: its micro-batches' backwards (1F1B) add nothing
         flight = Flight(parts.rows, counts, parts.targets)
+        self.standing_in = not any(counts)
+        if self.units_over is not None and self.last and self.loss_fn is not None:
+            flight.total = self._global_count(counts)
         training = torch.is_grad_enabled() and (self.loss_fn is None or self.model().training)
         steps = schedule.gpipe_forwards(len(counts)) if self.loss_fn is None or not training else \
             schedule.one_f_one_b(self.cut.stages, self.stage, len(counts))
@@ -200,6 +212,36 @@ class Pipeline:
         with waiting(self._sends(any(kind == "B" for kind, _ in steps))):
             wire.wait(flight.pending)
         flight.pending = []
+
+    def exchanges_over(self, group: Any) -> None:
+        """The forward of each micro-batch exchanges with the other ranks of ``group`` (this stage's data-parallel
+        ranks: ep's experts): every batch is cut into as many micro-batches on each of them (the fewest any of
+        them can cut, one all-reduce a forward), so that each exchange meets its peers, also where the ranks hold
+        different numbers of rows (a short last batch)."""
+        self.exchanging = group
+
+    @torch.compiler.disable
+    def _agreed_pieces(self, args: tuple, kwargs: dict) -> int:
+        pieces = micro.pieces_for(args, kwargs, self.pieces, self.dim)
+        if self.exchanging is None:
+            return pieces
+        agreed = torch.tensor([pieces], dtype=torch.int64, device=self.device)
+        with waiting("the number of micro-batches, agreed with the ranks the stage's experts exchange with"):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.exchanging)
+        return int(agreed)
+
+    def in_global_units(self, group: Any) -> None:
+        """With ``loss_fn`` (1F1B): each micro-batch's loss weighted by its samples over the global batch's, summed
+        over ``group`` (the data-parallel ranks), not this replica's: the backward that runs in the forward carries
+        the global loss's gradient, as where the ranks' backwards exchange gradients (ep's experts take them from
+        every rank's tokens); the gradient sync then sums (``GradSync.global_units``)."""
+        self.units_over = group
+
+    def _global_count(self, counts: list[float]) -> float:
+        total = torch.tensor(sum(counts), dtype=torch.float64, device=self.device)
+        with waiting("the global batch's samples, summed over the data-parallel ranks (1F1B in global units)"):
+            dist.all_reduce(total, group=self.units_over)
+        return float(total)
 
     def _check_outputs(self, kwargs: dict) -> None:
         """Every block's hidden states or attentions (a Hugging Face model's output_hidden_states /
@@ -398,7 +440,7 @@ class Pipeline:
         """Micro-batch ``m``'s backward on this stage: from its output's gradient (the next stage's, or the
         loss's) to its input's, sent to the stage before."""
         if self.last and self.loss_fn is not None:
-            pairs = [(flight.outputs[m], torch.tensor(flight.counts[m] / sum(flight.counts),
+            pairs = [(flight.outputs[m], torch.tensor(flight.counts[m] / flight.total if flight.total else 0.0,
                                                       dtype=flight.outputs[m].dtype, device=flight.outputs[m].device))]
         elif self.last:
             outs = pytree.tree_flatten(flight.outputs[m])[0]
@@ -427,8 +469,9 @@ class Pipeline:
         """With ``loss_fn``: the batch's loss (the micro-batches' weighted by their counts) on every stage, whose
         backward has run already; the one ``loss.backward()`` after lets the data-parallel sync send."""
         loss = None
-        if self.last:
-            weights = [c / sum(flight.counts) for c in flight.counts]
+        if self.last:  # a stand-in's (no samples counted): its rows' mean, to log
+            weights = [c / sum(flight.counts) for c in flight.counts] if sum(flight.counts) else \
+                [r / sum(flight.rows) for r in flight.rows]
             loss = sum(w * out.detach() for w, out in zip(weights, flight.outputs))
         loss = wire.broadcast(loss, self.ranks[-1], self.group, self.device,
                               f"the loss, from the last pipeline stage ({self.cut.stages - 1})")
@@ -441,7 +484,7 @@ class Pipeline:
     def _finish(self, grads: list[torch.Tensor | None]) -> None:
         """``loss.backward()`` of a model whose step ran in its forward (``loss_fn``): the gradients are there."""
         grad = grads[0]
-        if grad is not None and float(grad) != 1.0:
+        if grad is not None and float(grad) != 1.0 and not (float(grad) == 0.0 and self.standing_in):
             raise ValueError(f"loss.backward() reached the loss of a model cut into stages with loss_fn (1F1B) "
                              f"with a gradient of {float(grad):g}: its micro-batches' backwards ran in the forward, "
                              f"with 1; scale the loss inside loss_fn instead (for gradient accumulation, divide "

@@ -478,6 +478,27 @@ def test_gradient_accumulation_with_no_sync(ranks):
                 assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
 
 
+def _short_last_batch(one_f_one_b: bool) -> dict[str, torch.Tensor]:
+    loader = DataLoader(_loader("gpt").dataset, batch_size=4)  # 6 batches, the last of 1: one replica holds none
+    options = {"loss_fn": LOSS_FNS["gpt"]} if one_f_one_b else {}
+    model, shard = autodist.parallelize(_model("gpt"), loader, pp=2, **options)
+    _train("gpt", model, shard, in_forward=one_f_one_b)
+    return _dense(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("one_f_one_b", [False, True], ids=["gpipe", "1f1b"])
+def test_a_replica_left_with_no_row_of_the_last_batch(ranks, one_f_one_b):
+    """dp 2 x pp 2, a last batch of 1 row: the other replica's stand-in row adds nothing. Under 1F1B its
+    micro-batches' backwards run in the forward with a weight of 0 (they ran with its row's weight, and the loss's
+    zero gradient then failed the step)."""
+    reference = _model("gpt")
+    _train("gpt", reference, DataLoader(_loader("gpt").dataset, batch_size=4))
+    for state in ranks(4, _short_last_batch, one_f_one_b):
+        for key, value in reference.state_dict().items():
+            assert_close(state[key], value, rtol=1e-10, atol=1e-10, msg=key)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case, says", [
     ("residual", "RuntimeError: add on the output of blocks.0, a block pipeline stage 0 runs: the model's own "
