@@ -34,7 +34,8 @@ class Target:
         link_gbps: the all-reduce's bus bandwidth, GB/s; None: measured here (needs 2 or more ranks here).
         latency_us: one hop's latency, microseconds; None: measured here.
         speed: compute speed of a target rank over a rank here (2.0: twice as fast; 0.5: 4 ranks sharing the
-            2 cores 2 ranks use here).
+            2 cores 2 ranks use here); a link measured here (``link_gbps``, ``latency_us`` None) runs on the same
+            cores and is scaled alike.
 
     Example:
         >>> autodist.Target(ranks=4, speed=0.5)    # 4 ranks on this machine, from measurements on 2
