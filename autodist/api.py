@@ -916,10 +916,10 @@ def explain(model: nn.Module, mp: int = 1, mp_layers: rewrite.MPLayers = "all", 
         plan = ep_explain.explain(model, ep, example)
         split = rewrite.explain(model, mp, mp_layers, batch_size, example) if mp > 1 else None
         if pp > 1:  # the cut printed after, each stage's layers apart (with mp, the cut holds mp's plan)
-            plan.after = pp_cut.decide(model, pp, stages, blocks, example)
-            plan.after.mp_plan = split
+            plan.cut = pp_cut.decide(model, pp, stages, blocks, example)
+            plan.cut.mp_plan = split
         else:
-            plan.after = split
+            plan.split = split
         return plan
     if cp > 1:
         if example is None:

@@ -58,17 +58,17 @@ class ExpertPlan:
 
     parts: int
     layers: list[Layer] = field(default_factory=list)
-    after: Any = None  # with pp, the cut into stages (holding mp's plan with mp); with mp alone, mp's plan
+    cut: Any = None  # with pp, its cut into stages (a pp Cut: names, stages, stage_of; holding mp's plan with mp)
+    split: Any = None  # with mp and no pp, mp's plan
 
     def stages(self) -> list[list[Layer]]:
         """The layers each pipeline stage holds (one list of all of them without pp): a rank sends for its own."""
-        names = getattr(self.after, "names", None)
-        if names is None:
+        if self.cut is None:
             return [self.layers]
-        held: list[list[Layer]] = [[] for _ in range(self.after.stages)]
+        held: list[list[Layer]] = [[] for _ in range(self.cut.stages)]
         for layer in self.layers:
-            index = next((i for i, n in enumerate(names) if layer.name.startswith(n + ".")), None)
-            held[0 if index is None else self.after.stage_of(index)].append(layer)
+            index = next((i for i, n in enumerate(self.cut.names) if layer.name.startswith(n + ".")), None)
+            held[0 if index is None else self.cut.stage_of(index)].append(layer)
         return held
 
     def sent(self) -> tuple[float, float]:
@@ -98,15 +98,16 @@ class ExpertPlan:
             lines.append(f"  the model's routers left {dropped} (token, slot) pairs of this batch without an expert "
                          f"(their capacity): they go nowhere and add nothing, as in one process")
         forward, backward = self.sent()
-        staged, mine = len(self.stages()) > 1, "(of its stage's layers) "
+        staged, mine = self.cut is not None, "(of its stage's layers) "
         lines.append(f"  total: {forward / 1e6:.3f} MB forward, {backward / 1e6:.3f} MB backward by the busiest rank "
                      f"{mine if staged else ''}per step (the other parameters' gradient sync comes on top)")
-        if staged:
+        if self.cut is not None:
             lines.append("  each pipeline stage's experts placed over its own expert groups (the stages below)")
-        elif self.after is not None:
+        elif self.split is not None:
             lines.append("  under mp, each model-parallel rank's experts placed over its data-parallel ranks, whole "
                          "(mp's plan below)")
-        return "\n".join(lines + ([] if self.after is None else [str(self.after)]))
+        after = self.cut if self.cut is not None else self.split
+        return "\n".join(lines + ([] if after is None else [str(after)]))
 
 
 def explain(model: nn.Module, parts: int, example: Any) -> ExpertPlan:
