@@ -265,7 +265,7 @@ def test_a_compiled_model_runs_the_experts_eagerly_between_its_graphs(ranks, wor
         assert worst <= 1e-13, worst
 
 
-def _in_bf16() -> tuple[float, float]:
+def _in_bf16(options: dict) -> tuple[float, float]:
     import autodist
     from autodist.dp import precision
 
@@ -274,15 +274,18 @@ def _in_bf16() -> tuple[float, float]:
     reference = _train(one, _loader())
     distances = []
     for ep in (2, 1):
-        model, loader = autodist.parallelize(_moe(), _loader(), ep=ep, mixed_precision="bf16")
+        model, loader = autodist.parallelize(_moe(), _loader(), ep=ep, mixed_precision="bf16", **options)
         trained = _train(model, loader)
         distances.append(max(float((trained[k] - v).abs().max()) for k, v in reference.items()))
     return distances[0], distances[1]
 
 
 @pytest.mark.slow
-def test_in_bf16_experts_placed_over_ranks_are_as_near_one_process_as_data_parallelism(ranks):
-    for placed, data_parallel in ranks(2, _in_bf16):  # bfloat16's rounding, amplified by 10 steps at lr 1e-2
+@pytest.mark.parametrize("world, options", [(2, {}), (4, {"pp": 2})], ids=["ep2", "dp2xpp2xep2"])
+def test_in_bf16_experts_placed_over_ranks_are_as_near_one_process_as_data_parallelism(ranks, world, options):
+    """With pp=2, against the same stages without ep."""
+    for placed, data_parallel in ranks(world, _in_bf16, options):  # bfloat16's rounding, amplified by 10 steps
+        print(f"bf16 {options}: ep=2 {placed:.3g}, without ep {data_parallel:.3g}")  # at lr 1e-2
         assert placed <= 1.5 * data_parallel, (placed, data_parallel)
 
 
