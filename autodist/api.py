@@ -166,6 +166,16 @@ def _check_pipeline(pp: int, stages: pp_cut.Stages, microbatches: int | None, st
                          f"shard='optimizer' or 'gradients' with pp")
 
 
+def _across(dims: ParallelDims, groups: Groups, rank: int) -> tuple[Any] | None:
+    """The group a norm over the model's gradients is summed over across the data-parallel ranks: the replica's
+    (mp and pp), the pipeline's, the model-parallel one's; None without mp or pp."""
+    if dims.pp > 1 and dims.mp > 1:
+        return (replica_group(dims, rank),)
+    if dims.pp > 1 or dims.mp > 1:
+        return (groups.pp if dims.pp > 1 else groups.mp,)
+    return None
+
+
 def _staged(cut: pp_cut.Cut | None, pieces: int, loss_fn: Callable[..., Any] | None) -> str:
     """What the summary line says of the pipeline."""
     how = "1F1B" if loss_fn is not None else "GPipe"
@@ -614,8 +624,8 @@ def parallelize(
             experts interface) placed over ``ep`` data-parallel ranks, each token sent to the ranks holding its
             top-k experts and their outputs back by all-to-all, dropless, exactly one process's training; the
             expert groups of ``ep`` consecutive ranks replicas of each other (``ep`` divides the data-parallel
-            ranks). With ``mp``, ``pp`` (GPipe or 1F1B; experts held as ``(num_experts, ...)`` parameters: each
-            stage's placed over its data-parallel ranks), ``checkpoint=True``, every ``shard=`` level,
+            ranks). With ``mp``, ``pp`` (GPipe or 1F1B, each stage's experts placed over its data-parallel ranks;
+            experts held as modules not with ``pp`` and ``mp`` together), ``checkpoint=True``, every ``shard=`` level,
             ``mixed_precision=`` and torch.compile; not yet with ``cp``, ``sync="manual"`` or ``plan=``.
 
     Returns:
@@ -759,7 +769,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     if dims.pp > 1 or (dims.mp > 1 and not rewrite.mp_modules(model)):
         split = copies.skeleton(model)  # what a copy of the split model is (the dense layers), without memory
     if ep > 1:  # on the whole model, before a cut: a stage may hold none of its experts
-        ep_place.require(model, ep, staged=dims.pp > 1)
+        ep_place.require(model, ep, staged=dims.pp > 1, split=dims.mp > 1)
     if dims.pp > 1:  # where the stages begin: measured on the whole model, before mp splits it
         cut = pp_cut.choose(model, dims.pp, stages, blocks, _example(model, data, example), world.rank)
     if dims.mp > 1 and not rewrite.mp_modules(model):
@@ -780,7 +790,10 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
                          elastic=False)
         place_group, copies_group = expert_groups(dims, ep, world.rank)
         placement = ep_place.setup(model, place_group, dims.dp_rank(world.rank) % ep, ep, copies_group,
-                                   shard in ("gradients", "parameters"), dims.mp_rank(world.rank) == 0)
+                                   shard in ("gradients", "parameters"), dims.mp_rank(world.rank) == 0,
+                                   None if cut is None else
+                                   frozenset(pp_pipeline.pipeline_of(model).own_params()),  # type: ignore[union-attr]
+                                   _across(dims, groups, world.rank))
         if cut is not None:  # each micro-batch's forward exchanges within the expert group
             pp_pipeline.pipeline_of(model).exchanges_over(place_group)  # type: ignore[union-attr]
     at_rest = None

@@ -65,7 +65,9 @@ class PlacedModules(Exchanged):
         self.paths = [path for path, _ in found]
         self.here = [m for _, m in found[rank * per:(rank + 1) * per]]
         self.keys = list(self.here[0].state_dict())
-        split = [n for m in self.here for n, p in m.named_parameters() if getattr(p, "split_over", None)]
+        # model-parallel layers (mp's, which hold their dense_state); a pipeline's marks on whole ones are not splits
+        split = [n or type(m).__name__ for m in self.here for n, sub in m.named_modules()
+                 if callable(getattr(sub, "dense_state", None))]
         if split:
             raise NotImplementedError(f"ep={size}: the experts of {name} are already split by model parallelism "
                                       f"({split[0]}): ep places whole expert modules; use mp=1 with ep")

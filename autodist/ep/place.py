@@ -195,14 +195,15 @@ class Placement:
 
 
 def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any, sharded_grads: bool = False,
-          counted: bool = True) -> Placement:
+          counted: bool = True, stage_params: frozenset[int] | None = None,
+          across: tuple[Any] | None = None) -> Placement:
     """Place every module of experts of ``model`` over ``group`` (``size`` ranks, this one ``rank``); ``replicas``:
     the group of the ranks holding the same experts in the other expert groups (None: there are none);
     ``sharded_grads``: the other parameters' gradients will be sharded (``shard="gradients"``), every rank then
     taking part in a norm over them; ``counted``: whether this rank's experts count in a norm over a group across
     the data-parallel ranks (mp's or pp's: on the first model-parallel rank, every rank of which holds the same
-    experts). :func:`require` checked the whole model first: cut into pipeline stages, a rank holds its stage's
-    blocks, which may hold no experts."""
+    experts), and ``across`` that group (``(group,)``; None: there is none). :func:`require` checked the whole model first: cut into pipeline stages, a rank holds its stage's
+    blocks, which may hold no experts (``stage_params``: the ids of the parameters of those blocks)."""
     found = experts.find(model)
     placed = [Placed(name, module, group, rank, size) if experts.fused(module)
               else PlacedModules(name, module, group, rank, size, per_rank(name, experts.count(module), size))
@@ -211,13 +212,13 @@ def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any, sha
     params = [p for one in placed for p in one.parameters_here]
     ids = frozenset(id(p) for p in params)
     for p in params:  # each expert a part of a norm over the group, its replicas in the other groups counted once
-        mark_split(p, group, counted, inside=(replicas,))
+        mark_split(p, group, inside=(replicas, counted, across))
     if sharded_grads:  # every rank takes a norm over the sharded gradients beside the experts the same way
         for p in model.parameters():
             if id(p) not in ids:
                 mark_inside(p, replicas)
     elif modules:
-        _in_every_norm(model, ids, group, rank)
+        _in_every_norm(model, ids, group, rank, (replicas, counted, across), stage_params)
     summed = None if replicas is None or not params else Replicas(params, replicas, modules)
     for one in placed:
         one.replicas = summed
@@ -225,9 +226,9 @@ def setup(model: nn.Module, group: Any, rank: int, size: int, replicas: Any, sha
     return placement
 
 
-def require(model: nn.Module, size: int, staged: bool) -> None:
+def require(model: nn.Module, size: int, staged: bool, split: bool = False) -> None:
     """An error unless ``model`` holds a module of experts that ep places in its layout (``staged``: cut into
-    pipeline stages; checked on the whole model, before the cut)."""
+    pipeline stages, ``split``: by mp; checked on the whole model, before the cut)."""
     found = experts.find(model)
     if not found:
         raise ValueError(f"ep={size} places the experts of mixture-of-experts layers over ranks, and "
@@ -235,20 +236,25 @@ def require(model: nn.Module, size: int, staged: bool) -> None:
                          f"...) parameters of its own or as num_experts modules of the same shapes, called as "
                          f"experts(hidden_states, top_k_index, top_k_weights) (Hugging Face's experts). Leave ep=1")
     held = [name for name, module in found if not experts.fused(module)]
-    if staged and held:
-        raise NotImplementedError(f"ep={size} with pp: experts held as modules ({held[0]}) are not built with "
-                                  f"pipeline stages yet (fused experts are: Hugging Face's (num_experts, ...) "
-                                  f"parameters); use ep with data parallelism, mp or shard=, or pp without ep")
+    if staged and split and held:
+        raise NotImplementedError(f"ep={size} with pp and mp: experts held as modules ({held[0]}) are not built with "
+                                  f"pipeline stages and model parallelism together yet (fused experts are: Hugging "
+                                  f"Face's (num_experts, ...) parameters); use two of pp, mp and ep")
 
 
-def _in_every_norm(model: nn.Module, placed: frozenset[int], group: Any, rank: int) -> None:
+def _in_every_norm(model: nn.Module, placed: frozenset[int], group: Any, rank: int, inside: tuple[Any, bool, Any],
+                   stage_params: frozenset[int] | None) -> None:
     """Experts held as modules: one that no row reached has no gradient (as in one process, where the optimizer
     then skips it), and a rank none of whose experts got a row would skip a norm over the group (``clip_grad_norm_``)
-    the others take. So every other trainable parameter counts in such a norm too, once (on the group's first
-    rank): every rank then takes part in it. (Under ``shard="gradients"`` every rank takes part anyway.)"""
+    the others take. So the other trainable parameters every rank of the group holds alike count in such a norm
+    too, once (on the group's first rank), and every rank takes part in it: those mp does not split, or under pp
+    this stage's blocks' (the root's keep their sum over the stages). (Under ``shard="gradients"`` every rank
+    takes part anyway.)"""
     for p in model.parameters():
-        if p.requires_grad and id(p) not in placed and getattr(p, "split_over", None) is None:
-            mark_split(p, group, counted=rank == 0)
+        if not p.requires_grad or id(p) in placed:
+            continue
+        if (id(p) in stage_params) if stage_params is not None else getattr(p, "split_over", None) is None:
+            mark_split(p, group, counted=rank == 0, inside=inside)
 
 
 @contextmanager

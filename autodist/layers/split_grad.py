@@ -43,8 +43,12 @@ def mark_split(p: nn.Parameter, group: Any, counted: bool = True, inside: tuple[
     holds the same part (a parameter every stage of a pipeline holds counts on one stage). A second call marks
     the parameter anew (a pipeline over model-parallel layers: one group for both). ``inside``: None where the
     group lies across the data-parallel ranks (mp, pp: each data-parallel rank holds the same parts); for experts
-    placed over data-parallel ranks (ep), ``(replicas,)``: the group of the ranks holding the same experts in the
-    other expert groups (None in it: there are none), which a norm over sharded gradients counts once.
+    placed over data-parallel ranks (ep), ``(replicas, joins, across)``: the group of the ranks holding the same
+    experts in the other expert groups (None in it: there are none), which a norm over sharded gradients counts
+    once; whether the sum over ``group`` joins the group across the data-parallel ranks here (on the first
+    model-parallel rank); and that group, ``(mp's or pp's group,)``, or None where there is none. A parameter every
+    rank of ``group`` holds alike may be marked so too (``counted`` on one of them): every rank then takes part in
+    the sum over ``group``, whether or not its experts got a gradient.
 
     Example:
         >>> mark_split(self.weight, group)
@@ -173,6 +177,8 @@ class StackedNorms(torch.Tensor):
     group: Any
     groups: list[Any]  # per norm: the group its part is split over (None for a whole one), where they differ
     inside: list[bool]  # per norm: split over a group inside the data-parallel ranks (ep's experts)
+    joins: list[bool]  # per such norm: its group's sum joins the group across the data-parallel ranks here
+    across: list[Any]  # that group, where the marks name it (one at most)
 
     @staticmethod
     def of(stacked: torch.Tensor, norms: Sequence[torch.Tensor]) -> "StackedNorms":
@@ -185,6 +191,9 @@ class StackedNorms(torch.Tensor):
             parts[0].group
         t.groups = [n.group if isinstance(n, SplitNorm) else None for n in norms]
         t.inside = [isinstance(n, SplitNorm) and n.inside is not None for n in norms]
+        marked = [n.inside for n in norms if isinstance(n, SplitNorm) and n.inside is not None]
+        t.joins = [isinstance(n, SplitNorm) and n.inside is not None and bool(n.inside[1]) for n in norms]
+        t.across = [inside[2][0] for inside in marked if inside[1] and inside[2] is not None][:1]
         return t
 
     @classmethod
@@ -193,8 +202,10 @@ class StackedNorms(torch.Tensor):
         stacked = args[0] if args else None
         if func in _NORMS and isinstance(stacked, StackedNorms) and _whole_order(func, args, kwargs) == stacked.ord:
             with torch._C.DisableTorchFunctionSubclass():
-                if any(g is not stacked.group for g, split in zip(stacked.groups, stacked.split) if split is not None):
-                    return _over_groups(stacked, stacked.split, stacked.groups, stacked.inside, stacked.ord)
+                if stacked.across or any(g is not stacked.group for g, split in zip(stacked.groups, stacked.split)
+                                         if split is not None):
+                    return _over_groups(stacked, stacked.split, stacked.groups, stacked.inside, stacked.joins,
+                                        stacked.ord, stacked.across)
                 first = first_rank(stacked.group)  # a gradient every rank holds whole counts there only
                 return whole_norm(stacked, [first if split is None else split for split in stacked.split], stacked.ord,
                                   stacked.group)
@@ -202,17 +213,19 @@ class StackedNorms(torch.Tensor):
 
 
 def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any], inside: list[bool],
-                 ord: float) -> torch.Tensor:
+                 joins: list[bool], ord: float, named: Sequence[Any] = ()) -> torch.Tensor:
     """The norm of gradients split over two groups at once: a group across the data-parallel ranks (``mp``'s or
     ``pp``'s: attention split over the model-parallel ranks, blocks over the stages) and one inside them (``ep``'s:
-    experts placed over data-parallel ranks). The experts' parts are summed over their group first (each rank's
-    slice of them counts, and so do the parts counted there of any other gradient split over that group), then
-    that sum joins the counted parts of the group across, on the ranks whose experts count there (the first
-    model-parallel rank; every stage's, each holding its own blocks' experts), summed over it; the whole
-    gradients, the same on every rank, are added here. One order on every rank: inside, then across."""
+    experts placed over data-parallel ranks). The parts counted over the group inside are summed over it first
+    (each rank's experts; a gradient its ranks hold alike, on one of them), then that sum joins the counted parts
+    of the group across, on the ranks whose marks say so (the first model-parallel rank; every stage's, each
+    holding its own blocks' experts), summed over it; the whole gradients, the same on every rank, are added
+    here; ``named``: the group across, as the marks inside name it (the parts across may all be marked inside: a
+    pipeline stage's blocks beside experts held as modules). One order on every rank: inside, then across."""
     norms = norms.detach().reshape(-1)
     across = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and not i}
     within = {id(g): g for g, s, i in zip(groups, split, inside) if s is not None and i}
+    across.update({id(g): g for g in named})
     across = {k: g for k, g in across.items() if k not in within}  # ep's group may also count whole parameters
     if len(across) > 1 or len(within) > 1 or math.isinf(ord) or ord <= 0:
         raise RuntimeError(f"a norm of order {ord} over gradients split over {len(across) + len(within)} groups is "
@@ -226,9 +239,9 @@ def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any
     total = norms.new_zeros(())
     experts_count = False
     for g in within.values():
-        total = powers([h is g and (i or bool(s)) for s, h, i in zip(split, groups, inside)])
+        total = powers([h is g and bool(s) for s, h in zip(split, groups)])
         dist.all_reduce(total, group=g)
-        experts_count = any(bool(s) for s, i in zip(split, inside) if i)
+        experts_count = any(j for j, i in zip(joins, inside) if i)
     if across:
         g = next(iter(across.values()))
         value = powers([s is not None and bool(s) and h is g for s, h in zip(split, groups)])

@@ -259,7 +259,7 @@ def _with_experts(norms: list[Any], partial: list[PartialNorm]) -> PartialNorm:
     first_mp = mp is False or first_rank(mp)
     first_dp = first_rank(first.group)
     here = [(n.counted if n.split is not None else first_mp) if isinstance(n, PartialNorm) else
-            counted and n.counted if isinstance(n, SplitNorm) else first_dp and first_mp for n in norms]
+            counted and bool(n.inside[1]) if isinstance(n, SplitNorm) else first_dp and first_mp for n in norms]
     parts = [(n.local if isinstance(n, PartialNorm) else n.detach()).to(first.local.device) for n in norms]
     stacked = PartialNorm(torch.stack(parts), first.ord, first.group if mp is False else None)
     stacked.here = here
