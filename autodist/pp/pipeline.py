@@ -249,13 +249,15 @@ class Pipeline:
         before anything is sent."""
         config = getattr(self.model(), "config", None)
         asked = []
-        for name in ("output_hidden_states", "output_attentions"):
+        for name in ("output_hidden_states", "output_attentions", "output_router_logits"):
             value = kwargs.get(name)
             if value if value is not None else getattr(config, name, False):
                 asked.append(name)
         if asked:
-            raise ValueError(f"{' and '.join(asked)}=True asks for every block's outputs, and under pp={self.cut.stages} "
-                             f"each stage runs only its own blocks (stage {self.stage}: "
+            router = (" (a mixture of experts' load-balancing loss, computed from every block's router logits, is "
+                      "not built with pp)" if "output_router_logits" in asked else "")
+            raise ValueError(f"{' and '.join(asked)}=True asks for every block's outputs{router}, and under "
+                             f"pp={self.cut.stages} each stage runs only its own blocks (stage {self.stage}: "
                              f"{', '.join(self.held_blocks())}): pass {'=False, '.join(asked)}=False (and set it so "
                              f"in the model's config), or use pp=1")
 
