@@ -351,12 +351,13 @@ def save(path: PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | No
     layout = _layout(model)
     sync = _sync_state(model, layout)
     optim = None if optimizer is None else _dense_optimizer_state(optimizer, model, layout)
+    state = gather_state_dict(model, all_ranks=elastic.current() is not None)  # the writer may not be rank 0
+    if optim is not None and ep_saved.has_modules(model):  # each rank its own experts: their state merged (over
+        # the expert group: with pp, each stage's, before the stages' states go to the first)
+        optim = ep_saved.merged_optimizer_state(model, optim, None if state is None else list(state))
     pipeline = pipeline_of(model)
     if optim is not None and pipeline is not None:  # each stage holds its blocks' state
         optim = pipeline.dense_optimizer_state(optim)
-    state = gather_state_dict(model, all_ranks=elastic.current() is not None)  # the writer may not be rank 0
-    if optim is not None and ep_saved.has_modules(model):  # each rank its own experts: their state merged
-        optim = ep_saved.merged_optimizer_state(model, optim, None if state is None else list(state))
     payload = None
     if _writer(world):
         payload = contents(state, optim, extra, rng, sync, loader_position.positions(model))
