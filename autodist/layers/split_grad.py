@@ -237,15 +237,13 @@ def _over_groups(norms: torch.Tensor, split: list[bool | None], groups: list[Any
         return torch.where(mask, norms, torch.zeros_like(norms)).pow(ord).sum()
 
     total = norms.new_zeros(())
-    experts_count = False
     for g in within.values():
         total = powers([h is g and bool(s) for s, h in zip(split, groups)])
         dist.all_reduce(total, group=g)
-        experts_count = any(j for j, i in zip(joins, inside) if i)
     if across:
         g = next(iter(across.values()))
         value = powers([s is not None and bool(s) and h is g for s, h in zip(split, groups)])
-        if experts_count:
+        if any(joins):  # the sum inside joins here (only norms inside are marked so)
             value = value + total
         dist.all_reduce(value, group=g)
         total = value

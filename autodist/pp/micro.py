@@ -63,7 +63,11 @@ def _cut_target(target: Any, rows: list[int], dim: int) -> list[Any]:
 def pieces_for(args: tuple, kwargs: dict, pieces: int, dim: int) -> int:
     """How many micro-batches :func:`cut` makes of this batch: ``pieces``, fewer for a batch with fewer rows."""
     flat, _ = pytree.tree_flatten((args, kwargs))
-    return max(1, min(pieces, _batch_size(flat, dim, args, kwargs)))
+    return _fewer(pieces, _batch_size(flat, dim, args, kwargs))
+
+
+def _fewer(pieces: int, rows: int) -> int:
+    return max(1, min(pieces, rows))
 
 
 def cut(args: tuple, kwargs: dict, pieces: int, dim: int, target: Any = None) -> Parts:
@@ -71,7 +75,7 @@ def cut(args: tuple, kwargs: dict, pieces: int, dim: int, target: Any = None) ->
     the first ones one row larger where they do not divide); ``target`` (the loss's) cut alike."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     n = _batch_size(flat, dim, args, kwargs)
-    pieces = pieces_for(args, kwargs, pieces, dim)
+    pieces = _fewer(pieces, n)
     rows = [n // pieces + (1 if i < n % pieces else 0) for i in range(pieces)]
     split = [list(leaf.split(rows, dim)) if isinstance(leaf, torch.Tensor) and leaf.dim() > dim
              and leaf.shape[dim] == n else None for leaf in flat]
