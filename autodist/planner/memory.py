@@ -89,12 +89,17 @@ def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_
         params, trainable, own = params * fraction, trainable * fraction, own * fraction
 
     def acts(kept: bool = False) -> float:
-        made = activations(layout, profile, rows, kept)
         if stage is None:
-            return made
+            return activations(layout, profile, rows, kept)
         # each micro-batch's forward casts the stage's float32 parameters anew, and keeps its casts for its backward
-        casts = (pieces(layout.pp, rows, microbatches) - 1) * params / 2 if layout.precision is not None else 0.0
-        return profile.stage_share(made, stage, rows, layout.checkpoint) + casts
+        # (checkpointed blocks keep none: they cast again as they recompute)
+        m = pieces(layout.pp, rows, microbatches)
+        cast = params * profile.outside_fraction(stage) if layout.checkpoint else params
+        casts = (m - 1) * cast / 2 if layout.precision is not None else 0.0
+        made = profile.stage_share(activations(layout, profile, rows), stage, rows, layout.checkpoint, m)
+        if kept:  # the first micro-batch's backward makes the stage's gradients whole, the others' activations kept
+            made = made + trainable if layout.checkpoint else max(made, made * (m - 1) / m + trainable)
+        return made + casts
     gathered = 0.0
     if layout.shard == "parameters" and dp > 1:
         params = params - trainable + own  # frozen parameters stay whole

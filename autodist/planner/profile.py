@@ -107,19 +107,31 @@ class Profile:
         outside = max(0.0, self.param_bytes - sum(self.block_measures.params))
         return (outside + stage.block_bytes) / self.param_bytes
 
-    def stage_share(self, whole: float, stage: Stage, rows: float, checkpoint: bool) -> float:
+    def outside_fraction(self, stage: Stage) -> float:
+        """Of the parameter bytes a rank of ``stage`` holds, the share outside the blocks."""
+        if self.block_measures is None or not self.param_bytes:
+            return 1.0
+        outside = max(0.0, self.param_bytes - sum(self.block_measures.params))
+        return outside / (outside + stage.block_bytes) if outside + stage.block_bytes else 1.0
+
+    def stage_share(self, whole: float, stage: Stage, rows: float, checkpoint: bool, pieces: int = 1) -> float:
         """Of ``whole`` bytes a forward/backward keeps on one rank, what ``stage`` keeps: the blocks' part in
-        proportion to what they save (to their number, checkpointed: their inputs), the rest (the head's) on the
-        last stage."""
+        proportion to what they save, the rest (the head's) on the last stage. Checkpointed (``pieces``
+        micro-batches), the blocks keep their inputs, in proportion to their number, and recompute one block of one
+        micro-batch at a time; the rest of ``whole``, less the one pass's recomputing of its largest block, is the
+        head's. A stage before the last keeps its outputs too, until the next stage sends their gradients."""
         measures = self.block_measures
         if measures is None:
             return whole
-        in_blocks = min(whole, sum(measures.saved) * rows)
         if checkpoint:
-            share = stage.blocks / max(1, len(measures.saved))
-        else:
-            share = stage.saved_per_row / sum(measures.saved) if sum(measures.saved) else 1.0 / len(measures.saved)
-        return in_blocks * share + (whole - in_blocks if stage.last else 0.0)
+            inputs = min(whole, self.block_inputs(rows))
+            recomputed = min(whole - inputs, max(measures.saved, default=0.0) * rows)
+            head = whole - inputs - recomputed
+            return (inputs * stage.blocks / max(1, len(measures.saved)) + stage.sent_per_row * rows
+                    + stage.largest_saved_per_row * rows / max(1, pieces) + (head if stage.last else 0.0))
+        in_blocks = min(whole, sum(measures.saved) * rows)
+        share = stage.saved_per_row / sum(measures.saved) if sum(measures.saved) else 1.0 / len(measures.saved)
+        return in_blocks * share + stage.sent_per_row * rows + (whole - in_blocks if stage.last else 0.0)
 
     def per_rank(self, layout: Any) -> tuple[float, float, float]:
         """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the
@@ -343,6 +355,47 @@ def _send_time(device: torch.device) -> float:
             second(t, peer)
         best = min(best, (time.perf_counter() - start) / 2)
     return best
+
+
+def probe_peak(model: nn.Module, example: Any, rows: int, batch_dim: int = 0,
+               compute: torch.dtype | None = None) -> float:
+    """The most bytes a forward/backward of the example's first ``rows`` rows makes at one time, gradients counted
+    as kept; infinite where the device runs out of memory, 0 where the model fails on so few rows (the measures
+    that follow then run on the share as before, and fail or not as they did)."""
+    dropped: list[LiveBytes] = []
+    try:
+        with untouched(model, dropped), precision.computing_in(model, compute):
+            return _peaks(model, first_rows(example, rows, batch_dim), dropped)[1]
+    except torch.OutOfMemoryError:
+        return float("inf")
+    except Exception:  # noqa: BLE001 - a model that needs more rows than the probe's
+        return 0.0
+
+
+def rows_within(probed: float, probe: int, rows: tuple[int, int], room: float, name: str) -> tuple[int, int]:
+    """The two batch sizes to measure at: ``rows`` (a rank's share and twice it), or fewer where a forward/backward
+    of them would make more than ``room`` bytes at its peak. A pass of ``r >= probe`` rows makes at most ``r /
+    probe`` times the ``probed`` peak of ``probe`` rows (the bytes grow with the rows, ``a + b x r`` with ``a >=
+    0``), so the rows taken are the most that fit by that bound, the rest extrapolated (:class:`Line`); where not
+    twice the probe's rows fit, the probe's rows are measured and the bytes taken as growing in proportion to the
+    rows. Planning a model whose activations at a rank's share would not fit a rank costs no more than a rank
+    has (the probe's forward/backward at least: two rows, or one where the batch has one).
+
+    Example:
+        >>> rows_within(probed=1e9, probe=2, rows=(16, 32), room=6e9, name="GPT")   # 32 rows: up to 16 GB
+        (6, 12)
+    """
+    if probed == float("inf"):
+        raise ValueError(f"plan='auto' measures {name} on a rank before it predicts a layout, and a forward/backward "
+                         f"of {probe} rows of the batch ran out of the device's memory: no layout the plan measures "
+                         f"fits here. What would help: shorter rows, or a layout written by hand that splits a row "
+                         f"(cp=K splits its tokens, mp=K its layers), with checkpoint=True")
+    most = int(room * probe // probed) if probed > 0 else rows[1]
+    if most >= rows[1]:
+        return rows
+    if most < 2 * probe:
+        return probe, probe
+    return most // 2, most
 
 
 def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: int, states: int,

@@ -25,7 +25,7 @@ from autodist.planner import context, memory, timing, trial
 from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
 from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
-from autodist.planner.profile import Profile, first_rows, measure, nbytes
+from autodist.planner.profile import Profile, first_rows, measure, nbytes, probe_peak, rows_within
 from autodist.planner.stages import counts
 from autodist.planner.target import Target, carried
 from autodist.runtime import plain
@@ -204,21 +204,27 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     say("plan: measuring %s (a forward/backward at 2 batch sizes, the optimizer step, the all-reduce)",
         type(model).__name__)
     ranks = world.size if target is None else target.ranks
-    small = max(1, batch // ranks)
-    profile = measure(model, example, (small, min(batch, 2 * small)), ranks, auto.optimizer_states,
-                      options.get("blocks"), batch_dim, precision.compute_dtype(pinned.get("precision")))
-    if auto.cp or pinned.get("cp", 1) > 1:  # asked for: the code around the model must be per token
-        profile.contexts = context.contexts(model, first_rows(example, small, batch_dim), small,
-                                            [k for k in range(2, ranks + 1) if ranks % k == 0],
-                                            isinstance(data, DataLoader), batch_dim)
-    if target is not None:
-        profile = carried(profile, target, world.size)
     held = nbytes([*model.parameters(), *model.buffers()])
     here = default_budget(model, world)
     available = min(plain.all_gather(here)) if world.size > 1 else here
     budget = auto.budget_gb * 1e9 if auto.budget_gb is not None else available
-    if target is not None and target.memory_gb is not None:
-        budget = target.memory_gb * 1e9
+    small = max(1, batch // ranks)
+    compute = precision.compute_dtype(pinned.get("precision"))
+    # measured at a rank's share of the rows, or fewer where those would not fit this rank beside the model
+    probe = min(2, batch)  # two rows: BatchNorm's statistics need more than one
+    probed = probe_peak(model, example, probe, batch_dim, compute)
+    if world.size > 1:  # every rank measures the same rows (the all-reduce is timed over them all)
+        probed = max(plain.all_gather(probed))
+    rows = rows_within(probed, probe, (small, min(batch, 2 * small)), budget - held, type(model).__name__)
+    profile = measure(model, example, rows, ranks, auto.optimizer_states, options.get("blocks"), batch_dim, compute)
+    if auto.cp or pinned.get("cp", 1) > 1:  # asked for: the code around the model must be per token
+        profile.contexts = context.contexts(model, first_rows(example, rows[0], batch_dim), rows[0],
+                                            [k for k in range(2, ranks + 1) if ranks % k == 0],
+                                            isinstance(data, DataLoader), batch_dim)
+    if target is not None:
+        profile = carried(profile, target, world.size)
+        if target.memory_gb is not None:
+            budget = target.memory_gb * 1e9
     rows = candidates(ranks, profile, pinned, options.get("microbatches"))
     _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, ranks, here=target is None)
     if world.size > 1:  # rank 0's predictions decide, on every rank

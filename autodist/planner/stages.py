@@ -49,6 +49,8 @@ class Stage:
     seconds_per_row: float  # its blocks' (and on the last stage, the head's) forward and backward
     received_per_row: float  # bytes of the activations it receives from the stage before (none on the first)
     last: bool
+    largest_saved_per_row: float = 0.0  # its largest block's (what recomputing one block holds, checkpointed)
+    sent_per_row: float = 0.0  # bytes of its output, kept for the backward the next stage sends (none on the last)
 
 
 def measure_blocks(model: nn.Module, names: list[str], example: Any, rows: int) -> Blocks:
@@ -83,7 +85,8 @@ def stages_of(blocks: Blocks, pp: int) -> list[Stage]:
         last = s == pp - 1
         stages.append(Stage(hi - lo, sum(blocks.params[lo:hi]), sum(blocks.saved[lo:hi]),
                             sum(blocks.seconds[lo:hi]) + (blocks.head if last else 0.0),
-                            blocks.sent[lo - 1] if lo > 0 else 0.0, last))
+                            blocks.sent[lo - 1] if lo > 0 else 0.0, last, max(blocks.saved[lo:hi], default=0.0),
+                            0.0 if last else blocks.sent[hi - 1]))
     return stages
 
 
