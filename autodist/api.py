@@ -153,10 +153,9 @@ def _check_pipeline(pp: int, stages: pp_cut.Stages, microbatches: int | None, st
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output) -> loss or (output, target) -> loss, got "
                         f"{type(loss_fn).__name__}")
-    if pp == 1:
-        if stages is not None or microbatches is not None or loss_fn is not None:
-            raise ValueError("stages=, microbatches= and loss_fn= cut the model into pipeline stages: they need "
-                             "pp > 1")
+    if pp == 1:  # loss_fn= without pp: model(x, target=y) is loss_fn(model(x), y), as in one process
+        if stages is not None or microbatches is not None:
+            raise ValueError("stages= and microbatches= cut the model into pipeline stages: they need pp > 1")
         return
     if not isinstance(strategy, sync_mod.Exact):
         raise ValueError(f"pp={pp} trains as one process does, with sync='backward' or 'manual'; {strategy!r} "
@@ -386,6 +385,11 @@ def _planned(model: nn.Module, data: data_mod.DataLike, plan: str | ParallelPlan
         if any(getattr(plan.layout, k) != v for k, v in pins.items()):
             raise ValueError(f"the plan's layout ({plan.layout}) differs from {pins} given beside it: give one or "
                              f"the other")
+        if plan.layout.pp > 1 and (plan.schedule == "1F1B") != (options.get("loss_fn") is not None):
+            made, now = ("with", "without") if plan.schedule == "1F1B" else ("without", "with")
+            raise ValueError(f"this plan's pipeline ({plan.layout}) was planned {made} loss_fn= (its schedule "
+                             f"{plan.schedule or 'GPipe'}, its memory as that schedule holds it), and it is given "
+                             f"{now}: plan again with the loop this script runs, or give loss_fn= as planned")
         if world.rank == 0:
             log.info("plan: %s (the plan given, used without searching)", plan.layout)
         return plan
@@ -411,9 +415,6 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
         raise NotImplementedError(f"plan= does not search expert parallelism yet: with ep={options['ep']} choose the "
                                   f"rest by hand (layout=autodist.Layout(...), or the keywords), or leave ep=1 beside "
                                   f"plan=")
-    if options.get("loss_fn") is not None:
-        raise ValueError("plan= measures pipelines as GPipe runs them (model(x), then backward); with loss_fn= (pp's "
-                         "1F1B, the backward inside the forward) choose pp=, mp= and shard= yourself")
     pipeline = [k for k in ("stages", "microbatches") if options.get(k) is not None]
     if pipeline and given.get("pp", 1) == 1:
         raise ValueError(f"{'= and '.join(pipeline)}= shape pipeline stages, and plan= may choose none: give pp= "
@@ -599,9 +600,11 @@ def parallelize(
             default: balanced by the time and bytes rank 0 measures per block on two samples of ``data``.
         microbatches: with ``pp``, the pieces each batch is cut into (default ``2 * pp``; fewer for a batch
             with fewer rows).
-        loss_fn: with ``pp``, ``(output) -> loss`` or ``(output, target) -> loss`` of one micro-batch: the
-            stages then run 1F1B (a stage holds at most ``pp - s`` micro-batches' activations), the whole step
-            inside ``loss = model(x)`` / ``model(x, target=y)``, which returns the batch's loss on every rank.
+        loss_fn: ``(output) -> loss`` or ``(output, target) -> loss``: ``model(x, target=y)`` then returns
+            ``loss_fn(model(x), y)`` (``model(x)``: ``loss_fn(model(x))``). With ``pp``, of one micro-batch: the
+            stages run 1F1B (a stage holds at most ``pp - s`` micro-batches' activations), the whole step inside
+            ``loss = model(x, target=y)``, which returns the batch's loss on every rank. ``plan=`` with it plans
+            that loop (its pipelines 1F1B).
         mixed_precision: "bf16" or "fp16": keep the float32 parameters as the master the optimizer steps and
             compute forward and backward in that dtype (each module's parameters cast for its call, floating
             inputs cast; FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``; under
@@ -724,7 +727,7 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     _check_blocks(blocks, shard, checkpoint or pp > 1)
     _check_counting(batch_dim, samples)
     cp_options.check(cp, mp=mp, pp=pp, exact=isinstance(strategy, sync_mod.Exact), elastic=environment.elastic(),
-                     one_f_one_b=pp > 1 and loss_fn is not None)
+                     one_f_one_b=loss_fn is not None)
     if cp > 1:
         cp_options.loader_check(cp, data)
     ep_options.check(ep, dp=None, mp=mp, pp=pp, cp=cp, shard=shard, exact=isinstance(strategy, sync_mod.Exact),
@@ -856,6 +859,8 @@ def _build(model: nn.Module, data: data_mod.DataLike, *, mp: int, mp_layers: rew
     # a copy of a split model meets every rank first, on the reads group of the layout without mp: the world
     everyone = None if split is None else second_dp_group(ParallelDims.for_world(world.size, 1), world.rank, "reads")
     copies.make_copyable(model, split, everyone)
+    if loss_fn is not None and cut is None:  # model(x, target=y) is the loss, as in one process and under pp
+        pp_pipeline.with_loss(model, loss_fn)
     if compute is not None:  # last: a module's parameters are cast after whatever parallelize's hooks put there
         precision.setup(model, compute)
     habits.adopt(model)  # model.module (DDP's) says what to write instead

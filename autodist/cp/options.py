@@ -11,14 +11,14 @@ from typing import Any
 
 def check(cp: Any, *, mp: int, pp: int, exact: bool, elastic: bool, one_f_one_b: bool = False) -> None:
     """Raise where ``cp`` is not a positive int or is combined with what it is not built with yet
-    (``one_f_one_b``: pp's schedule with ``loss_fn=``)."""
+    (``one_f_one_b``: ``loss_fn=``, the loss inside the forward; pp's 1F1B)."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp must be a positive int (the ranks sharing each sequence), got {cp!r}")
     if cp == 1:
         return
     with_ = [name for name, on in (("autodist run --elastic", elastic),
-                                   ("loss_fn= under pp (1F1B; without it pp runs GPipe, which cp is built with)",
-                                    one_f_one_b)) if on]
+                                   ("loss_fn= (the loss inside the model's forward; under pp, 1F1B; without it "
+                                    "pp runs GPipe, which cp is built with)", one_f_one_b)) if on]
     if with_:
         raise NotImplementedError(f"cp={cp} is not built with {', '.join(with_)} yet: use cp with data "
                                   f"parallelism, mp and pp's default schedule only, or leave cp=1")

@@ -270,6 +270,24 @@ def example_of(data: Any, rows: int = 2) -> Example | None:
     return batch
 
 
+def for_device(model: nn.Module, obj: Any) -> Any:
+    """``obj``'s tensors on the device of the model's parameters, their dtypes kept (a target as the loop hands
+    it over)."""
+    device = _device(model)
+    return map_tensors(obj, lambda _, t: t if t.device == device else t.to(device))
+
+
+def target_of(data: Any, rows: int = 2) -> Any:
+    """The target of a small batch of the data, as a loop with ``loss_fn=`` hands it over (``model(x,
+    target=y)``): the last element of a tuple batch ``(x, y)``; None for a batch of one tensor, a one-element
+    tuple or a dict (the model or ``loss_fn`` finds its labels there)."""
+    try:
+        batch = _first_rows(data, rows) if data is not None else None
+    except (TypeError, IndexError, KeyError, NotImplementedError):
+        return None
+    return batch[-1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
+
+
 def _first_rows(data: Any, rows: int) -> Any:
     from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 

@@ -10,8 +10,8 @@ the model-parallel all-reduce's slots. Activations are measured: the peak of one
 batch sizes, with and without the blocks checkpointed, extended to this layout's rows; ``mp=K`` divides what
 autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`); with checkpointing the
 blocks' inputs, which it keeps, stay whole, and the rest (a block recomputed) is divided in that proportion.
-With ``pp`` stages each stage's share is predicted (:mod:`~autodist.planner.stages`) and the fullest stage's
-is the layout's. The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
+With ``pp`` stages each stage's share is predicted (:mod:`~autodist.planner.stages`: every micro-batch's
+activations in flight under GPipe, at most ``pp - s`` under 1F1B) and the fullest stage's is the layout's. The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
 ``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
 step's temporaries).
 
@@ -27,7 +27,7 @@ from autodist.layers.shared_reduce import SMALLEST_BYTES, held_bytes
 from autodist.planner.context import flat
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile, nbytes, summed_nbytes
-from autodist.planner.stages import Stage, pieces, stages_of
+from autodist.planner.stages import Stage, in_flight, pieces, stages_of
 from autodist.runtime.mesh import ParallelDims, built_groups
 from autodist.sharded.scatter import RING, ring_bytes
 
@@ -60,10 +60,12 @@ def existing_mp_buffers(world_size: int, mp: int, pp: int = 1) -> float:
 
 
 def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float = 25.0,
-            mp_buffers: float = 0.0, microbatches: int | None = None) -> tuple[dict[str, float], float]:
+            mp_buffers: float = 0.0, microbatches: int | None = None,
+            one_f_one_b: bool = False) -> tuple[dict[str, float], float]:
     """Bytes per rank by kind, and the step's peak, for ``layout`` with ``rows`` rows a rank per step;
     ``mp_buffers``: what its model-parallel group's all-reduce already holds (:func:`existing_mp_buffers`).
-    With ``pp`` stages, the fullest stage's (``microbatches`` a step: None, ``parallelize``'s default). With ``cp``,
+    With ``pp`` stages, the fullest stage's (``microbatches`` a step: None, ``parallelize``'s default;
+    ``one_f_one_b``: its schedule, else GPipe's). With ``cp``,
     a rank holds ``1/cp`` of each row's tokens and keeps the whole sequence's keys and values its attention
     gathered: the data-parallel layout over ``dp x cp`` ranks at ``rows / cp`` rows, plus the gathered part of them,
     and at the peak what one attention call holds for a moment in backward (:mod:`~autodist.planner.context`)."""
@@ -75,13 +77,14 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
         return {**kinds, "activations": kinds["activations"] + gathered}, peak + gathered + moment
     if layout.pp == 1 or profile.block_measures is None:
         return _predict(layout, profile, rows, states, bucket_mb, mp_buffers, None)
-    each = [_predict(layout, profile, rows, states, bucket_mb, mp_buffers, stage, microbatches)
+    each = [_predict(layout, profile, rows, states, bucket_mb, mp_buffers, stage, microbatches, one_f_one_b)
             for stage in stages_of(profile.block_measures, layout.pp)]
     return max(each, key=lambda kinds_peak: kinds_peak[1])
 
 
 def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_mb: float, mp_buffers: float,
-             stage: Stage | None, microbatches: int | None = None) -> tuple[dict[str, float], float]:
+             stage: Stage | None, microbatches: int | None = None,
+             one_f_one_b: bool = False) -> tuple[dict[str, float], float]:
     dp, mp = layout.dp, layout.mp
     params, trainable, own = profile.per_rank(layout)
     if stage is not None:
@@ -94,11 +97,12 @@ def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_
         # each micro-batch's forward casts the stage's float32 parameters anew, and keeps its casts for its backward
         # (checkpointed blocks keep none: they cast again as they recompute)
         m = pieces(layout.pp, rows, microbatches)
+        held = in_flight(stage, layout.pp, m, one_f_one_b)
         cast = params * profile.outside_fraction(stage) if layout.checkpoint else params
-        casts = (m - 1) * cast / 2 if layout.precision is not None else 0.0
-        made = profile.stage_share(activations(layout, profile, rows), stage, rows, layout.checkpoint, m)
+        casts = (held - 1) * cast / 2 if layout.precision is not None else 0.0
+        made = profile.stage_share(activations(layout, profile, rows), stage, rows, layout.checkpoint, m, held)
         if kept:  # the first micro-batch's backward makes the stage's gradients whole, the others' activations kept
-            made = made + trainable if layout.checkpoint else max(made, made * (m - 1) / m + trainable)
+            made = made + trainable if layout.checkpoint else max(made, made * (held - 1) / held + trainable)
         return made + casts
     gathered = 0.0
     if layout.shard == "parameters" and dp > 1:

@@ -123,6 +123,7 @@ class ParallelPlan:
     reason: str = ""
     search_seconds: float = 0.0
     measured_on: int = 0  # a plan for another world (autodist.Target): the ranks it was measured on; 0: this one
+    schedule: str = ""  # the pipelines' schedule planned: "1F1B" (loss_fn=, the loss inside the forward); "": GPipe
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``parallelize`` the plan chose (with ``pp``, the cut and the micro-batches it
@@ -157,8 +158,8 @@ class ParallelPlan:
                           f"{'computing in ' + self.layout.precision + ', ' if self.layout.precision else ''}"
                           f"searched in {self.search_seconds:.1f} s", *lines,
                           "memory in MB per rank (predicted; peak: predicted / measured); time: m = measured on a "
-                          "copy of the model, ~ = modelled" + ("; pp: stages x micro-batches a step" if "pp" in dims
-                                                              else "")])
+                          "copy of the model, ~ = modelled" + (f"; pp: stages x micro-batches a step, "
+                                                              f"{self.schedule or 'GPipe'}" if "pp" in dims else "")])
 
     # -- JSON ----------------------------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -114,24 +114,28 @@ class Profile:
         outside = max(0.0, self.param_bytes - sum(self.block_measures.params))
         return outside / (outside + stage.block_bytes) if outside + stage.block_bytes else 1.0
 
-    def stage_share(self, whole: float, stage: Stage, rows: float, checkpoint: bool, pieces: int = 1) -> float:
-        """Of ``whole`` bytes a forward/backward keeps on one rank, what ``stage`` keeps: the blocks' part in
-        proportion to what they save, the rest (the head's) on the last stage. Checkpointed (``pieces``
-        micro-batches), the blocks keep their inputs, in proportion to their number, and recompute one block of one
-        micro-batch at a time; the rest of ``whole``, less the one pass's recomputing of its largest block, is the
-        head's. A stage before the last keeps its outputs too, until the next stage sends their gradients."""
+    def stage_share(self, whole: float, stage: Stage, rows: float, checkpoint: bool, pieces: int = 1,
+                    held: int | None = None) -> float:
+        """Of ``whole`` bytes a forward/backward keeps on one rank, what ``stage`` keeps with ``held`` of its
+        ``pieces`` micro-batches in flight (None: all of them, GPipe): the blocks' part in proportion to what they
+        save, the rest (the head's) on the last stage. Checkpointed, the blocks keep their inputs, in proportion to
+        their number, and recompute one block of one micro-batch at a time; the rest of ``whole``, less the one
+        pass's recomputing of its largest block, is the head's. A stage before the last keeps its outputs too,
+        until the next stage sends their gradients."""
         measures = self.block_measures
         if measures is None:
             return whole
+        flight = (pieces if held is None else held) / max(1, pieces)
+        outputs = stage.sent_per_row * rows
         if checkpoint:
             inputs = min(whole, self.block_inputs(rows))
             recomputed = min(whole - inputs, max(measures.saved, default=0.0) * rows)
             head = whole - inputs - recomputed
-            return (inputs * stage.blocks / max(1, len(measures.saved)) + stage.sent_per_row * rows
-                    + stage.largest_saved_per_row * rows / max(1, pieces) + (head if stage.last else 0.0))
+            return (flight * (inputs * stage.blocks / max(1, len(measures.saved)) + outputs
+                              + (head if stage.last else 0.0)) + stage.largest_saved_per_row * rows / max(1, pieces))
         in_blocks = min(whole, sum(measures.saved) * rows)
         share = stage.saved_per_row / sum(measures.saved) if sum(measures.saved) else 1.0 / len(measures.saved)
-        return in_blocks * share + stage.sent_per_row * rows + (whole - in_blocks if stage.last else 0.0)
+        return flight * (in_blocks * share + outputs + (whole - in_blocks if stage.last else 0.0))
 
     def per_rank(self, layout: Any) -> tuple[float, float, float]:
         """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the

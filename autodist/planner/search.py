@@ -24,6 +24,7 @@ from autodist.mp import observe
 from autodist.planner import context, memory, timing, trial
 from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
+from autodist.planner.context import Context
 from autodist.planner.plan import Auto, ParallelPlan, Row, rows_from, size_text
 from autodist.planner.profile import Profile, first_rows, measure, nbytes, probe_peak, rows_within
 from autodist.planner.stages import counts
@@ -47,9 +48,9 @@ def batch_size_of(data: Any, auto: Auto) -> int:
 
 
 def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget: float, bucket_mb: float,
-             world_size: int, here: bool = True) -> None:
+             world_size: int, here: bool = True, one_f_one_b: bool = False) -> None:
     """Each row's memory, peak and time; ``here``: the world this process is in (its model-parallel buffers
-    already made count), else a :class:`Target`."""
+    already made count), else a :class:`Target`; ``one_f_one_b``: pipelines run 1F1B (``loss_fn=``)."""
     for row in rows:
         if row.impossible:
             row.status = f"not possible: {row.impossible}"
@@ -58,7 +59,7 @@ def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget:
         existing = memory.existing_mp_buffers(world_size, row.layout.mp, row.layout.pp) \
             if row.layout.mp > 1 and here else 0.0
         row.memory, row.peak = memory.predict(row.layout, profile, per_rank, states, bucket_mb, existing,
-                                              row.microbatches)
+                                              row.microbatches, one_f_one_b)
         if row.layout.pp > 1:
             row.stages = counts(profile.cuts[row.layout.pp])
         row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb, row.microbatches)
@@ -170,7 +171,7 @@ def calibrate(rows: list[Row], here: list[Row]) -> int:
 
 
 def _predicted(rows: list[Row], budget: float, auto: Auto, batch: int, ranks: int, world: World,
-               seconds: float, here: list[Row]) -> ParallelPlan:
+               seconds: float, here: list[Row], schedule: str = "") -> ParallelPlan:
     """The plan for a target world: the fastest modelled layout that fits (each time calibrated by the layouts
     measured here, :func:`calibrate`), none tried."""
     calibrated = calibrate(rows, here)
@@ -178,7 +179,7 @@ def _predicted(rows: list[Row], budget: float, auto: Auto, batch: int, ranks: in
     by = f", the time model calibrated by the {calibrated} layouts measured here" if calibrated else ""
     plan = ParallelPlan(ranks, budget, auto.optimizer_states, batch, best.layout, rows,
                         f"predicted for {ranks} ranks from the measures of {world.size} here{by}, none tried: {why}",
-                        seconds, measured_on=world.size)
+                        seconds, measured_on=world.size, schedule=schedule)
     if world.size > 1:
         plan = ParallelPlan.from_json(plain.broadcast(plan.to_json(), src=0))
     (log.info if world.rank == 0 else log.debug)("%s", plan.line())
@@ -221,18 +222,23 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         profile.contexts = context.contexts(model, first_rows(example, rows[0], batch_dim), rows[0],
                                             [k for k in range(2, ranks + 1) if ranks % k == 0],
                                             isinstance(data, DataLoader), batch_dim)
+    one_f_one_b = options.get("loss_fn") is not None  # the loop's loss = model(x, target=y): pipelines run 1F1B
+    if one_f_one_b and profile.contexts:
+        profile.contexts = {k: Context(impossible=f"cp={k} is not built with loss_fn= (the loss inside the forward)")
+                            for k in profile.contexts}
     if target is not None:
         profile = carried(profile, target, world.size)
         if target.memory_gb is not None:
             budget = target.memory_gb * 1e9
     rows = candidates(ranks, profile, pinned, options.get("microbatches"))
-    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, ranks, here=target is None)
+    _predict(rows, profile, batch, auto.optimizer_states, budget, bucket_mb, ranks, target is None, one_f_one_b)
     if world.size > 1:  # rank 0's predictions decide, on every rank
         rows = rows_from(plain.broadcast([asdict(r) for r in rows], src=0))
     if not any(r.fits for r in rows):
         raise _nothing_fits(rows, budget, ranks, batch, type(model).__name__)
     if target is not None:
-        return _predicted(rows, budget, auto, batch, ranks, world, time.perf_counter() - start, here_rows or [])
+        return _predicted(rows, budget, auto, batch, ranks, world, time.perf_counter() - start, here_rows or [],
+                          "1F1B" if one_f_one_b else "")
     chosen = _finalists(rows, auto.finalists)
     trial_options = dict(options)
     if trial_options.get("example") is None:  # mp plans an untraceable model from a forward on it
@@ -248,8 +254,9 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     elif chosen:
         say("plan: no finalist measured, as a copy of the model beside it would not fit: the time model decides "
             "(%.1f s so far)", time.perf_counter() - start)
+    labels = observe.for_device(model, observe.target_of(data, batch)) if one_f_one_b else None
     make = [partial(trial.Trial, model, example, rows[i].layout, setup, auto.optimizer_states, world.rank,
-                    batch_dim, _cut(trial_options, rows[i])) for i in measurable]
+                    batch_dim, _cut(trial_options, rows[i]), labels) for i in measurable]
     together = sum(rows[i].peak for i in measurable) <= room
     for i, result in zip(measurable, trial.run_all(make, auto.steps, together)):
         row = rows[i]
@@ -266,7 +273,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
         raise _nothing_fits(rows, budget, ranks, batch, type(model).__name__)
     best, why = _choose(rows, budget)
     plan = ParallelPlan(world.size, budget, auto.optimizer_states, batch, best.layout, rows, why,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, schedule="1F1B" if one_f_one_b else "")
     if world.size > 1:
         plan = ParallelPlan.from_json(plain.broadcast(plan.to_json(), src=0))
     say("%s", plan.line())

@@ -51,6 +51,7 @@ class Stage:
     last: bool
     largest_saved_per_row: float = 0.0  # its largest block's (what recomputing one block holds, checkpointed)
     sent_per_row: float = 0.0  # bytes of its output, kept for the backward the next stage sends (none on the last)
+    index: int = 0  # its place in the pipeline, from 0
 
 
 def measure_blocks(model: nn.Module, names: list[str], example: Any, rows: int) -> Blocks:
@@ -86,8 +87,14 @@ def stages_of(blocks: Blocks, pp: int) -> list[Stage]:
         stages.append(Stage(hi - lo, sum(blocks.params[lo:hi]), sum(blocks.saved[lo:hi]),
                             sum(blocks.seconds[lo:hi]) + (blocks.head if last else 0.0),
                             blocks.sent[lo - 1] if lo > 0 else 0.0, last, max(blocks.saved[lo:hi], default=0.0),
-                            0.0 if last else blocks.sent[hi - 1]))
+                            0.0 if last else blocks.sent[hi - 1], s))
     return stages
+
+
+def in_flight(stage: Stage, pp: int, pieces: int, one_f_one_b: bool) -> int:
+    """The micro-batches whose activations ``stage`` holds at once: every one under GPipe (all forwards, then
+    the backwards), at most ``pp - s`` under 1F1B (stage ``s`` runs a backward after each forward from then on)."""
+    return min(pieces, pp - stage.index) if one_f_one_b else pieces
 
 
 def pieces(pp: int, rows: float, microbatches: int | None = None) -> int:

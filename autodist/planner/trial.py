@@ -16,6 +16,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -72,11 +73,13 @@ class Trial:
     measured; :meth:`step` times one more step (the slowest rank's time); :meth:`close` frees it."""
 
     def __init__(self, model: nn.Module, batch: Any, layout: Layout, setup: Setup, states: int, rank: int,
-                 dim: int = 0, options: dict[str, Any] | None = None) -> None:
+                 dim: int = 0, options: dict[str, Any] | None = None, target: Any = None) -> None:
         # cp cuts the batches a DataLoader hands over: one is given (never read), and the rows cut as it would
         loader = DataLoader(range(_UNREAD), batch_size=_UNREAD) if layout.cp > 1 else None
         self.model, _ = setup(copy.deepcopy(model), loader, **{**(options or {}), **layout.options()})
         self.x = share(batch, rank // (layout.mp * layout.pp * layout.cp), layout.dp, dim)
+        # with loss_fn= the step is loss = model(x, target=y), as that loop runs it (under pp, 1F1B)
+        self.target = None if target is None else share(target, rank // (layout.mp * layout.pp), layout.dp, dim)
         if layout.cp > 1:
             self.x = cp_forward.context_of(self.model).cut(self.x)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
@@ -101,7 +104,8 @@ class Trial:
     def run(self) -> None:
         """One step, untimed."""
         self.optimizer.zero_grad()
-        loss_of(tree.call(self.model, self.x)).backward()
+        loss_of(tree.call(self.model, self.x) if self.target is None else
+                tree.call(partial(self.model, target=self.target), self.x)).backward()
         self.optimizer.step()
 
     def step(self) -> None:
