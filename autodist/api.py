@@ -364,7 +364,7 @@ def _pins(given: dict) -> dict:
     """The layout options given other than their defaults, by the names of :class:`Layout`'s fields: the
     dimensions a search keeps (and the precision every candidate computes in)."""
     layout = Layout.of(None, given)
-    return {k: getattr(layout, k) for k in ("mp", "pp", "cp", "shard", "checkpoint", "precision")
+    return {k: getattr(layout, k) for k in ("mp", "pp", "cp", "shard", "checkpoint", "precision", "ep")
             if getattr(layout, k) != getattr(Layout(), k)}
 
 
@@ -411,10 +411,6 @@ def search_plan(model: nn.Module, data: data_mod.DataLike, auto: Auto, given: di
     _check_blocks(options["blocks"], "parameters", given["checkpoint"])  # blocks= may serve the chosen layout
     _check_counting(options["batch_dim"], options["samples"])
     precision.check(model, precision.compute_dtype(given.get("mixed_precision")))
-    if options.get("ep", 1) != 1:
-        raise NotImplementedError(f"plan= does not search expert parallelism yet: with ep={options['ep']} choose the "
-                                  f"rest by hand (layout=autodist.Layout(...), or the keywords), or leave ep=1 beside "
-                                  f"plan=")
     pipeline = [k for k in ("stages", "microbatches") if options.get(k) is not None]
     if pipeline and given.get("pp", 1) == 1:
         raise ValueError(f"{'= and '.join(pipeline)}= shape pipeline stages, and plan= may choose none: give pp= "
@@ -473,7 +469,7 @@ def plan(model: nn.Module, data: data_mod.DataLike = None, auto: Auto | None = N
         raise TypeError(f"target must be an autodist.Target (a world that is not here) or None, got "
                         f"{type(target).__name__}")
     return search_plan(model, data, auto or Auto(), dict(mp=mp, pp=pp, cp=options["cp"], shard=shard,
-                                                         checkpoint=checkpoint,
+                                                         checkpoint=checkpoint, ep=options["ep"],
                                                          mixed_precision=options["mixed_precision"]), options,
                        target)
 
@@ -667,14 +663,14 @@ def parallelize(
     """
     if layout is not None:  # the keywords are its shorthands (each checked below as given by them)
         chosen = Layout.of(layout, dict(mp=mp, pp=pp, cp=cp, shard=shard, checkpoint=checkpoint,
-                                        mixed_precision=mixed_precision))
+                                        mixed_precision=mixed_precision, ep=ep))
         if plan is not None:
             raise ValueError("plan= and layout= were both given: a plan chooses the layout (plan.layout is one); "
                              "give one or the other")
         if chosen.dp is not None:
             chosen.for_world(init(backend).size)
         mp, pp, cp, shard, checkpoint = chosen.mp, chosen.pp, chosen.cp, chosen.shard, chosen.checkpoint
-        mixed_precision = chosen.precision
+        mixed_precision, ep = chosen.precision, chosen.ep
     options = dict(mp_layers=mp_layers, sync=sync, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                    sync_buffers=sync_buffers, batch_dim=batch_dim, samples=samples, example=example, backend=backend,
                    blocks=blocks, pp=pp, stages=stages, microbatches=microbatches, loss_fn=loss_fn,
@@ -686,7 +682,7 @@ def parallelize(
         built, data = _build(model, data, mp=mp, shard=shard, checkpoint=checkpoint, **options)
     else:
         picked = _planned(model, data, plan, dict(mp=mp, pp=pp, cp=cp, shard=shard, checkpoint=checkpoint,
-                                                  mixed_precision=mixed_precision), options)
+                                                  mixed_precision=mixed_precision, ep=ep), options)
         chosen = picked.options()
         for kept in ("stages", "microbatches"):  # the user's cut and micro-batches, kept
             if options[kept] is not None:

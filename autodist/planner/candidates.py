@@ -3,7 +3,8 @@
 count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that splits nothing,
 sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on a model without attention calls
 or data that is not a DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that
-says so). Dimensions the user pins are kept as given, and so is the precision (``mixed_precision=``), which every
+says so). A model with experts adds each ``ep`` dividing ``dp`` (with ``mp`` or ``pp``: one row that says they are
+not modelled). Dimensions the user pins are kept as given, and so is the precision (``mixed_precision=``), which every
 candidate computes in.
 
 Example:
@@ -19,6 +20,14 @@ from autodist.planner.profile import Profile
 
 
 def _why_not(layout: Layout, profile: Profile) -> str:
+    if layout.ep > 1 and profile.experts.why_not(layout.ep):
+        return profile.experts.why_not(layout.ep)
+    if layout.ep > 1 and layout.cp > 1:
+        return f"ep={layout.ep} is not built with cp={layout.cp}"
+    if layout.ep > 1 and (layout.mp > 1 or layout.pp > 1):
+        return (f"ep={layout.ep} with {'mp' if layout.mp > 1 else 'pp'} is not modelled by the planner: give "
+                f"layout=autodist.Layout(ep={layout.ep}, mp={layout.mp}, pp={layout.pp}, ...) to parallelize without "
+                f"plan=")
     if layout.cp > 1 and layout.cp not in profile.contexts:  # pinned, on a model the search did not read for it
         return f"cp={layout.cp} was not read from the model (pass autodist.Auto(cp=True) or cp= to the plan)"
     if layout.cp > 1 and profile.contexts[layout.cp].impossible:
@@ -52,18 +61,22 @@ def candidates(world_size: int, profile: Profile, pinned: dict[str, Any],
     memory model misses most (a micro-batch's transients grow with its rows: 15-19% under the measured peak
     for bench_plan.py's CNN, where ``2 * pp`` and ``4 * pp`` are within -4..+12%)."""
     rows = []
+    experts = bool(profile.experts.layers) or pinned.get("ep", 1) > 1
     for pp, cp, mp in _factors(world_size, searched=bool(profile.contexts) or pinned.get("cp", 1) > 1):
-        for shard in SHARDS:
-            for checkpoint in (False, True):
-                layout = Layout(world_size // (mp * pp * cp), mp, shard, checkpoint, pp=pp, cp=cp,
-                                precision=pinned.get("precision"))
-                if any(getattr(layout, key) != value for key, value in pinned.items()):
-                    continue
-                if cp > 1 and pp > 1 and (shard, checkpoint) != (None, False) and "cp" not in pinned:
-                    continue  # not modelled: one row says so
-                why = _why_not(layout, profile)
-                counts = [None] if pp == 1 or why else [microbatches] if microbatches else [2 * pp, 4 * pp]
-                rows.extend(Row(layout, impossible=why, microbatches=m) for m in counts)
+        dp = world_size // (mp * pp * cp)
+        for ep in [k for k in range(1, dp + 1) if dp % k == 0] if experts else [1]:
+            for shard in SHARDS:
+                for checkpoint in (False, True):
+                    layout = Layout(dp, mp, shard, checkpoint, pp=pp, cp=cp, precision=pinned.get("precision"),
+                                    ep=ep)
+                    if any(getattr(layout, key) != value for key, value in pinned.items()):
+                        continue
+                    if (shard, checkpoint) != (None, False) and ((cp > 1 and pp > 1 and "cp" not in pinned) or (
+                            ep > 1 and cp * mp * pp > 1 and "ep" not in pinned)):
+                        continue  # not modelled: one row says so
+                    why = _why_not(layout, profile)
+                    counts = [None] if pp == 1 or why else [microbatches] if microbatches else [2 * pp, 4 * pp]
+                    rows.extend(Row(layout, impossible=why, microbatches=m) for m in counts)
     return rows
 
 

@@ -35,17 +35,22 @@ from autodist.sharded.scatter import RING, ring_bytes
 def activations(layout: Layout, profile: Profile, rows: float, kept: bool = False) -> float:
     """Bytes a forward/backward of ``rows`` rows makes at its peak on one rank of ``layout``; ``kept``: with the
     gradients it makes kept to its end (whole gradients), else dropped as they come (sharded ones)."""
-    whole = profile.peak(rows)
-    peak = profile.checkpoint_peak(rows) if layout.checkpoint else whole
+    one, one_kept, recomputing, recomputing_kept = profile.peaks(layout.ep)  # ep: a rank's experts as placed
+    whole = one(rows)
+    peak = recomputing(rows) if layout.checkpoint else whole
     grads = 0.0
     if kept:
-        grads = (profile.checkpoint_kept(rows) if layout.checkpoint else profile.kept(rows)) - peak
+        grads = (recomputing_kept(rows) if layout.checkpoint else one_kept(rows)) - peak
     if layout.mp > 1:  # what mp splits (not the blocks' inputs checkpointing keeps); its share of the gradients
         kept_whole = min(peak, profile.block_inputs(rows)) if layout.checkpoint else 0.0
         if whole > 0:
             peak = kept_whole + (peak - kept_whole) * (1 - profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp)
                                                        / whole)
         grads *= profile.splits[layout.mp].param_bytes / profile.param_bytes if profile.param_bytes else 1.0
+    if layout.ep > 1:  # the tokens' exchange: the pairs sent, and their outputs back
+        if layout.ep not in profile.placed:  # experts held as modules: measured as one process, all of them
+            grads *= profile.per_rank(layout)[1] / profile.trainable_bytes if profile.trainable_bytes else 1.0
+        peak += profile.experts.sent.get(layout.ep, (0.0, 0.0))[0] * rows
     return max(peak + grads, 0.0)
 
 
@@ -107,27 +112,35 @@ def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_
     gathered = 0.0
     if layout.shard == "parameters" and dp > 1:
         params = params - trainable + own  # frozen parameters stay whole
-        gathered = 2 * profile.largest_block_bytes / mp  # a block in use and the next one gathered
+        block = profile.largest_block_bytes - (profile.experts.param_bytes / max(1, profile.experts.layers)
+                                               if layout.ep > 1 else 0.0)  # a block's experts stay placed (ep)
+        gathered = 2 * max(0.0, block) / mp  # a block in use and the next one gathered
         if layout.precision is not None:  # gathered in the compute dtype, from float32 chunks
             gathered /= 2
     grads = own if layout.shard in ("gradients", "parameters") and dp > 1 else trainable
     buffers = 0.0
+    bucketed = trainable - profile.experts_here(layout)[1]  # a rank's experts (ep) stay out of the buckets
     if dp > 1:
-        summed = trainable * profile.widened  # the buckets, in the dtype gradients are summed in
+        summed = bucketed * profile.widened  # the buckets, in the dtype gradients are summed in
         # each buffer of the ring as large as its largest bucket, at most the cap: no more than the buckets
-        ring = min(RING * ring_bytes(int(trainable), dp, int(bucket_mb * MB)), summed)
+        ring = min(RING * ring_bytes(int(bucketed), dp, int(bucket_mb * MB)), summed)
         buffers += {None: summed, "optimizer": summed + ring}.get(layout.shard, ring)
     if mp > 1:
         sent = profile.splits[mp].sent_per_row * rows / max(1, profile.splits[mp].collectives)
         buffers += max(SMALLEST_BYTES, 2 * sent, mp_buffers)
     whole = not (layout.shard in ("gradients", "parameters") and dp > 1)
+    # under ep with sharded gradients a rank's experts' gradients are whole ones: zero_grad() frees them, backward
+    # makes them (their part of the gradients' bytes at the peak, measured kept)
+    placed_grads = profile.experts_here(layout)[1] if not whole else 0.0
     kinds = {"parameters": params, "model buffers": profile.buffer_bytes, "gradients": grads,
              "optimizer state": states * own, "autodist buffers": buffers,
              "activations": acts()}
     at_rest = sum(v for k, v in kinds.items() if k != "activations")
     # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
     # frees the activations, which the peak measured with them kept holds; sharded ones stay at rest
-    between = at_rest - grads if whole else at_rest
+    between = at_rest - grads if whole else at_rest - placed_grads
+    if placed_grads and trainable:
+        gathered += (activations(layout, profile, rows, kept=True) - acts()) * placed_grads / trainable
     # the step's temporaries: per byte stepped (foreach), or the largest tensor's, which mp and sharding cut alike
     transient = profile.step_transient * own + profile.step_transient_bytes * (
         own / profile.trainable_bytes if profile.trainable_bytes else 0.0)

@@ -140,7 +140,8 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         kinds = [k for k in (*KINDS, "activations") if any(r.memory.get(k) for r in self.rows)]
-        dims = ["dp", *(d for d in ("pp", "cp") if any(getattr(r.layout, d) > 1 for r in self.rows)), "mp"]
+        dims = ["dp", *(d for d in ("pp", "cp") if any(getattr(r.layout, d) > 1 for r in self.rows)), "mp",
+                *(["ep"] if any(r.layout.ep > 1 for r in self.rows) else [])]
         head = (*dims, "shard", "ckpt", *(_short(k) for k in kinds), "peak", "fits", "time/step", "status")
         table = [head]
         for r in self.rows:  # with pp, its micro-batches a step: "2 x4"

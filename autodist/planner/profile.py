@@ -17,20 +17,21 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from autodist.dp import precision
 from autodist.dp.buckets import sum_dtype
 from autodist.mp import rewrite
 from autodist.planner.context import Context
+from autodist.planner.experts import Experts, as_placed
 from autodist.planner.live import LiveBytes
 from autodist.planner.stages import Blocks, Stage, bounds_of, measure_blocks, refusal
-from autodist.planner.step import loss_of, make_optimizer, untouched
+from autodist.planner.step import first_rows, loss_of, make_optimizer, untouched
 from autodist.runtime import tree
 from autodist.runtime.comm import carrier
 from autodist.sharded import blocks as sharded_blocks
@@ -98,6 +99,15 @@ class Profile:
     cuts: dict[int, list[int]] = field(default_factory=dict)  # by pp: where each stage begins, and the end
     cut_refusals: dict[int, str] = field(default_factory=dict)  # by pp: why that cut cannot run ("" where it can)
     contexts: dict[int, Context] = field(default_factory=dict)  # by cp: what it sends and keeps (none: no attention)
+    experts: Experts = field(default_factory=Experts)  # what ep places and sends (no layers: no experts)
+    placed: dict[int, tuple[Line, Line, Line, Line]] = field(default_factory=dict)  # by ep: the 4 peaks, as placed
+
+    def peaks(self, ep: int = 1) -> tuple[Line, Line, Line, Line]:
+        """The peaks of a forward/backward (gradients dropped, kept; checkpointed, dropped and kept): one
+        process's, or with ``ep`` a rank's, its experts computed as placed (:func:`~autodist.planner.experts.as_placed`)."""
+        if ep in self.placed:
+            return self.placed[ep]
+        return self.peak, self.kept, self.checkpoint_peak, self.checkpoint_kept
 
     def stage_fraction(self, stage: Stage) -> float:
         """The share of the model's parameter bytes a rank of ``stage`` holds: every parameter outside the
@@ -139,12 +149,26 @@ class Profile:
 
     def per_rank(self, layout: Any) -> tuple[float, float, float]:
         """Parameter bytes a rank of ``layout`` holds whole (after ``mp``), the trainable part of them, and the
-        trainable bytes it updates itself (its 1/dp under ``shard=``, over the data- and context-parallel ranks)."""
+        trainable bytes it updates itself (its 1/dp under ``shard=``, over the data- and context-parallel ranks).
+        Under ``ep`` a rank holds ``1/ep`` of the experts, its own, never sharded further."""
         params = self.splits[layout.mp].param_bytes if layout.mp > 1 else self.param_bytes
         trainable = params * (self.trainable_bytes / self.param_bytes if self.param_bytes else 1.0)
+        placed, placed_trainable = self.experts_here(layout)
+        if placed_trainable or placed:
+            params -= self.experts.param_bytes - placed
+            trainable -= self.experts.trainable_bytes - placed_trainable
         over = layout.dp * layout.cp
-        own = trainable / over if layout.shard is not None and over > 1 else trainable
+        dense = trainable - placed_trainable
+        own = (dense / over if layout.shard is not None and over > 1 else dense) + placed_trainable
         return params, trainable, own
+
+    def experts_here(self, layout: Any) -> tuple[float, float]:
+        """Bytes of the experts a rank of ``layout`` holds under ``ep`` (the trainable part): ``1/ep`` of them; (0,
+        0) without ``ep`` (the experts are parameters like the others)."""
+        ep = getattr(layout, "ep", 1)
+        if ep == 1:
+            return 0.0, 0.0
+        return self.experts.param_bytes / ep, self.experts.trainable_bytes / ep
 
 
 def nbytes(tensors: Any) -> float:
@@ -224,12 +248,6 @@ class _Watch:
             h.remove()
 
 
-def first_rows(example: Any, n: int, dim: int) -> Any:
-    """The first ``n`` rows of every tensor of the example (along ``dim``)."""
-    return tree_map(lambda t: t.narrow(dim, 0, min(n, t.shape[dim])) if isinstance(t, torch.Tensor)
-                    and t.dim() > dim else t, example)
-
-
 def _pass(model: nn.Module, example: Any) -> tuple[float, float]:
     """One forward and backward: their seconds."""
     start = time.perf_counter()
@@ -282,6 +300,16 @@ def _measure_rows(model: nn.Module, example: Any, blocks: list[str], roles: dict
             measured["checkpoint_peak"], measured["checkpoint_kept"] = _peaks(model, example, dropped)
             measured["recompute"] = max(0.0, min(sum(_pass(model, example)) for _ in range(2)) - forward - backward)
     return measured
+
+
+def _placed_rows(model: nn.Module, example: Any, blocks: list[str], dropped: list[LiveBytes]) -> list[float]:
+    """The four peaks of one batch size (gradients dropped, kept; checkpointed, the same), as :func:`_measure_rows`
+    measures them."""
+    peak, kept = _peaks(model, example, dropped)
+    if not blocks:
+        return [peak, kept, peak, kept]
+    with _checkpointed(model, blocks):
+        return [peak, kept, *_peaks(model, example, dropped)]
 
 
 def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float, float]:
@@ -364,48 +392,69 @@ def _send_time(device: torch.device) -> float:
 def probe_peak(model: nn.Module, example: Any, rows: int, batch_dim: int = 0,
                compute: torch.dtype | None = None) -> float:
     """The most bytes a forward/backward of the example's first ``rows`` rows makes at one time, gradients counted
-    as kept; infinite where the device runs out of memory, 0 where the model fails on so few rows (the measures
-    that follow then run on the share as before, and fail or not as they did)."""
+    as kept: infinite where the device runs out of memory, NaN where the model fails on so few rows."""
     dropped: list[LiveBytes] = []
     try:
         with untouched(model, dropped), precision.computing_in(model, compute):
             return _peaks(model, first_rows(example, rows, batch_dim), dropped)[1]
     except torch.OutOfMemoryError:
         return float("inf")
-    except Exception:  # noqa: BLE001 - a model that needs more rows than the probe's
-        return 0.0
+    except Exception:  # noqa: BLE001 - a model that needs more rows (BatchNorm: two) or fails anyway
+        return float("nan")
 
 
-def rows_within(probed: float, probe: int, rows: tuple[int, int], room: float, name: str) -> tuple[int, int]:
+def rows_within(peak_of: Callable[[int], float], rows: tuple[int, int], room: float, name: str) -> tuple[int, int]:
     """The two batch sizes to measure at: ``rows`` (a rank's share and twice it), or fewer where a forward/backward
-    of them would make more than ``room`` bytes at its peak. A pass of ``r >= probe`` rows makes at most ``r /
-    probe`` times the ``probed`` peak of ``probe`` rows (the bytes grow with the rows, ``a + b x r`` with ``a >=
-    0``), so the rows taken are the most that fit by that bound, the rest extrapolated (:class:`Line`); where not
-    twice the probe's rows fit, the probe's rows are measured and the bytes taken as growing in proportion to the
-    rows. Planning a model whose activations at a rank's share would not fit a rank costs no more than a rank
-    has (the probe's forward/backward at least: two rows, or one where the batch has one).
+    of them would make more than ``room`` bytes at its peak. ``peak_of(r)`` measures ``r`` rows' peak (every rank
+    alike). One row and two are measured first (two and three where one fails: BatchNorm); where ``rows`` fit the
+    line through them, with the slope doubled, they are taken; else the rows double while that line, through the
+    last two measured, puts the next within ``room``, and the last two measured are taken, the rest extrapolated
+    (:class:`Line`). Planning a model whose activations at a rank's share would not fit a rank costs no more than
+    a rank has: two rows' forward/backward at least (three where one row fails).
 
     Example:
-        >>> rows_within(probed=1e9, probe=2, rows=(16, 32), room=6e9, name="GPT")   # 32 rows: up to 16 GB
-        (6, 12)
+        >>> rows_within(lambda r: 5e8 + 5e7 * r, rows=(16, 32), room=1.5e9, name="GPT")   # 32 rows: 2.1 GB
+        (4, 8)
     """
-    if probed == float("inf"):
-        raise ValueError(f"plan='auto' measures {name} on a rank before it predicts a layout, and a forward/backward "
-                         f"of {probe} rows of the batch ran out of the device's memory: no layout the plan measures "
-                         f"fits here. What would help: shorter rows, or a layout written by hand that splits a row "
-                         f"(cp=K splits its tokens, mp=K its layers), with checkpoint=True")
-    most = int(room * probe // probed) if probed > 0 else rows[1]
-    if most >= rows[1]:
+    first = 1
+    measured = [(1, peak_of(1))]
+    if measured[0][1] != measured[0][1]:  # NaN: one row fails
+        first, measured = 2, [(2, peak_of(2))]
+    if measured[0][1] != measured[0][1]:  # the model fails on two rows too: measured on the share, as it is
         return rows
-    if most < 2 * probe:
-        return probe, probe
-    return most // 2, most
+    if first >= rows[1]:
+        return rows
+    measured.append((first + 1, peak_of(first + 1)))
+    if float("inf") in (measured[0][1], measured[1][1]):
+        raise ValueError(f"plan='auto' measures {name} on a rank before it predicts a layout, and a forward/backward "
+                         f"of {measured[1][0]} rows of the batch ran out of the device's memory: no layout the plan "
+                         f"measures fits here. What would help: shorter rows, or a layout written by hand that splits "
+                         f"a row (cp=K splits its tokens, mp=K its layers), with checkpoint=True")
+
+    def ahead(r: int) -> float:  # the line through the last two measures, its slope doubled: a margin
+        (r1, y1), (r2, y2) = measured[-2:]
+        return y2 + 2 * max(0.0, (y2 - y1) / (r2 - r1)) * (r - r2)
+
+    if ahead(rows[1]) <= room or measured[-1][0] >= rows[1]:
+        return rows
+    while measured[-1][0] < rows[1] and measured[-1][1] <= room:
+        nxt = min(rows[1], 2 * measured[-1][0])
+        if ahead(nxt) > room:
+            break
+        measured.append((nxt, peak_of(nxt)))
+    if measured[-1][1] > room and len(measured) > 2:  # not as the line said: the rows before it
+        measured.pop()
+    if measured[-1][0] >= rows[1]:
+        return rows
+    return measured[-2][0], measured[-1][0]
 
 
 def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: int, states: int,
-            blocks: sharded_blocks.Choice = None, batch_dim: int = 0, compute: torch.dtype | None = None) -> Profile:
+            blocks: sharded_blocks.Choice = None, batch_dim: int = 0, compute: torch.dtype | None = None,
+            ep: list[int] | tuple[int, ...] = ()) -> Profile:
     """Measure the model on two batch sizes of ``example`` (its first ``rows`` rows), and the world's
-    all-reduce; ``compute``: forward and backward in that dtype (``mixed_precision=``), the parameters float32.
+    all-reduce; ``compute``: forward and backward in that dtype (``mixed_precision=``), the parameters float32;
+    ``ep``: the degrees whose peaks are measured with the experts computed as a rank of them computes.
     Every rank calls it (the all-reduce is timed over the default group)."""
     params = list(model.parameters())
     element = params[0].element_size() if params else 4
@@ -438,6 +487,11 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
             cuts = {k: bounds_of(pipelined, k) for k in degrees} if pipelined is not None else {}
             two = first_rows(example, max(2, rows[0]), batch_dim)  # micro-batches to merge, however small the share
             refused = {k: refusal(model, names, bounds, two, batch_dim) for k, bounds in cuts.items()}
+            placed = {}
+            for k in ep:
+                with as_placed(model, k):
+                    each = [_placed_rows(model, first_rows(example, r, batch_dim), names, dropped) for r in rows]
+                placed[k] = tuple(Line.through(rows[0], a, rows[1], b) for a, b in zip(*each))
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
         splits = {k: _split(explained[k], k, rows_in, total, element, moved) for k in mps}
     step, transient, transient_bytes = _optimizer_step(model, states)
@@ -457,4 +511,4 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         forward=line("forward"), backward=line("backward"), recompute=line("recompute"), step_per_byte=step,
         step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth,
         widened=summed / trainable if trainable else 1.0, block_measures=pipelined, send_latency=send, cuts=cuts,
-        cut_refusals=refused)
+        cut_refusals=refused, placed=placed)  # type: ignore[arg-type]

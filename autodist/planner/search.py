@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from autodist.dp import precision
 from autodist.mp import observe
-from autodist.planner import context, memory, timing, trial
+from autodist.planner import context, experts, memory, timing, trial
 from autodist.planner.budget import default_budget
 from autodist.planner.candidates import candidates
 from autodist.planner.context import Context
@@ -98,13 +98,13 @@ def _finalists(rows: list[Row], count: int) -> list[int]:
     degree and family lets the measurement decide among them."""
     best: dict[tuple, int] = {}
     for i, r in enumerate(rows):
-        family = (r.layout.dp, r.layout.cp, r.layout.mp, r.layout.pp, r.layout.shard)
+        family = (r.layout.dp, r.layout.cp, r.layout.mp, r.layout.pp, r.layout.shard, r.layout.ep)
         if r.fits and r.seconds is not None and (family not in best or r.seconds < rows[best[family]].seconds):
             best[family] = i
     ranked = sorted(best.values(), key=lambda i: rows[i].seconds)  # type: ignore[arg-type, return-value]
     first = {}
     for i in ranked:
-        first.setdefault((rows[i].layout.mp, rows[i].layout.pp, rows[i].layout.cp), i)
+        first.setdefault((rows[i].layout.mp, rows[i].layout.pp, rows[i].layout.cp, rows[i].layout.ep), i)
     picked = sorted(first.values(), key=ranked.index)[:count]
     return picked + [i for i in ranked if i not in picked][:max(0, count - len(picked))]
 
@@ -119,8 +119,8 @@ def _choose(rows: list[Row], budget: float) -> tuple[Row, str]:
             r.status = "chosen"
         elif r in fitting and not r.status:
             r.status = _slower(r, best)
-    replicated = next((r for r in rows if r.layout.mp == r.layout.pp == r.layout.cp == 1 and r.layout.shard is None
-                       and not r.layout.checkpoint), None)
+    replicated = next((r for r in rows if r.layout.mp == r.layout.pp == r.layout.cp == r.layout.ep == 1
+                       and r.layout.shard is None and not r.layout.checkpoint), None)
     how = f"the fastest of {len(measured)} measured" if measured else "the fastest modelled"
     possible = sum(1 for r in rows if not r.impossible)
     why = f"{how}; {len(fitting)} of the {possible} possible layouts fit {size_text(budget)} per rank"
@@ -145,7 +145,8 @@ def _slower(row: Row, best: Row) -> str:
 def _family(layout: Any, checkpoint: bool = True) -> tuple:
     """What the time model misjudges alike: the shard level, whether layers, the model or the sequence are split,
     and (``checkpoint``) recomputation."""
-    return (layout.shard, layout.mp > 1, layout.pp > 1, layout.cp > 1, layout.checkpoint if checkpoint else None)
+    return (layout.shard, layout.mp > 1, layout.pp > 1, layout.cp > 1, layout.ep > 1,
+            layout.checkpoint if checkpoint else None)
 
 
 def calibrate(rows: list[Row], here: list[Row]) -> int:
@@ -212,12 +213,18 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
     small = max(1, batch // ranks)
     compute = precision.compute_dtype(pinned.get("precision"))
     # measured at a rank's share of the rows, or fewer where those would not fit this rank beside the model
-    probe = min(2, batch)  # two rows: BatchNorm's statistics need more than one
-    probed = probe_peak(model, example, probe, batch_dim, compute)
-    if world.size > 1:  # every rank measures the same rows (the all-reduce is timed over them all)
-        probed = max(plain.all_gather(probed))
-    rows = rows_within(probed, probe, (small, min(batch, 2 * small)), budget - held, type(model).__name__)
-    profile = measure(model, example, rows, ranks, auto.optimizer_states, options.get("blocks"), batch_dim, compute)
+
+    def peak_of(r: int) -> float:  # every rank measures the same rows (the all-reduce is timed over them all)
+        every = plain.all_gather(probe_peak(model, example, r, batch_dim, compute)) if world.size > 1 else \
+            [probe_peak(model, example, r, batch_dim, compute)]
+        return float("nan") if any(v != v for v in every) else max(every)
+
+    rows = rows_within(peak_of, (small, min(batch, 2 * small)), budget - held, type(model).__name__)
+    degrees = [k for k in range(2, ranks + 1) if ranks % k == 0]
+    placing = experts.read(model, example, rows[0], degrees, batch_dim)  # the experts ep would place (if any)
+    profile = measure(model, example, rows, ranks, auto.optimizer_states, options.get("blocks"), batch_dim, compute,
+                      sorted(placing.sent))
+    profile.experts = placing
     if auto.cp or pinned.get("cp", 1) > 1:  # asked for: the code around the model must be per token
         profile.contexts = context.contexts(model, first_rows(example, rows[0], batch_dim), rows[0],
                                             [k for k in range(2, ranks + 1) if ranks % k == 0],

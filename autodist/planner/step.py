@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autodist.planner.live import LiveBytes
 
@@ -80,3 +80,9 @@ def make_optimizer(params: Any, states: int) -> torch.optim.Optimizer:
     if states >= 2:
         return torch.optim.Adam(params, lr=1e-3)
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if states == 1 else 0.0)
+
+
+def first_rows(example: Any, n: int, dim: int) -> Any:
+    """The first ``n`` rows of every tensor of the example (along ``dim``)."""
+    return tree_map(lambda t: t.narrow(dim, 0, min(n, t.shape[dim])) if isinstance(t, torch.Tensor)
+                    and t.dim() > dim else t, example)

@@ -4,8 +4,9 @@ share of the work; checkpointing adds what it was measured to add), the optimize
 rank updates, and the collectives at the measured latency and ring bandwidth of the world's all-reduce:
 the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
 same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
-gathered for forward and backward under ``shard="parameters"``, and the model-parallel all-reduces of
-activations. With ``pp`` stages the slowest stage's share of the work, stretched by the pipeline's bubble
+gathered for forward and backward under ``shard="parameters"``, the model-parallel all-reduces of
+activations, and under ``ep`` the experts' sum over their replicas (out of the buckets) and each layer's exchange
+of the tokens (7 all-to-alls a step, the bytes the busiest rank sends). With ``pp`` stages the slowest stage's share of the work, stretched by the pipeline's bubble
 (smaller with more micro-batches), and a send between stages per step of the schedule (more with more). Communication is added to compute, not overlapped: on a
 machine whose cores both compute and move the data that is the closer guess, and the finalists are measured
 anyway.
@@ -16,6 +17,7 @@ Example:
 from __future__ import annotations
 
 from autodist.planner.context import flat
+from autodist.planner.experts import EXCHANGES
 from autodist.planner.plan import Layout
 from autodist.planner.profile import Profile
 from autodist.planner.stages import pieces, stages_of, stretch
@@ -62,6 +64,8 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
         received = max(s.received_per_row for s in stages)
         comm_p2p = 2 * (m + layout.pp - 1) * (profile.send_latency + received * rows / m / profile.bandwidth)
     step = profile.step_per_byte * own
+    placed, placed_trainable = profile.experts_here(layout)  # a rank's experts under ep: summed over their replicas
+    params, trainable = params - placed, trainable - placed_trainable
     buckets = max(1, int(trainable // (bucket_mb * 2 ** 20)) + 1)
     summed = trainable * profile.widened  # gradients travel in the dtype they are summed in (float32 for bf16)
     comm = _ring(summed, dp, profile, buckets)  # all-reduce, or reduce-scatter + all-gather: the same bytes
@@ -73,4 +77,8 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
         comm = _ring(summed, dp, profile, buckets) / 2 + _ring(params, dp, profile, 2 * max(1, len(profile.blocks)))
     if split is not None:
         comm += _ring(split.sent_per_row * rows, mp, profile, split.collectives)
+    if layout.ep > 1:  # the experts' replicas summed, and each layer's exchange of the tokens (all-to-alls)
+        comm += _ring(placed_trainable * profile.widened, dp // layout.ep, profile)
+        forward, backward = profile.experts.sent.get(layout.ep, (0.0, 0.0))
+        comm += profile.experts.layers * EXCHANGES * profile.latency + (forward + backward) * rows / profile.bandwidth
     return compute + step + comm + comm_p2p

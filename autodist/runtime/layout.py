@@ -3,12 +3,13 @@
 ``parallelize``'s layout keywords (``mp=``, ``pp=``, ``cp=``, ``shard=``, ``checkpoint=``, ``mixed_precision=``)
 are its shorthands: ``parallelize(model, loader, layout=Layout(mp=2, shard="parameters"))`` is
 ``parallelize(model, loader, mp=2, shard="parameters")``. The world is ``dp x cp x pp x mp`` ranks (torchtitan's
-``ParallelDims`` is the model): ``dp`` may be left out (None), the ranks the others leave.
+``ParallelDims`` is the model): ``dp`` may be left out (None), the ranks the others leave; ``ep`` places a mixture
+of experts' experts over ``ep`` of the ``dp`` ranks (it divides them).
 
 Example:
     >>> layout = autodist.Layout(mp=2, shard="parameters", precision="bf16")
     >>> layout.for_world(8)
-    Layout(dp=4, mp=2, shard='parameters', checkpoint=False, pp=1, cp=1, precision='bf16')
+    Layout(dp=4, mp=2, shard='parameters', checkpoint=False, pp=1, cp=1, precision='bf16', ep=1)
     >>> model, loader = autodist.parallelize(model, loader, layout=layout)
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 SHARDS = (None, "optimizer", "gradients", "parameters")
 PRECISIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
-DEFAULTS = {"mp": 1, "pp": 1, "cp": 1, "shard": None, "checkpoint": False, "mixed_precision": None}
+DEFAULTS = {"mp": 1, "pp": 1, "cp": 1, "shard": None, "checkpoint": False, "mixed_precision": None, "ep": 1}
 
 
 def _precision_name(value: Any) -> str | None:
@@ -45,6 +46,8 @@ class Layout:
         shard: None, "optimizer", "gradients" or "parameters" (``parallelize``'s ``shard=``).
         checkpoint: recompute each block's activations in backward.
         precision: "bf16" or "fp16": ``parallelize``'s ``mixed_precision=``; None: the model's own dtypes.
+        ep: the data-parallel ranks each layer's experts are placed over (``parallelize``'s ``ep=``; it divides
+            ``dp``).
 
     Example:
         >>> model, loader = autodist.parallelize(model, loader, layout=autodist.Layout(pp=2, checkpoint=True))
@@ -57,9 +60,10 @@ class Layout:
     pp: int = 1
     cp: int = 1
     precision: str | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "mp", "pp", "cp"):
+        for name in ("dp", "mp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if (value is not None or name != "dp") and (not isinstance(value, int) or isinstance(value, bool)
                                                         or value < 1):
@@ -70,6 +74,10 @@ class Layout:
         if not isinstance(self.checkpoint, bool):
             raise ValueError(f"Layout's checkpoint must be True or False, got {self.checkpoint!r}")
         object.__setattr__(self, "precision", _precision_name(self.precision))
+        if self.dp is not None and self.dp % self.ep:
+            raise ValueError(f"Layout's ep={self.ep} does not divide its dp={self.dp} data-parallel ranks (the experts "
+                             f"are placed over ep of them): choose ep from "
+                             f"{[k for k in range(1, self.dp + 1) if self.dp % k == 0]}")
 
     @property
     def ranks(self) -> int:
@@ -88,7 +96,7 @@ class Layout:
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``parallelize`` that make this layout."""
         return {"mp": self.mp, "pp": self.pp, "cp": self.cp, "shard": self.shard, "checkpoint": self.checkpoint,
-                "mixed_precision": self.precision}
+                "mixed_precision": self.precision, "ep": self.ep}
 
     @classmethod
     def of(cls, layout: "Layout | None", given: dict[str, Any]) -> "Layout":
@@ -99,7 +107,7 @@ class Layout:
         if layout is None:
             options = {k: given.get(k, v) for k, v in DEFAULTS.items()}
             return cls(mp=options["mp"], pp=options["pp"], cp=options["cp"], shard=options["shard"],
-                       checkpoint=options["checkpoint"], precision=options["mixed_precision"])
+                       checkpoint=options["checkpoint"], precision=options["mixed_precision"], ep=options["ep"])
         mine = layout.options()
         differ = {k: v for k, v in given.items() if k in DEFAULTS and v != DEFAULTS[k]
                   and _normal(k, v) != mine[k]}
@@ -112,7 +120,8 @@ class Layout:
     def written(self) -> str:
         """The layout as written by hand: its values other than the defaults."""
         default = Layout()
-        given = [f"{k}={getattr(self, k)!r}" for k in ("dp", "mp", "pp", "cp", "shard", "checkpoint", "precision")
+        given = [f"{k}={getattr(self, k)!r}" for k in ("dp", "mp", "pp", "cp", "shard", "checkpoint", "precision",
+                                                        "ep")
                  if getattr(self, k) != getattr(default, k)]
         return f"Layout({', '.join(given)})"
 
@@ -122,6 +131,8 @@ class Layout:
         text = " x ".join([*parts, f"mp={self.mp}"]) + f", shard={self.shard!r}"
         if self.checkpoint:
             text += ", checkpoint=True"
+        if self.ep > 1:
+            text += f", ep={self.ep}"
         return text + (f", precision={self.precision!r}" if self.precision else "")
 
 

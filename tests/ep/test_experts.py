@@ -524,16 +524,12 @@ def test_a_call_is_read_by_its_forwards_signature_however_its_arguments_are_pass
 def _refused(case: str) -> str:
     import autodist
 
-    options = {"three": dict(ep=3), "aux-pp": dict(pp=2), "plan": dict(ep=2, plan="auto"),
-               "autodist.plan": dict(ep=2)}.get(case, {"ep": 2})
+    options = {"three": dict(ep=3), "aux-pp": dict(pp=2)}.get(case, {"ep": 2})
     model = w.mlp() if case == "plain" else _moe(experts=3 if case == "uneven" else 8, aux=case == "aux-pp")
     try:
-        if case == "autodist.plan":
-            autodist.plan(model, _loader(), **options)
-        else:
-            model, loader = autodist.parallelize(model, _loader(), **options)
-            (x,) = next(iter(loader))
-            model(input_ids=x, labels=x)  # the load-balancing loss from every block's router logits: not under pp
+        model, loader = autodist.parallelize(model, _loader(), **options)
+        (x,) = next(iter(loader))
+        model(input_ids=x, labels=x)  # the load-balancing loss from every block's router logits: not under pp
     except (ValueError, NotImplementedError) as err:
         return str(err)
     return "not refused"
@@ -544,8 +540,6 @@ def _refused(case: str) -> str:
     ("uneven", "holds 3 experts, which do not split evenly over 2 ranks"),
     ("plain", "has none"),
     ("aux-pp", "load-balancing loss, computed from every block's router logits, is not built with pp"),
-    ("plan", "plan= does not search expert parallelism yet"),
-    ("autodist.plan", "plan= does not search expert parallelism yet"),
 ])
 def test_what_ep_cannot_do_is_named(ranks, case, words):
     for said in ranks(2, _refused, case):

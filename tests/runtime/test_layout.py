@@ -1,7 +1,7 @@
 """``autodist.Layout``: the object a plan chooses, written by hand. ``parallelize(model, loader, layout=...)`` is the
 same training as the keywords it stands for (float64, one process the reference); a keyword beside it that
 disagrees, a ``dp`` that does not make the world, and bad values are named; a plan saved before the layout had
-``pp``, ``cp`` and ``precision`` still loads."""
+``pp``, ``cp``, ``precision`` and ``ep`` still loads."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,9 @@ def test_a_layout_fills_its_data_parallel_ranks_from_the_world():
     assert str(layout.for_world(8)) == "dp=4 x mp=2, shard='parameters', precision='bf16'"
     assert str(Layout(dp=1, cp=2, pp=2, checkpoint=True)) == "dp=1 x cp=2 x pp=2 x mp=1, shard=None, checkpoint=True"
     assert layout.options() == {"mp": 2, "pp": 1, "cp": 1, "shard": "parameters", "checkpoint": False,
-                                "mixed_precision": "bf16"}
+                                "mixed_precision": "bf16", "ep": 1}
+    assert str(Layout(ep=2).for_world(4)) == "dp=4 x mp=1, shard=None, ep=2"
+    assert Layout.of(None, {"ep": 2}) == Layout(ep=2) and Layout(ep=2).written() == "Layout(ep=2)"
     assert Layout.of(None, {"mp": 2, "mixed_precision": "bfloat16"}) == Layout(mp=2, precision="bf16")
     assert Layout.of(layout, {"mp": 2, "shard": None}) is layout  # a keyword at its default says nothing
 
@@ -36,6 +38,8 @@ def test_a_layout_fills_its_data_parallel_ranks_from_the_world():
     (lambda: Layout(precision="fp8"), r"mixed_precision \(a Layout's precision\) must be 'bf16', 'fp16'"),
     (lambda: Layout(mp=2).for_world(3), "does not make the world's 3 ranks: launch a multiple of 2 ranks"),
     (lambda: Layout(dp=2, pp=2).for_world(8), "does not make the world's 8 ranks: launch 4 ranks"),
+    (lambda: Layout(ep=3).for_world(4), r"ep=3 does not divide its dp=4 data-parallel ranks .* \[1, 2, 4\]"),
+    (lambda: Layout(ep=0), "Layout's ep must be a positive int, got 0"),
     (lambda: Layout.of(Layout(mp=2), {"mp": 4}), r"mp=4 given beside layout=Layout\(mp=2\), which says mp=2"),
     (lambda: Layout.of({"mp": 2}, {}), "layout must be an autodist.Layout, got dict"),
 ])
