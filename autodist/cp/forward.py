@@ -276,8 +276,12 @@ class Context:
         self.mode.__enter__()
 
     def _first_runs(self, x: torch.Tensor) -> None:
-        """The masks and rows of the micro-batch running now, kept for a block run again on ``x`` in backward."""
-        key, runs = _storage_of(x), self.first_runs
+        """The masks and rows of the micro-batch running now, kept for a block run again on ``x`` in backward (none
+        for a block another pipeline stage runs: its input here holds no values, and reading where raises)."""
+        try:
+            key, runs = _storage_of(x), self.first_runs
+        except RuntimeError:
+            return
 
         def gone(ref: weakref.ref) -> None:  # its entry only: a later tensor may have taken the same storage
             if runs.get(key, (None,))[0] is ref:

@@ -2,8 +2,7 @@
 ``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe, exact at any
 count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that splits nothing,
 sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on a model without attention calls
-or data that is not a DataLoader; ``cp`` with ``pp``, which the memory and time models do not cover, one row that
-says so). A model with experts adds each ``ep`` dividing ``dp`` (with ``mp`` or ``pp``: one row that says they are
+or data that is not a DataLoader). A model with experts adds each ``ep`` dividing ``dp`` (with ``mp`` or ``pp``: one row that says they are
 not modelled). Dimensions the user pins are kept as given, and so is the precision (``mixed_precision=``), which every
 candidate computes in.
 
@@ -32,9 +31,6 @@ def _why_not(layout: Layout, profile: Profile) -> str:
         return f"cp={layout.cp} was not read from the model (pass autodist.Auto(cp=True) or cp= to the plan)"
     if layout.cp > 1 and profile.contexts[layout.cp].impossible:
         return profile.contexts[layout.cp].impossible
-    if layout.cp > 1 and layout.pp > 1:
-        return (f"cp={layout.cp} with pp={layout.pp} is not modelled by the planner: give "
-                f"layout=autodist.Layout(cp={layout.cp}, pp={layout.pp}, ...) to parallelize without plan=")
     if layout.mp > 1 and profile.splits[layout.mp].impossible:
         return profile.splits[layout.mp].impossible
     if layout.pp > 1 and len(profile.blocks) < layout.pp:
@@ -71,8 +67,7 @@ def candidates(world_size: int, profile: Profile, pinned: dict[str, Any],
                                     ep=ep)
                     if any(getattr(layout, key) != value for key, value in pinned.items()):
                         continue
-                    if (shard, checkpoint) != (None, False) and ((cp > 1 and pp > 1 and "cp" not in pinned) or (
-                            ep > 1 and cp * mp * pp > 1 and "ep" not in pinned)):
+                    if (shard, checkpoint) != (None, False) and ep > 1 and cp * mp * pp > 1 and "ep" not in pinned:
                         continue  # not modelled: one row says so
                     why = _why_not(layout, profile)
                     counts = [None] if pp == 1 or why else [microbatches] if microbatches else [2 * pp, 4 * pp]

@@ -73,12 +73,15 @@ def predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_m
     ``one_f_one_b``: its schedule, else GPipe's). With ``cp``,
     a rank holds ``1/cp`` of each row's tokens and keeps the whole sequence's keys and values its attention
     gathered: the data-parallel layout over ``dp x cp`` ranks at ``rows / cp`` rows, plus the gathered part of them,
-    and at the peak what one attention call holds for a moment in backward (:mod:`~autodist.planner.context`)."""
+    and at the peak what one attention call holds for a moment in backward (:mod:`~autodist.planner.context`); with
+    ``pp`` too, the fullest stage's share of the attention calls (its blocks'), GPipe's micro-batches all kept."""
     if layout.cp > 1:
         kinds, peak = predict(flat(layout), profile, rows / layout.cp, states, bucket_mb, mp_buffers, microbatches)
         context = profile.contexts[layout.cp]
-        gathered = context.kept_per_row * rows * (1 - 1 / layout.cp) / layout.mp
-        moment = context.transient_per_row * rows / layout.mp
+        # with pp, the fullest stage's share of the attention calls, and a call holds one micro-batch's for a moment
+        share, one = profile.attention_share(layout.pp), pieces(layout.pp, rows / layout.cp, microbatches)
+        gathered = context.kept_per_row * rows * (1 - 1 / layout.cp) / layout.mp * share
+        moment = context.transient_per_row * rows / layout.mp / (one if layout.pp > 1 else 1)
         return {**kinds, "activations": kinds["activations"] + gathered}, peak + gathered + moment
     if layout.pp == 1 or profile.block_measures is None:
         return _predict(layout, profile, rows, states, bucket_mb, mp_buffers, None)

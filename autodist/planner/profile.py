@@ -109,6 +109,14 @@ class Profile:
             return self.placed[ep]
         return self.peak, self.kept, self.checkpoint_peak, self.checkpoint_kept
 
+    def attention_share(self, pp: int) -> float:
+        """The share of the model's attention calls the fullest of ``pp`` stages makes: its blocks' share of them (1
+        without stages)."""
+        if pp == 1 or pp not in self.cuts:
+            return 1.0
+        bounds = self.cuts[pp]
+        return max(hi - lo for lo, hi in zip(bounds, bounds[1:])) / max(1, bounds[-1] - bounds[0])
+
     def stage_fraction(self, stage: Stage) -> float:
         """The share of the model's parameter bytes a rank of ``stage`` holds: every parameter outside the
         blocks (each stage keeps them) and its blocks'."""

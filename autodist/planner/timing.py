@@ -40,6 +40,10 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
     if layout.cp > 1:
         context = profile.contexts[layout.cp]
         exchange = 2 * context.calls * profile.latency + context.sent_per_row * rows / layout.mp / profile.bandwidth
+        if layout.pp > 1:  # each stage its own calls, each micro-batch's apart: the slowest stage's, stretched
+            m = pieces(layout.pp, rows / layout.cp, microbatches)
+            exchange = profile.attention_share(layout.pp) * (exchange + 2 * context.calls * profile.latency * (m - 1))
+            exchange *= stretch(layout.pp, rows / layout.cp, microbatches)
         return seconds(flat(layout), profile, rows / layout.cp, bucket_mb, microbatches) + exchange
     dp, mp = layout.dp, layout.mp
     split = profile.splits[mp] if mp > 1 else None

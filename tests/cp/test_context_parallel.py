@@ -24,9 +24,9 @@ ATOL = 1e-10
 STEPS = 20
 
 
-def _gpt(length: int) -> GPT:
+def _gpt(length: int, layers: int = 2) -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(block_size=max(length, 8), vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0,
+    config = GPTConfig(block_size=max(length, 8), vocab_size=32, n_layer=layers, n_head=2, n_embd=16, dropout=0.0,
                        bias=True)
     return GPT(config).double()
 
