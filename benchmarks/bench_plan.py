@@ -11,7 +11,9 @@ What it measures
     * ``cnn``: a stem and 4 residual blocks of 3x3 convolutions (64 channels) on 32x32 images, a Linear
       head, a global batch of 32;
     * ``tight``: the mlp under a memory budget of ``--tight-gb`` per rank, which its replicated layout does
-      not fit (the plan must say so and pick one that does).
+      not fit (the plan must say so and pick one that does);
+    * ``moe``: a Hugging Face Mixtral, 2 layers of width ``--moe-width`` (128), 8 experts of twice that, top-2,
+      64 tokens, a global batch of 16: expert parallelism's case (``ep`` among the candidates).
 
     First ``autodist.plan`` (timed: the search, its progress lines, its table). Then the ground truth: every
     layout the plan found fitting is built on a copy of the same model (``parallelize`` with its options)
@@ -25,7 +27,7 @@ What it measures
     ``--billion-steps`` steps.
 
 How to run
-    python benchmarks/bench_plan.py                       # 2 ranks, all five models, a few minutes on 2 cores
+    python benchmarks/bench_plan.py                       # 2 ranks, all six models, a few minutes on 2 cores
     python benchmarks/bench_plan.py --ranks 4
     python benchmarks/bench_plan.py --models gpt,tight
     python benchmarks/bench_plan.py --billion             # 2 ranks, about 20 GB of memory
@@ -49,7 +51,7 @@ import autodist
 from autodist.mp import observe
 from autodist.planner import trial
 
-MODELS = ["mlp", "gpt", "long", "cnn", "tight"]
+MODELS = ["mlp", "gpt", "long", "cnn", "tight", "moe"]
 
 
 class ConvBlock(nn.Module):
@@ -77,6 +79,16 @@ def mlp(width: int, layers: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
 
 
+def mixtral(width: int) -> nn.Module:
+    import transformers  # only this model needs it
+
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=width, intermediate_size=2 * width,
+                                        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        attn_implementation="eager", use_cache=False, experts_implementation="eager")
+    return transformers.MixtralForCausalLM(config)
+
+
 def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, DataLoader, autodist.Auto]:
     """The model (seeded alike on every rank), its data and the plan's settings."""
     torch.manual_seed(0)
@@ -93,6 +105,10 @@ def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, DataLoader, a
         model = GPT(vocab=256, width=args.gpt_width // 2, heads=4, layers=4, seq=args.long_seq)
         data = TensorDataset(torch.randint(0, 256, (4 * args.long_batch, args.long_seq), generator=g))
         batch = args.long_batch
+    elif name == "moe":
+        model = mixtral(args.moe_width)
+        data = TensorDataset(torch.randint(0, 256, (4 * args.moe_batch, 64), generator=g))
+        batch = args.moe_batch
     else:
         model = CNN(args.cnn_channels)
         data = TensorDataset(torch.randn(4 * args.cnn_batch, 3, 32, 32, generator=g))
@@ -204,12 +220,14 @@ def main() -> int:
     parser.add_argument("--cnn-channels", type=int, default=64)
     parser.add_argument("--cnn-batch", type=int, default=32)
     parser.add_argument("--tight-gb", type=float, default=0.12, help="the budget per rank of the 'tight' model")
+    parser.add_argument("--moe-width", type=int, default=128, help="the moe model's width")
+    parser.add_argument("--moe-batch", type=int, default=16)
     parser.add_argument("--billion", action="store_true", help="plan and train the 0.94 B-parameter MLP")
     parser.add_argument("--billion-batch", type=int, default=8)
     parser.add_argument("--billion-steps", type=int, default=2)
     args = parser.parse(quick={"steps": 1, "rounds": 2, "warmup": 1, "width": 128, "mlp_batch": 16,
                                "gpt_width": 64, "gpt_batch": 8, "long_seq": 128, "cnn_channels": 8, "cnn_batch": 8,
-                               "tight_gb": 0.0022, "billion_steps": 1})
+                               "tight_gb": 0.0022, "billion_steps": 1, "moe_width": 32, "moe_batch": 8})
     return harness.run(parser, args, worker)
 
 

@@ -47,10 +47,10 @@ def activations(layout: Layout, profile: Profile, rows: float, kept: bool = Fals
             peak = kept_whole + (peak - kept_whole) * (1 - profile.split_kept[layout.mp](rows) * (1 - 1 / layout.mp)
                                                        / whole)
         grads *= profile.splits[layout.mp].param_bytes / profile.param_bytes if profile.param_bytes else 1.0
-    if layout.ep > 1:  # the tokens' exchange: the pairs sent, and their outputs back
+    if layout.ep > 1:  # the tokens' exchange, its buffers forward and backward
         if layout.ep not in profile.placed:  # experts held as modules: measured as one process, all of them
             grads *= profile.per_rank(layout)[1] / profile.trainable_bytes if profile.trainable_bytes else 1.0
-        peak += profile.experts.sent.get(layout.ep, (0.0, 0.0))[0] * rows
+        peak += sum(profile.experts.sent.get(layout.ep, (0.0, 0.0))) * rows
     return max(peak + grads, 0.0)
 
 
