@@ -11,9 +11,11 @@ batch sizes, with and without the blocks checkpointed, extended to this layout's
 autograd keeps in the region it splits (:class:`~autodist.planner.profile.Profile`); with checkpointing the
 blocks' inputs, which it keeps, stay whole, and the rest (a block recomputed) is divided in that proportion.
 With ``pp`` stages each stage's share is predicted (:mod:`~autodist.planner.stages`: every micro-batch's
-activations in flight under GPipe, at most ``pp - s`` under 1F1B) and the fullest stage's is the layout's. The peak is the larger of the forward/backward's (the state at rest, less whole gradients, which
-``zero_grad()`` frees, plus the activations' peak) and the optimizer step's (the state at rest plus the
-step's temporaries).
+activations in flight under GPipe, at most ``pp - s`` under 1F1B) and the fullest stage's is the layout's. Under
+``ep`` a rank holds ``1/ep`` of the experts, out of the buckets and never sharded, and its activations are measured
+with its experts computed as placed (:mod:`~autodist.planner.experts`). The peak is the larger of the
+forward/backward's (the state at rest, less whole gradients, which ``zero_grad()`` frees, plus the activations'
+peak) and the optimizer step's (the state at rest plus the step's temporaries).
 
 Example:
     >>> kinds, peak = predict(Layout(dp=2, mp=1, shard="optimizer"), profile, rows=32, states=2)
@@ -142,13 +144,13 @@ def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_
     # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
     # frees the activations, which the peak measured with them kept holds; sharded ones stay at rest
     between = at_rest - grads if whole else at_rest - placed_grads
-    if placed_grads and trainable:
-        gathered += (activations(layout, profile, rows, kept=True) - acts()) * placed_grads / trainable
+    made_again = (activations(layout, profile, rows, kept=True) - acts()) * placed_grads / trainable \
+        if placed_grads and trainable else 0.0
     # the step's temporaries: per byte stepped (foreach), or the largest tensor's, which mp and sharding cut alike
     transient = profile.step_transient * own + profile.step_transient_bytes * (
         own / profile.trainable_bytes if profile.trainable_bytes else 0.0)
     # a stage's gradients build up whole over its micro-batches' backwards, sharded or not, summed after the last
-    peak = max(between + acts(kept=whole or layout.pp > 1) + gathered, at_rest + transient)
+    peak = max(between + acts(kept=whole or layout.pp > 1) + gathered + made_again, at_rest + transient)
     return kinds, peak
 
 

@@ -433,6 +433,8 @@ def rows_within(peak_of: Callable[[int], float], rows: tuple[int, int], room: fl
     if first >= rows[1]:
         return rows
     measured.append((first + 1, peak_of(first + 1)))
+    if measured[1][1] != measured[1][1]:  # NaN: fails on a row more, not on fewer: measured on the share
+        return rows
     if float("inf") in (measured[0][1], measured[1][1]):
         raise ValueError(f"plan='auto' measures {name} on a rank before it predicts a layout, and a forward/backward "
                          f"of {measured[1][0]} rows of the batch ran out of the device's memory: no layout the plan "

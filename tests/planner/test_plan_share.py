@@ -70,3 +70,21 @@ def test_a_model_whose_share_does_not_fit_is_planned_within_the_budget(ranks):
         for r in finalists:
             assert abs(r.peak / r.measured_peak - 1) <= 0.10, (str(r.layout), r.peak, r.measured_peak)
         assert next(r for r in chosen.rows if r.status == "chosen").measured_peak <= _BUDGET_GB * 1e9
+
+
+def test_the_rows_measured_double_while_the_line_through_the_last_two_fits():
+    from autodist.planner.profile import rows_within
+
+    seen = []
+
+    def line(r: int) -> float:
+        seen.append(r)
+        return 5e8 + 5e7 * r
+
+    assert rows_within(line, (16, 32), room=1.5e9, name="GPT") == (4, 8) and seen == [1, 2, 4, 8]
+    assert rows_within(line, (16, 32), room=1e12, name="GPT") == (16, 32)  # it fits: the share, as always
+    batch_norm = rows_within(lambda r: float("nan") if r == 1 else 1e6 * r, (16, 32), room=1e7, name="BN")
+    assert batch_norm == (3, 6)  # one row fails: two and three first
+    assert rows_within(lambda r: 1e9, (16, 32), room=1e7, name="GPT") == (1, 2)  # the least it measures
+    with pytest.raises(ValueError, match="2 rows of the batch ran out of the device's memory"):
+        rows_within(lambda r: float("inf") if r > 1 else 1.0, (16, 32), room=1e7, name="GPT")
