@@ -33,8 +33,8 @@ class Auto:
             SGD with momentum, 0 for plain SGD. The trials step the matching torch optimizer.
         batch_size: rows of one global batch; default: the DataLoader's ``batch_size`` (required for other data).
         finalists: how many layouts are measured on a copy of the model, each the best modelled one of its
-            family (dp x mp x shard level): the best family of each mp degree first, then the families the
-            model ranks first (0: none, the model decides).
+            family (dp x cp x pp x mp x shard level x ep): the best family of each mp, pp, cp and ep degree first,
+            then the families the model ranks first (0: none, the model decides).
         steps: timed steps of each finalist, after two that make the optimizer's state and measure the peak;
             the median is its time.
         cp: search context parallelism too (``cp=K`` layouts, for a model whose forward makes attention calls;
