@@ -2,9 +2,9 @@
 ``shard`` level, x checkpointing the blocks or not, x with ``pp`` the micro-batches a step (GPipe, exact at any
 count: a smaller bubble against more sends); a layout that cannot be made says why (``mp`` that splits nothing,
 sharding over a single data-parallel rank, checkpointing without blocks, ``cp`` on a model without attention calls
-or data that is not a DataLoader). A model with experts adds each ``ep`` dividing ``dp`` (with ``mp`` or ``pp``: one row that says they are
-not modelled). Dimensions the user pins are kept as given, and so is the precision (``mixed_precision=``), which every
-candidate computes in.
+or data that is not a DataLoader). A model with experts adds each ``ep`` dividing ``dp`` (with ``mp`` or ``pp``: one
+row that says they are not modelled). Dimensions the user pins are kept as given, and so is the precision
+(``mixed_precision=``), which every candidate computes in.
 
 Example:
     >>> [str(r.layout) for r in candidates(2, profile, {"mp": 1}) if not r.impossible][:2]

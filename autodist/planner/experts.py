@@ -21,13 +21,10 @@ from torch import nn
 
 from autodist.ep import experts as ep_experts
 from autodist.ep import explain as ep_explain
+from autodist.planner.live import nbytes
 from autodist.planner.step import first_rows, untouched
 
 EXCHANGES = 7  # all-to-alls a layer of experts makes a step: 4 forward, 3 backward
-
-
-def _nbytes(params: Any) -> float:
-    return float(sum(p.numel() * p.element_size() for p in params))
 
 
 @dataclass
@@ -97,7 +94,7 @@ def read(model: nn.Module, example: Any, rows: int, degrees: list[int], batch_di
     if not found:
         return Experts()
     params = [p for _, module in found for p in module.parameters()]
-    result = Experts(_nbytes(params), _nbytes(p for p in params if p.requires_grad))
+    result = Experts(nbytes(params), nbytes(p for p in params if p.requires_grad))
     with untouched(model):
         for k in degrees:
             try:

@@ -53,5 +53,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def nbytes(tensors: Any) -> float:
+    """The bytes of ``tensors`` (any iterable of them)."""
+    return float(sum(t.numel() * t.element_size() for t in tensors))
+
+
 def _ptr(t: Any) -> int | None:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and not t.is_meta else None

@@ -144,7 +144,7 @@ def _predict(layout: Layout, profile: Profile, rows: float, states: int, bucket_
     # zero_grad() frees whole gradients (torch's default, set_to_none=True): backward makes them anew as it
     # frees the activations, which the peak measured with them kept holds; sharded ones stay at rest
     between = at_rest - grads if whole else at_rest - placed_grads
-    made_again = (activations(layout, profile, rows, kept=True) - acts()) * placed_grads / trainable \
+    made_again = (activations(layout, profile, rows, kept=True) - kinds["activations"]) * placed_grads / trainable \
         if placed_grads and trainable else 0.0
     # the step's temporaries: per byte stepped (foreach), or the largest tensor's, which mp and sharding cut alike
     transient = profile.step_transient * own + profile.step_transient_bytes * (

@@ -29,7 +29,7 @@ from autodist.dp.buckets import sum_dtype
 from autodist.mp import rewrite
 from autodist.planner.context import Context
 from autodist.planner.experts import Experts, as_placed
-from autodist.planner.live import LiveBytes
+from autodist.planner.live import LiveBytes, nbytes
 from autodist.planner.stages import Blocks, Stage, bounds_of, measure_blocks, refusal
 from autodist.planner.step import first_rows, loss_of, make_optimizer, untouched
 from autodist.runtime import tree
@@ -104,7 +104,8 @@ class Profile:
 
     def peaks(self, ep: int = 1) -> tuple[Line, Line, Line, Line]:
         """The peaks of a forward/backward (gradients dropped, kept; checkpointed, dropped and kept): one
-        process's, or with ``ep`` a rank's, its experts computed as placed (:func:`~autodist.planner.experts.as_placed`)."""
+        process's, or with ``ep`` a rank's, its experts computed as placed
+        (:func:`~autodist.planner.experts.as_placed`)."""
         if ep in self.placed:
             return self.placed[ep]
         return self.peak, self.kept, self.checkpoint_peak, self.checkpoint_kept
@@ -177,10 +178,6 @@ class Profile:
         if ep == 1:
             return 0.0, 0.0
         return self.experts.param_bytes / ep, self.experts.trainable_bytes / ep
-
-
-def nbytes(tensors: Any) -> float:
-    return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
 def summed_nbytes(params: Any) -> float:

@@ -226,8 +226,7 @@ def search(model: nn.Module, data: Any, auto: Auto, world: World, pinned: dict[s
                       sorted(placing.sent))
     profile.experts = placing
     if auto.cp or pinned.get("cp", 1) > 1:  # asked for: the code around the model must be per token
-        profile.contexts = context.contexts(model, first_rows(example, rows[0], batch_dim), rows[0],
-                                            [k for k in range(2, ranks + 1) if ranks % k == 0],
+        profile.contexts = context.contexts(model, first_rows(example, rows[0], batch_dim), rows[0], degrees,
                                             isinstance(data, DataLoader), batch_dim)
     one_f_one_b = options.get("loss_fn") is not None  # the loop's loss = model(x, target=y): pipelines run 1F1B
     if one_f_one_b and profile.contexts:

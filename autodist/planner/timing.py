@@ -6,8 +6,9 @@ the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather 
 same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
 gathered for forward and backward under ``shard="parameters"``, the model-parallel all-reduces of
 activations, and under ``ep`` the experts' sum over their replicas (out of the buckets) and each layer's exchange
-of the tokens (7 all-to-alls a step, the bytes the busiest rank sends). With ``pp`` stages the slowest stage's share of the work, stretched by the pipeline's bubble
-(smaller with more micro-batches), and a send between stages per step of the schedule (more with more). Communication is added to compute, not overlapped: on a
+of the tokens (7 all-to-alls a step, the bytes the busiest rank sends). With ``pp`` stages the slowest stage's
+share of the work, stretched by the pipeline's bubble (smaller with more micro-batches), and a send between stages
+per step of the schedule (more with more). Communication is added to compute, not overlapped: on a
 machine whose cores both compute and move the data that is the closer guess, and the finalists are measured
 anyway.
 

@@ -77,9 +77,10 @@ class Trial:
         # cp cuts the batches a DataLoader hands over: one is given (never read), and the rows cut as it would
         loader = DataLoader(range(_UNREAD), batch_size=_UNREAD) if layout.cp > 1 else None
         self.model, _ = setup(copy.deepcopy(model), loader, **{**(options or {}), **layout.options()})
-        self.x = share(batch, rank // (layout.mp * layout.pp * layout.cp), layout.dp, dim)
+        replica = rank // (layout.mp * layout.pp * layout.cp)
+        self.x = share(batch, replica, layout.dp, dim)
         # with loss_fn= the step is loss = model(x, target=y), as that loop runs it (under pp, 1F1B)
-        self.target = None if target is None else share(target, rank // (layout.mp * layout.pp), layout.dp, dim)
+        self.target = None if target is None else share(target, replica, layout.dp, dim)
         if layout.cp > 1:
             self.x = cp_forward.context_of(self.model).cut(self.x)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
