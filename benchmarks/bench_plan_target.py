@@ -2,14 +2,16 @@
 
 What it measures
     The nanoGPT-style decoder of ``bench_plan.py`` (4 layers of width ``--width``, 4 heads, 64 tokens, a global
-    batch of 16; float32, Adam). First, on 2 ranks, ``autodist.plan(..., target=autodist.Target(ranks=N,
-    speed=S))`` for each N of ``--worlds``: every layout of N ranks predicted (memory per rank, step time),
-    none tried. ``S`` says how fast a rank of that world computes against one here: N ranks on this machine's
-    C cores get min(C, N) / N of them each, against min(C, 2) / 2 for the 2 ranks that measured. Then, on N ranks,
-    ``autodist.plan`` with every fitting layout a finalist (measured on a copy of the model, interleaved, the
-    slowest rank's median step and its peak). Per world: each measured layout's predicted and measured peak
-    and step, their errors, and whether the predicted pick is the measured fastest (goals: peak within 10%,
-    step within 20%).
+    batch of 16; float32, Adam). First each world of ``--worlds`` is launched: ``autodist.plan`` with every
+    fitting layout a finalist (measured on a copy of the model, interleaved, the slowest rank's median step and its
+    peak), and that world's link measured as the planner measures one (an all-reduce's latency and bandwidth).
+    Then, on 2 ranks, ``autodist.plan(..., target=autodist.Target(ranks=N, speed=S))`` for each N: every layout
+    of N ranks predicted (memory per rank, step time), none tried, twice: with the link carried from the 2 ranks
+    (scaled by ``S``), and with the link measured in that world given (``link_gbps``, ``latency_us``), as a user
+    sizing a cluster gives theirs. ``S`` says how fast a rank of that world computes against one here: N ranks
+    on this machine's C cores get min(C, N) / N of them each, against min(C, 2) / 2 for the 2 ranks that
+    measured. Per world and link: each measured layout's predicted and measured peak and step, their errors, and
+    whether the predicted pick is the measured fastest (goals: peak within 10%, step within 20%).
 
 How to run
     python benchmarks/bench_plan_target.py                 # predicts 3 and 4 ranks from 2, then measures them
@@ -19,6 +21,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -45,42 +48,60 @@ def speed(ranks: int, cores: int | None = None) -> float:
     return (min(cores, ranks) / ranks) / (min(cores, 2) / 2)
 
 
+def _link(out: pathlib.Path) -> None:
+    """This world's link, as a user sizing a cluster knows theirs (an all-reduce benchmark): one hop's latency and
+    the ring's bandwidth, measured as the planner measures the world it runs in."""
+    from autodist.planner.profile import link_time
+    latency, bandwidth, _ = link_time(torch.device("cpu"))
+    ranks = autodist.world_size()
+    if autodist.rank() == 0:
+        (out / f"link-{ranks}.json").write_text(json.dumps(
+            {"latency_us": 1e6 * latency / (2 * (ranks - 1)), "link_gbps": bandwidth / 1e9}))
+
+
 def worker(args) -> None:
     out = pathlib.Path(args.out)
     model, data = _model_and_data(args)
     if args.predict:
         for ranks in args.worlds:
-            plan = autodist.plan(model, data, target=autodist.Target(ranks=ranks, speed=speed(ranks)))
-            if autodist.rank() == 0:
-                (out / f"predicted-{ranks}.json").write_text(plan.to_json())
+            link = json.loads((out / f"link-{ranks}.json").read_text())
+            for kind, target in (("carried", autodist.Target(ranks=ranks, speed=speed(ranks))),
+                                 ("given", autodist.Target(ranks=ranks, speed=speed(ranks), **link))):
+                plan = autodist.plan(model, data, target=target)
+                if autodist.rank() == 0:
+                    (out / f"predicted-{kind}-{ranks}.json").write_text(plan.to_json())
         return
     auto = autodist.Auto(finalists=64, steps=args.steps)  # every fitting layout measured
     plan = autodist.plan(model, data, auto)
+    _link(out)  # after the plan, which joined the process group
     if autodist.rank() == 0:
         (out / f"measured-{autodist.world_size()}.json").write_text(plan.to_json())
 
 
 def _report(out: pathlib.Path, ranks: int) -> None:
-    predicted = autodist.ParallelPlan.from_json((out / f"predicted-{ranks}.json").read_text())
     measured = autodist.ParallelPlan.from_json((out / f"measured-{ranks}.json").read_text())
-    by_layout = {r.label: r for r in predicted.rows}  # with pp, each count of micro-batches a layout of its own
+    link = json.loads((out / f"link-{ranks}.json").read_text())
     rows = [r for r in measured.rows if r.measured_seconds is not None]
     fastest = min(rows, key=lambda r: r.measured_seconds)
-    print(f"\n== {ranks} ranks, predicted from 2 (speed {speed(ranks):.2f}): predicted pick {predicted.layout}; "
-          f"measured fastest {fastest.layout} ==")
-    peaks, times = [], []
-    for r in rows:
-        guess = by_layout[r.label]
-        peaks.append(guess.peak / r.measured_peak - 1)
-        times.append(guess.seconds / r.measured_seconds - 1)
-        print(f"  {r.label:<62} peak {guess.peak / 1e6:7.1f} / {r.measured_peak / 1e6:7.1f} MB "
-              f"({100 * peaks[-1]:+5.1f}%)  step {1e3 * guess.seconds:7.1f} / {1e3 * r.measured_seconds:7.1f} ms "
-              f"({100 * times[-1]:+4.0f}%)")
-    pick = next(r for r in predicted.rows if r.status == "chosen").label
-    chosen = next((r for r in rows if r.label == pick), None)
-    ratio = f"x{chosen.measured_seconds / fastest.measured_seconds:.2f} the fastest" if chosen else "not measured"
-    print(f"{ranks} ranks: worst peak error {100 * max(peaks, key=abs):+.1f}% (goal within 10%), worst step error "
-          f"{100 * max(times, key=abs):+.0f}% (goal within 20%), the predicted pick {ratio}")
+    print(f"\n== {ranks} ranks, predicted from 2 (speed {speed(ranks):.2f}); measured fastest {fastest.layout}; "
+          f"the link measured there: {link['latency_us']:.0f} us a hop, {link['link_gbps']:.2f} GB/s ==")
+    for kind, what in (("carried", "the link carried from 2 ranks"), ("given", "the target's link given")):
+        predicted = autodist.ParallelPlan.from_json((out / f"predicted-{kind}-{ranks}.json").read_text())
+        by_layout = {r.label: r for r in predicted.rows}  # with pp, each count of micro-batches a layout of its own
+        print(f"  -- {what}: predicted pick {predicted.layout}")
+        peaks, times = [], []
+        for r in rows:
+            guess = by_layout[r.label]
+            peaks.append(guess.peak / r.measured_peak - 1)
+            times.append(guess.seconds / r.measured_seconds - 1)
+            print(f"  {r.label:<62} peak {guess.peak / 1e6:7.1f} / {r.measured_peak / 1e6:7.1f} MB "
+                  f"({100 * peaks[-1]:+5.1f}%)  step {1e3 * guess.seconds:7.1f} / {1e3 * r.measured_seconds:7.1f} ms "
+                  f"({100 * times[-1]:+4.0f}%)")
+        pick = next(r for r in predicted.rows if r.status == "chosen").label
+        chosen = next((r for r in rows if r.label == pick), None)
+        ratio = f"x{chosen.measured_seconds / fastest.measured_seconds:.2f} the fastest" if chosen else "not measured"
+        print(f"{ranks} ranks, {what}: worst peak error {100 * max(peaks, key=abs):+.1f}% (goal within 10%), "
+              f"worst step error {100 * max(times, key=abs):+.0f}% (goal within 20%), the predicted pick {ratio}")
 
 
 def main() -> int:
@@ -97,11 +118,11 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as out:
         argv = [w for w in parser.forwarded(args) if not w.startswith("--out")] + [f"--out={out}"]
+        for ranks in args.worlds:  # first the worlds themselves: their links are given to the second prediction
+            if harness.torchrun(parser.script, ranks, argv) != 0:
+                return 1
         if harness.torchrun(parser.script, 2, [*argv, "--predict"]) != 0:
             return 1
-        for ranks in args.worlds:
-            if harness.torchrun(parser.script, ranks, [w for w in argv if w != "--predict"]) != 0:
-                return 1
         for ranks in args.worlds:
             _report(pathlib.Path(out), ranks)
     return 0

@@ -81,6 +81,7 @@ class Row:
     peak: float = 0.0  # predicted bytes per rank at the step's peak
     measured_peak: float | None = None
     seconds: float | None = None  # modelled time per step
+    linked: float | None = None  # of the modelled time, the collectives' and sends' (the link's part)
     measured_seconds: float | None = None
     measured_memory: dict[str, float] = field(default_factory=dict)  # autodist.memory of the trial, at rest
     impossible: str = ""  # why this layout cannot be made ("" where it can)

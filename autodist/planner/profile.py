@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -33,7 +34,7 @@ from autodist.planner.live import LiveBytes, nbytes
 from autodist.planner.stages import Blocks, Stage, bounds_of, measure_blocks, refusal
 from autodist.planner.step import first_rows, loss_of, make_optimizer, untouched
 from autodist.runtime import tree
-from autodist.runtime.comm import carrier
+from autodist.runtime.comm import carrier, reduce_scatter_single
 from autodist.sharded import blocks as sharded_blocks
 from autodist.sharded import recompute
 
@@ -96,6 +97,7 @@ class Profile:
     widened: float = 1.0  # bytes the ranks sum per byte of trainable parameters (2: bfloat16 summed in float32)
     block_measures: Blocks | None = None  # each block's bytes and time, for pp's stages (None: no pp possible)
     send_latency: float = 0.0  # seconds of a small send from one rank to another
+    scatter_share: float = 0.5  # a reduce-scatter's time over an all-reduce's of the same bytes (gloo's: about 1)
     cuts: dict[int, list[int]] = field(default_factory=dict)  # by pp: where each stage begins, and the end
     cut_refusals: dict[int, str] = field(default_factory=dict)  # by pp: why that cut cannot run ("" where it can)
     contexts: dict[int, Context] = field(default_factory=dict)  # by cp: what it sends and keeps (none: no attention)
@@ -353,24 +355,37 @@ def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float, float]
     return per_byte, 0.0, largest
 
 
-def _all_reduce_time(device: torch.device) -> tuple[float, float]:
-    """Latency and ring bandwidth of the default group's all-reduce (every rank calls this)."""
+def _timed(call: Callable[[], Any], repeats: int) -> float:
+    """The median seconds of ``call()``, a collective, each call after a barrier (one slow call, a core taken by
+    something else, moves a minimum or a mean; a step meets the typical call)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def link_time(device: torch.device, repeats: int = 9) -> tuple[float, float, float]:
+    """Latency and ring bandwidth of the default group's all-reduce, and a reduce-scatter's time over an
+    all-reduce's of the same bytes (a ring's: 1/2; gloo's, which sends what an all-reduce sends: about 1); the
+    slowest rank's (every rank calls this)."""
     size = dist.get_world_size() if dist.is_initialized() else 1
     if size < 2:
-        return 0.0, float("inf")
-    out = []
-    for nbytes in (1 << 10, 4 << 20):
-        t = torch.zeros(nbytes // 4, device=device)
-        dist.all_reduce(t)
-        best = float("inf")
-        for _ in range(3):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            best = min(best, time.perf_counter() - start)
-        out.append(best)
-    moved = 2 * (size - 1) / size * ((4 << 20) - (1 << 10))
-    return out[0], moved / max(1e-9, out[1] - out[0])
+        return 0.0, float("inf"), 0.5
+    large = 4 << 20
+    small = torch.zeros(256, device=device)
+    part = torch.zeros(large // 4 // size, device=device)
+    whole = torch.zeros(part.numel() * size, device=device)
+    times = [_timed(lambda: dist.all_reduce(small), repeats), _timed(lambda: dist.all_reduce(whole), repeats),
+             _timed(lambda: reduce_scatter_single(part, whole), repeats)]
+    agreed = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    latency, reduced, scattered = agreed.tolist()
+    moved = 2 * (size - 1) / size * (whole.numel() - small.numel()) * 4
+    return latency, moved / max(1e-9, reduced - latency), min(1.0, max(0.25, scattered / reduced))
 
 
 def _send_time(device: torch.device) -> float:
@@ -502,7 +517,7 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         rows_in = {n: v / rows[0] for n, v in measured[0]["rows_in"].items()}
         splits = {k: _split(explained[k], k, rows_in, total, element, moved) for k in mps}
     step, transient, transient_bytes = _optimizer_step(model, states)
-    latency, bandwidth = _all_reduce_time(device)
+    latency, bandwidth, scatter_share = link_time(device)
     send = _send_time(device)
     (r1, m1), (r2, m2) = zip(rows, measured)
 
@@ -517,5 +532,6 @@ def measure(model: nn.Module, example: Any, rows: tuple[int, int], world_size: i
         split_kept={k: Line.through(r1, m1["split"][k], r2, m2["split"][k]) for k in mps},
         forward=line("forward"), backward=line("backward"), recompute=line("recompute"), step_per_byte=step,
         step_transient=transient, step_transient_bytes=transient_bytes, latency=latency, bandwidth=bandwidth,
+        scatter_share=scatter_share,
         widened=summed / trainable if trainable else 1.0, block_measures=pipelined, send_latency=send, cuts=cuts,
         cut_refusals=refused, placed=placed)  # type: ignore[arg-type]

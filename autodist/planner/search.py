@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget:
              world_size: int, here: bool = True, one_f_one_b: bool = False) -> None:
     """Each row's memory, peak and time; ``here``: the world this process is in (its model-parallel buffers
     already made count), else a :class:`Target`; ``one_f_one_b``: pipelines run 1F1B (``loss_fn=``)."""
+    unlinked = replace(profile, latency=0.0, bandwidth=float("inf"), send_latency=0.0)  # the step without the link
     for row in rows:
         if row.impossible:
             row.status = f"not possible: {row.impossible}"
@@ -63,6 +64,7 @@ def _predict(rows: list[Row], profile: Profile, batch: int, states: int, budget:
         if row.layout.pp > 1:
             row.stages = counts(profile.cuts[row.layout.pp])
         row.seconds = timing.seconds(row.layout, profile, per_rank, bucket_mb, row.microbatches)
+        row.linked = row.seconds - timing.seconds(row.layout, unlinked, per_rank, bucket_mb, row.microbatches)
         if row.peak > budget:
             row.status = f"does not fit: needs {size_text(row.peak)} > budget {size_text(budget)}"
 
@@ -150,24 +152,31 @@ def _family(layout: Any, checkpoint: bool = True) -> tuple:
 
 
 def calibrate(rows: list[Row], here: list[Row]) -> int:
-    """Each row's modelled time times measured over modelled of the layouts measured here of its family (the
-    closest one: the same shard level, split or not, staged or not, recomputing or not; else all of them, their
-    median); the number of layouts measured here it went by."""
-    measured = [r for r in here if r.measured_seconds is not None and r.seconds]
+    """Each row's modelled time, its step's own work (the time less the link's part) times measured over modelled
+    of that work in the layouts measured here of its family (the closest one: the same shard level, split or not,
+    staged or not, recomputing or not; else all of them; their median), and the link's part as modelled: what the
+    model misses is a step's own work (hooks, packing, Python), not the link's, so a slower link is not scaled by
+    it. The number of layouts measured here it went by."""
+    measured = [r for r in here if r.measured_seconds is not None and r.seconds and r.seconds > (r.linked or 0.0)]
+
+    def ratio(r: Row) -> float:  # the step's own work: measured over modelled (the link taken as modelled)
+        linked = r.linked or 0.0
+        return max(0.5, (r.measured_seconds - linked) / (r.seconds - linked))
+
     if not measured:
         return 0
-    overall = statistics.median(r.measured_seconds / r.seconds for r in measured)
+    overall = statistics.median(ratio(r) for r in measured)
     for row in rows:
         if row.seconds is None:
             continue
+        factor = overall
         for exact in (True, False):
-            same = [r.measured_seconds / r.seconds for r in measured
-                    if _family(r.layout, exact) == _family(row.layout, exact)]
+            same = [ratio(r) for r in measured if _family(r.layout, exact) == _family(row.layout, exact)]
             if same:
-                row.seconds *= statistics.median(same)
+                factor = statistics.median(same)
                 break
-        else:
-            row.seconds *= overall
+        linked = row.linked or 0.0
+        row.seconds = linked + (row.seconds - linked) * factor
     return len(measured)
 
 

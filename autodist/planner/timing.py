@@ -2,15 +2,15 @@
 backward measured at two batch sizes and extended to the layout's rows (``mp=K`` divides the split layers'
 share of the work; checkpointing adds what it was measured to add), the optimizer step on the bytes this
 rank updates, and the collectives at the measured latency and ring bandwidth of the world's all-reduce:
-the gradient all-reduce (``shard="gradients"``: a reduce-scatter and the gather of the updated parameters, the
-same bytes), the gather of updated parameters under ``shard="optimizer"``, the reduce-scatter and the blocks
-gathered for forward and backward under ``shard="parameters"``, the model-parallel all-reduces of
-activations, and under ``ep`` the experts' sum over their replicas (out of the buckets) and each layer's exchange
-of the tokens (7 all-to-alls a step, the bytes the busiest rank sends). With ``pp`` stages the slowest stage's
-share of the work, stretched by the pipeline's bubble (smaller with more micro-batches), and a send between stages
-per step of the schedule (more with more). Communication is added to compute, not overlapped: on a
-machine whose cores both compute and move the data that is the closer guess, and the finalists are measured
-anyway.
+the gradient all-reduce (``shard="gradients"``: a reduce-scatter, its time measured against the all-reduce's,
+and the gather of the updated parameters), the gather of updated parameters under ``shard="optimizer"``, the
+reduce-scatter and the blocks gathered for forward and backward under ``shard="parameters"``, the model-parallel
+all-reduces of activations, and under ``ep`` the experts' sum over their replicas (out of the buckets) and each
+layer's exchange of the tokens (7 all-to-alls a step, the bytes the busiest rank sends). With ``pp`` stages the
+slowest stage's share of the work, stretched by the pipeline's bubble (smaller with more micro-batches), and a
+send between stages per step of the schedule (more with more). Communication is added to compute, not
+overlapped: on a machine whose cores both compute and move the data that is the closer guess, and the finalists
+are measured anyway.
 
 Example:
     >>> seconds(Layout(dp=2, mp=1, shard=None), profile, rows=16, states=2)
@@ -73,13 +73,15 @@ def seconds(layout: Layout, profile: Profile, rows: float, bucket_mb: float = 25
     params, trainable = params - placed, trainable - placed_trainable
     buckets = max(1, int(trainable // (bucket_mb * 2 ** 20)) + 1)
     summed = trainable * profile.widened  # gradients travel in the dtype they are summed in (float32 for bf16)
-    comm = _ring(summed, dp, profile, buckets)  # all-reduce, or reduce-scatter + all-gather: the same bytes
+    comm = _ring(summed, dp, profile, buckets)  # the all-reduce
+    scatter = profile.scatter_share  # a reduce-scatter's share of the all-reduce's time (a ring's half; gloo's all)
     if layout.shard == "gradients" and dp > 1:
-        comm = _ring(summed, dp, profile, buckets) / 2 + _ring(trainable, dp, profile, buckets) / 2
+        comm = scatter * _ring(summed, dp, profile, buckets) + _ring(trainable, dp, profile, buckets) / 2
     if layout.shard == "optimizer" and dp > 1:
         comm += _ring(trainable, dp, profile, buckets) / 2  # the updated parameters gathered
     if layout.shard == "parameters" and dp > 1:  # a reduce-scatter, and every block gathered for forward and backward
-        comm = _ring(summed, dp, profile, buckets) / 2 + _ring(params, dp, profile, 2 * max(1, len(profile.blocks)))
+        gathers = 2 * max(1, len(profile.blocks))
+        comm = scatter * _ring(summed, dp, profile, buckets) + _ring(params, dp, profile, gathers)
     if split is not None:
         comm += _ring(split.sent_per_row * rows, mp, profile, split.collectives)
     if layout.ep > 1:  # the experts' replicas summed, and each layer's exchange of the tokens (all-to-alls)

@@ -1,7 +1,7 @@
 """A plan for a world that is not here (``autodist.plan(..., target=autodist.Target(...))``): every layout of that
 world predicted from this one's measures, none tried; its peaks within 10% of the ones measured when that world is
-launched (4 ranks from 2, measured on fresh processes; the step times' error is benchmarks/bench_plan_target.py's to report, not a test's); bad
-targets named."""
+launched (4 ranks from 2, measured on fresh processes; the step times' error is benchmarks/bench_plan_target.py's
+to report, not a test's); the calibration by the layouts measured here; bad targets named."""
 from __future__ import annotations
 
 import os
@@ -84,3 +84,19 @@ def test_bad_targets_are_named(call, words):
 if __name__ == "__main__":  # the 4 ranks measured, on fresh processes (fresh.py)
     autodist.init()
     fresh.write(sys.argv[1], autodist.rank(), _plan(None))
+
+
+def test_calibration_scales_the_step_s_own_work_and_leaves_the_link_as_modelled():
+    """Measured here, a layout took twice its modelled own work (18 ms against 2 ms of link and 8 of work): a
+    target's layout of the family whose modelled 100 ms are 90 of a slow link is predicted 90 + 2 x 10 = 110 ms, not
+    the 180 ms that scaling the whole step would make (the link measured or given is not what the model missed)."""
+    from autodist.planner.plan import Layout, Row
+    from autodist.planner.search import calibrate
+
+    here = [Row(Layout(dp=2), seconds=0.010, linked=0.002, measured_seconds=0.018)]
+    split_here = [Row(Layout(dp=1, mp=2), seconds=0.010, linked=0.004, measured_seconds=0.013)]
+    target = Row(Layout(dp=4), seconds=0.100, linked=0.090)
+    split = Row(Layout(dp=2, mp=2), seconds=0.050, linked=0.020)
+    assert calibrate([target, split], here + split_here) == 2
+    assert abs(target.seconds - 0.110) <= 1e-12  # dp's family: own work x (18 - 2) / (10 - 2)
+    assert abs(split.seconds - (0.020 + 0.030 * 1.5)) <= 1e-12  # mp's family: own work x (13 - 4) / (10 - 4)
