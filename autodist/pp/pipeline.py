@@ -32,12 +32,12 @@ from torch import nn
 
 from autodist.cp.forward import context_of
 from autodist.dp.grad_sync import state_of
-from autodist.dp.loss_reading import read
 from autodist.layers.split_grad import mark_grad, mark_split
 from autodist.pp import micro, schedule, wire
 from autodist.pp.cut import Cut
 from autodist.pp.hollow import hollow
 from autodist.pp.stub import Stub
+from autodist.pp.tokens import TokensPerSample
 from autodist.runtime import provenance
 from autodist.runtime.position import waiting
 from autodist.runtime.world import log
@@ -105,6 +105,7 @@ class Pipeline:
         self.peak = 0  # the last forward's most micro-batches held at once (activations kept for backward)
         self.unfinished = False  # loss_fn: a forward ran its backward, and its loss.backward() has not come
         self.warned: set[str] = set()
+        self.tokens = TokensPerSample()  # loss_fn: each micro-batch's valid tokens a sample (a loss over tokens)
         self.order = {name: i for i, (name, _) in enumerate(model.named_parameters())}  # the whole model's
         self.gathering = True  # state_dict() fills in the other stages' blocks
         self.units_over: Any = None  # loss_fn: the data-parallel group the loss's units are global over (ep)
@@ -295,23 +296,23 @@ class Pipeline:
                 raise ValueError("loss_fn returned a loss that does not depend on the model's parameters (no "
                                  "gradient reaches it)")
             if training and self.samples is None and "tokens" not in self.warned:
-                self._warn_if_over_tokens(out, flight.counts[m])
+                self.tokens.note(out, flight.counts[m])
         flight.outputs.append(out)
 
     @torch.compiler.disable
-    def _warn_if_over_tokens(self, loss: torch.Tensor, samples: float) -> None:
+    def _check_tokens(self) -> None:
         """1F1B runs each micro-batch's backward before the next one's loss exists, so it weights them by their
-        samples (or samples=): a loss that is a mean over valid tokens, some ignored (not as many in every
-        row), is said once, with the fix."""
-        reading = read([loss])
-        count = reading.count
-        if count is not None and reading.uneven():
+        samples (or samples=): a loss that is a mean over valid tokens whose count a sample differs over the step's
+        micro-batches and replicas is said once, with the fix (:mod:`autodist.pp.tokens`; every last stage's
+        rank calls this alike)."""
+        sync = state_of(self.model())
+        problem = self.tokens.settle(sync.group if sync is not None else None, self.device)
+        if problem is not None:
             self.warned.add("tokens")
-            log.warning("loss_fn's loss is a mean over %g valid tokens of this micro-batch's %g samples (labels at "
-                        "-100?), but pp with loss_fn (1F1B) weights each micro-batch by its samples, which is not "
-                        "the one-process mean over the batch's tokens: drop loss_fn (GPipe: the loss computed from "
-                        "model(x) in your loop, or by the model itself), where autodist weights by the tokens",
-                        count, samples)
+            log.warning("loss_fn's loss is a mean over valid tokens (labels at -100?) with %s, but pp with loss_fn "
+                        "(1F1B) weights each micro-batch by its samples, which is not the one-process mean over the "
+                        "batch's tokens: drop loss_fn (GPipe: the loss computed from model(x) in your loop, or by "
+                        "the model itself), where autodist weights by the tokens", problem)
 
     def _arrive(self, index: int) -> None:
         flight = self.flight
@@ -471,6 +472,8 @@ class Pipeline:
         """With ``loss_fn``: the batch's loss (the micro-batches' weighted by their counts) on every stage, whose
         backward has run already; the one ``loss.backward()`` after lets the data-parallel sync send."""
         loss = None
+        if self.last and training and self.samples is None and "tokens" not in self.warned:
+            self._check_tokens()
         if self.last:  # a stand-in's (no samples counted): its rows' mean, to log
             weights = [c / sum(flight.counts) for c in flight.counts] if sum(flight.counts) else \
                 [r / sum(flight.rows) for r in flight.rows]

@@ -518,3 +518,35 @@ def test_a_model_whose_own_code_uses_what_another_stage_holds_fails_by_name(case
                           text=True, timeout=120)
     last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
     assert proc.returncode == 1 and says in last, proc.stdout + proc.stderr
+
+
+def _token_warnings() -> dict:
+    """Hugging Face's GPT-2 under dp=2 x pp=2 with loss_fn (1F1B), one step on labels as they are (each row has
+    15 valid tokens: its labels shifted by one) and on labels where the batch's second half ignores 3 more: each
+    replica takes a half, so its micro-batches have as many valid tokens a sample as each other (15 on one
+    replica, 12 on the other) and only the replicas together differ."""
+    said = {}
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (8, 16), generator=g)
+    for case in ("as they are", "replicas differ"):
+        rows = []
+        for i, row in enumerate(ids):
+            labels = row.clone()
+            if case == "replicas differ" and i >= 4:
+                labels[:4] = -100  # the first label is never a target (shifted out): 3 fewer valid tokens
+            rows.append({"input_ids": row, "labels": labels})
+        model, loader = autodist.parallelize(_model("hf"), DataLoader(rows, batch_size=8), pp=2, microbatches=2,
+                                             loss_fn=LOSS_FNS["hf"])
+        with _logged() as lines:
+            for batch in loader:
+                _loss("hf", model, batch, in_forward=True).backward()
+        said[case] = [line for line in lines if "valid tokens" in line]
+    return said
+
+
+@pytest.mark.slow
+def test_1f1b_says_when_weighting_by_samples_is_not_the_mean_over_tokens(ranks):
+    said = ranks(4, _token_warnings)
+    assert not any(s["as they are"] for s in said), said  # as many valid tokens a sample everywhere: exact, silent
+    told = [line for s in said for line in s["replicas differ"]]
+    assert told and all("from 12 to 15 over this step's micro-batches and replicas" in line for line in told), said
