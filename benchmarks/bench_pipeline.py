@@ -535,15 +535,8 @@ def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
 
 def launch_slow_link(parser: harness.Parser, args: argparse.Namespace) -> int:
     """One rank on each of two hosts joined by a rate-limited link (``tests/cluster.py``); rank 0 prints."""
-    sys.path.insert(0, slow_link.TESTS)
-    from cluster import ClusterUnavailable, make_cluster
-
-    try:
-        cluster = make_cluster()
-    except ClusterUnavailable as error:
-        # --quick skips where the two hosts cannot be made, as bench_slow_link.py --quick does
-        print(f"bench_pipeline --slow-link{' --quick: skipped' if args.quick else ''}: network namespaces cannot be "
-              f"made on this machine, so there are no two hosts to run on: {error}", file=sys.stderr)
+    cluster = slow_link.two_hosts("bench_pipeline --slow-link", args.quick)
+    if cluster is None:
         return 0 if args.quick else 2
     with cluster:
         if args.rate != "none":

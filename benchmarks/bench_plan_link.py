@@ -91,15 +91,8 @@ def _report(out: pathlib.Path, rate: str) -> int:
 
 def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
     """The two hosts: every layout measured on the link as it is, then rate-limited; then the table."""
-    sys.path.insert(0, slow_link.TESTS)
-    from cluster import ClusterUnavailable, make_cluster
-
-    try:
-        cluster = make_cluster()
-    except ClusterUnavailable as error:
-        # --quick skips where the two hosts cannot be made, as bench_slow_link.py --quick does
-        print(f"bench_plan_link{' --quick: skipped' if args.quick else ''}: cannot make the two hosts: {error}",
-              file=sys.stderr)
+    cluster = slow_link.two_hosts("bench_plan_link", args.quick)
+    if cluster is None:
         return 0 if args.quick else 2
     with cluster, tempfile.TemporaryDirectory() as out:
         for phase in ("fast", "slow"):

@@ -190,17 +190,29 @@ def run_on_hosts(cluster: Any, script: str, options: list[str]) -> list[int]:
     return [p.wait() for p in procs]
 
 
-def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
-    """The two hosts, one rank on each through ``autodist run --nnodes 2``; then the table and the plot."""
+def two_hosts(name: str, quick: bool) -> Any:
+    """The two hosts of ``tests/cluster.py``, or None where this machine cannot make them (not root, no network
+    namespaces), said on stderr: a benchmark's ``--quick`` then skips, as the tests of ``tests/cluster.py`` do.
+
+    Example:
+        >>> cluster = two_hosts("bench_slow_link", args.quick)
+        >>> if cluster is None:
+        ...     return 0 if args.quick else 2
+    """
     sys.path.insert(0, TESTS)
     from cluster import ClusterUnavailable, make_cluster
 
     try:
-        cluster = make_cluster()
+        return make_cluster()
     except ClusterUnavailable as error:
-        # --quick where the benchmark cannot run (not root, no namespaces) skips, as the tests of tests/cluster.py do
-        print(f"bench_slow_link{' --quick: skipped' if args.quick else ''}: cannot make the two hosts: {error}",
-              file=sys.stderr)
+        print(f"{name}{' --quick: skipped' if quick else ''}: cannot make the two hosts: {error}", file=sys.stderr)
+        return None
+
+
+def launch(parser: harness.Parser, args: argparse.Namespace) -> int:
+    """The two hosts, one rank on each through ``autodist run --nnodes 2``; then the table and the plot."""
+    cluster = two_hosts("bench_slow_link", args.quick)
+    if cluster is None:
         return 0 if args.quick else 2
     with cluster:
         shown = args.out
