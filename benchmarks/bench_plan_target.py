@@ -14,7 +14,7 @@ What it measures
     whether the predicted pick is the measured fastest (goals: peak within 10%, step within 20%).
 
 How to run
-    python benchmarks/bench_plan_target.py                 # predicts 3 and 4 ranks from 2, then measures them
+    python benchmarks/bench_plan_target.py                 # measures 3 and 4 ranks, then predicts them from 2
     python benchmarks/bench_plan_target.py --worlds 4 --width 256
     python benchmarks/bench_plan_target.py --quick         # smoke run: a small model, few steps
 """

@@ -355,15 +355,21 @@ def _optimizer_step(model: nn.Module, states: int) -> tuple[float, float, float]
     return per_byte, 0.0, largest
 
 
-def _timed(call: Callable[[], Any], repeats: int) -> float:
+def _timed(call: Callable[[], Any], repeats: int, device: torch.device) -> float:
     """The median seconds of ``call()``, a collective, each call after a barrier (one slow call, a core taken by
     something else, moves a minimum or a mean; a step meets the typical call)."""
+    def done() -> None:  # NCCL's collectives return once queued: the time is the device's
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     call()
+    done()
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         call()
+        done()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -379,11 +385,14 @@ def link_time(device: torch.device, repeats: int = 9) -> tuple[float, float, flo
     small = torch.zeros(256, device=device)
     part = torch.zeros(large // 4 // size, device=device)
     whole = torch.zeros(part.numel() * size, device=device)
-    times = [_timed(lambda: dist.all_reduce(small), repeats), _timed(lambda: dist.all_reduce(whole), repeats)]
+    times = [_timed(lambda: dist.all_reduce(small), repeats, device),
+             _timed(lambda: dist.all_reduce(whole), repeats, device)]
     try:
-        times.append(_timed(lambda: reduce_scatter_single(part, whole), repeats))
+        reduce_scatter_single(part, whole)
+        scatters = True
     except (RuntimeError, NotImplementedError):  # a backend without it for this device (on every rank alike)
-        times.append(times[1])  # taken as an all-reduce
+        scatters = False
+    times.append(_timed(lambda: reduce_scatter_single(part, whole), repeats, device) if scatters else times[1])
     agreed = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     latency, reduced, scattered = agreed.tolist()

@@ -5,9 +5,9 @@ recomputation and optimizer step measured here, divided by ``speed``); its colle
 an all-reduce of ``n`` bytes over ``P`` ranks takes ``2 (P - 1) alpha + 2 (P - 1) / P x n / B``, with ``alpha`` the
 latency of one hop and ``B`` the link's bandwidth, either given or measured here (an all-reduce of a few bytes
 over this world's ``P0`` ranks is ``2 (P0 - 1)`` hops); a reduce-scatter takes the share of an all-reduce's time
-measured here beside it; a pipeline's send is one hop. A latency or bandwidth measured here is this machine's,
-whose cores run the collectives too: it is divided by ``speed`` alike (4 ranks sharing the 2 cores 2 ranks use
-here: ``speed=0.5``, the compute and the collectives twice as slow). Memory is
+measured here beside it (over a given link, a ring's: half); a pipeline's send is one hop. A latency or bandwidth
+measured here is this machine's, whose cores run the collectives too: it is divided by ``speed`` alike (4 ranks
+sharing the 2 cores 2 ranks use here: ``speed=0.5``, the compute and the collectives twice as slow). Memory is
 predicted per rank as for this world (:mod:`autodist.planner.memory`), against the target's memory per rank.
 What the model does not know: contention for links (ranks sharing a network), the network's shape (a ring's hops
 are taken alike), a GPU's kernels at other sizes (the forward's time is linear in the rows between the two
@@ -87,4 +87,4 @@ def carried(profile: Profile, target: Target, here: int) -> Profile:
         profile, forward=_scaled(profile.forward, slower), backward=_scaled(profile.backward, slower),
         recompute=_scaled(profile.recompute, slower), step_per_byte=profile.step_per_byte * slower,
         latency=2 * (target.ranks - 1) * (hop or 0.0), bandwidth=bandwidth, block_measures=blocks,
-        send_latency=hop or 0.0)
+        send_latency=hop or 0.0, scatter_share=0.5 if target.link_gbps is not None else profile.scatter_share)

@@ -34,6 +34,7 @@ class TokensPerSample:
         self.ratios: list[float] = []  # this step's micro-batches: valid tokens over samples
         self.uneven = False  # a micro-batch's loss ignored some of its targets (or weighted them)
 
+    @torch.compiler.disable  # it walks autograd's nodes (outside a compiled forward's graph, as it always ran)
     def note(self, loss: torch.Tensor, samples: float) -> None:
         """One micro-batch's loss (before its backward, which frees what the reading needs) and its samples."""
         reading = read([loss])
